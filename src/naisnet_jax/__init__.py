@@ -1,0 +1,1 @@
+"""NAIS-Net in JAX/Flax."""

@@ -1,0 +1,1 @@
+"""Stability verifier (importable as naisnet_jax.verify)."""
