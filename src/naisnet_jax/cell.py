@@ -1,0 +1,149 @@
+"""Pure single steps of NAIS blocks. No Flax, no loops.
+
+A fully connected NAIS block advances its state ``x`` (shape ``(batch, n)``) by
+
+    x_{k+1} = x_k + h * act(x_k @ A.T + drive),      drive = u @ B.T + b,
+
+and a convolutional one (``x`` of shape ``(batch, H, W, C)``) by
+
+    X_{k+1} = X_k + h * act(conv(X_k, C) + drive),   drive = conv(U, D) + E.
+
+The drive holds the block input's contribution and is computed once per block
+by the caller, not once per step. A step is one iteration; the loop belongs to
+the caller (see :mod:`naisnet_jax.unroll`), e.g. for a tied block::
+
+    step = functools.partial(fc_step, drive=drive, A=A, h=h)
+    x_K = unroll(step, x0, steps=K)
+
+With untied weights (per-step ``A(k)``, ``drive(k)``), the same step is used
+with the step's own parameters; ``unroll(..., xs=(As, drives))`` feeds them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "tanh": jnp.tanh,
+    "relu": jax.nn.relu,
+}
+
+
+def check_activation(activation: str) -> str:
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"activation={activation!r} is not supported; expected one of "
+            f"{sorted(ACTIVATIONS)}."
+        )
+    return activation
+
+
+def check_step_size(h: float) -> float:
+    """``h`` must lie in (0, 1]: the stability proofs need ``h <= 1``."""
+    if isinstance(h, (int, float)) and not (0.0 < h <= 1.0 and math.isfinite(h)):
+        raise ValueError(f"step size h={h!r} is outside (0, 1].")
+    return h
+
+
+def activation_slope(activation: str, z: Array) -> Array:
+    """Elementwise derivative ``act'(z)`` (ReLU's slope at 0 is taken as 0)."""
+    check_activation(activation)
+    if activation == "tanh":
+        return 1.0 - jnp.tanh(z) ** 2
+    return (z > 0).astype(z.dtype)
+
+
+def conv_same(x: Array, kernel: Array, *, stride: int = 1, precision=None) -> Array:
+    """Cross-correlation of NHWC ``x`` with an HWIO ``kernel``, SAME zero padding."""
+    return jax.lax.conv_general_dilated(
+        x,
+        kernel,
+        window_strides=(stride, stride),
+        padding="SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        precision=precision,
+    )
+
+
+def fc_step(
+    x: Array,
+    drive: Array,
+    A: Array,
+    *,
+    h: float = 1.0,
+    activation: str = "tanh",
+    precision=None,
+) -> Array:
+    """One fully connected NAIS step ``x + h * act(x @ A.T + drive)``.
+
+    Args:
+      x: state, shape ``(batch, n)``.
+      drive: precomputed input term ``u @ B.T + b``, broadcastable to ``x``.
+      A: state matrix, shape ``(n, n)``.
+      h: step size in (0, 1].
+      activation: ``"tanh"`` or ``"relu"``.
+    """
+    check_step_size(h)
+    act = ACTIVATIONS[check_activation(activation)]
+    if A.ndim != 2 or A.shape[0] != A.shape[1]:
+        raise ValueError(f"state matrix A must be square (n, n); got shape {A.shape}.")
+    if x.shape[-1] != A.shape[0]:
+        raise ValueError(
+            f"state x has {x.shape[-1]} features but A has shape {A.shape}."
+        )
+    return x + h * act(jnp.matmul(x, A.T, precision=precision) + drive)
+
+
+def conv_step(
+    x: Array,
+    drive: Array,
+    kernel: Array,
+    *,
+    h: float = 1.0,
+    activation: str = "tanh",
+    precision=None,
+) -> Array:
+    """One convolutional NAIS step ``X + h * act(conv(X, C) + drive)``.
+
+    Args:
+      x: state, shape ``(batch, H, W, C)``.
+      drive: precomputed input term ``conv(U, D) + E``, broadcastable to ``x``.
+      kernel: state kernel ``C``, HWIO ``(k, k, C, C)`` with odd ``k``;
+        stride 1 and SAME zero padding keep the state's shape.
+      h: step size in (0, 1].
+      activation: ``"tanh"`` or ``"relu"``.
+    """
+    check_step_size(h)
+    act = ACTIVATIONS[check_activation(activation)]
+    check_state_kernel_shape(kernel.shape)
+    if x.shape[-1] != kernel.shape[-1]:
+        raise ValueError(
+            f"state x has {x.shape[-1]} channels but the state kernel has shape "
+            f"{kernel.shape}."
+        )
+    return x + h * act(conv_same(x, kernel, precision=precision) + drive)
+
+
+def check_state_kernel_shape(shape: tuple[int, ...]) -> None:
+    """A state kernel is HWIO ``(k, k, C, C)`` with odd ``k`` (leading axes allowed)."""
+    if len(shape) < 4:
+        raise ValueError(f"state kernel must be HWIO (k, k, C, C); got shape {shape}.")
+    kh, kw, cin, cout = shape[-4:]
+    if kh != kw:
+        raise ValueError(f"state kernel filter must be square; got {kh}x{kw} (shape {shape}).")
+    if kh % 2 == 0:
+        raise ValueError(
+            f"state kernel filter size {kh} is even; an odd size (2p+1) is required "
+            f"so that the centre tap exists (shape {shape})."
+        )
+    if cin != cout:
+        raise ValueError(
+            f"state kernel must map C channels to C channels; got C_in={cin}, "
+            f"C_out={cout} (shape {shape})."
+        )

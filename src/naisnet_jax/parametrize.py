@@ -1,0 +1,70 @@
+"""Stable parametrisations of the state operators.
+
+Dense blocks store a factor ``R`` of shape ``(r, n)`` with ``r <= n`` and use
+
+    A = -R.T @ R - eps * I,
+
+which is symmetric negative definite with every eigenvalue in
+``[-(||R.T R||_2 + eps), -eps]``.
+
+Convolutional blocks store an HWIO kernel ``(k, k, C, C)`` and a vector
+``delta`` of shape ``(C,)``; the kernel used in the forward pass has the centre
+tap of each channel's own filter fixed at ``-1 - delta_c``, so those taps are
+governed by ``delta`` and never by the stored kernel.
+
+Both functions accept leading axes (one per unrolled step for untied weights).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from naisnet_jax.cell import check_state_kernel_shape
+
+Array = jax.Array
+
+
+def check_eps(eps: float) -> float:
+    if not (0.0 < float(eps) < 0.5):
+        raise ValueError(f"eps={eps!r} is outside (0, 0.5).")
+    return eps
+
+
+def fc_state_matrix(R: Array, eps: float) -> Array:
+    """``A = -R^T R - eps I`` for ``R`` of shape ``(..., r, n)``; returns ``(..., n, n)``."""
+    check_eps(eps)
+    if R.ndim < 2:
+        raise ValueError(f"R must have shape (..., r, n); got shape {R.shape}.")
+    n = R.shape[-1]
+    gram = jnp.einsum("...ri,...rj->...ij", R, R, precision=jax.lax.Precision.HIGHEST)
+    return -gram - eps * jnp.eye(n, dtype=R.dtype)
+
+
+def centre_mask(shape: tuple[int, ...], dtype=jnp.float32) -> Array:
+    """Mask of the taps ``[p, p, c, c]`` of an HWIO ``(k, k, C, C)`` kernel."""
+    check_state_kernel_shape(shape)
+    k, _, c, _ = shape[-4:]
+    p = (k - 1) // 2
+    mask = jnp.zeros((k, k, c, c), dtype).at[p, p].set(jnp.eye(c, dtype=dtype))
+    return jnp.broadcast_to(mask, shape)
+
+
+def conv_state_kernel(kernel: Array, delta: Array) -> Array:
+    """The state kernel with centre taps ``kernel[p, p, c, c] = -1 - delta[c]``.
+
+    ``kernel`` is ``(..., k, k, C, C)`` and ``delta`` is ``(..., C)`` with the
+    same leading axes. The result does not depend on the stored centre taps.
+    """
+    check_state_kernel_shape(kernel.shape)
+    c = kernel.shape[-1]
+    if delta.shape[-1:] != (c,) or delta.shape[:-1] != kernel.shape[:-4]:
+        raise ValueError(
+            f"delta must have shape {kernel.shape[:-4] + (c,)} to match the state "
+            f"kernel of shape {kernel.shape}; got {delta.shape}."
+        )
+    mask = centre_mask(kernel.shape, kernel.dtype)
+    # (..., C) -> (..., 1, 1, 1, C): broadcast over the tap axes; on the centre
+    # taps [p, p, c, c] the value for output channel c is -1 - delta[c].
+    centre = (-1.0 - delta)[..., None, None, None, :]
+    return kernel * (1 - mask) + centre * mask
