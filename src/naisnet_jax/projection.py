@@ -162,12 +162,24 @@ def _is_mapping(x) -> bool:
     return hasattr(x, "items") and not _is_leaf(x)
 
 
+def iter_state_blocks(params: Any, path: tuple[str, ...] = ()):
+    """Yield ``(path, node)`` for every NAIS block's parameter dict in a tree.
+
+    ``node`` holds ``"R"`` (dense block) or ``"state_kernel"`` (and maybe
+    ``"delta"``, conv block); ``path`` is the tuple of keys leading to it.
+    """
+    if not _is_mapping(params):
+        return
+    if FC_KEY in params or CONV_KERNEL_KEY in params:
+        yield path, params
+    for key, value in params.items():
+        if not _is_leaf(value):
+            yield from iter_state_blocks(value, path + (str(key),))
+
+
 def count_projected_blocks(params: Any) -> int:
     """Number of NAIS blocks :func:`project_params` would project."""
-    if _is_mapping(params):
-        own = int(FC_KEY in params or CONV_KERNEL_KEY in params)
-        return own + sum(count_projected_blocks(v) for v in params.values())
-    return 0
+    return sum(1 for _ in iter_state_blocks(params))
 
 
 class StabilityProjectionState(NamedTuple):

@@ -1,0 +1,41 @@
+"""Default config: the paper's FC NAIS-Net (one block, K = 30) on Fashion-MNIST.
+
+Every other config imports this one and overrides only what differs.
+"""
+
+import ml_collections
+
+
+def get_config():
+    config = ml_collections.ConfigDict()
+    # model
+    config.model = "naisnet_mnist"
+    config.model_kwargs = ml_collections.ConfigDict()  # extra keyword arguments of the model
+    config.eps = 0.01  # A = -R^T R - eps I; Algorithm 1's delta = 1 - 2 eps
+    config.eta = 0.5  # Algorithm 2: |delta_c| <= 1 - eta (only with learnable delta)
+    config.relaxed = False  # Algorithm 1 with delta = 2 (1 - eps)
+    config.h = 1.0  # step size, (0, 1]
+    config.adaptive_tol = ml_collections.FieldReference(None, field_type=float)  # stop each pattern when ||x_k - x_{k-1}|| < tol
+    config.max_steps = 100  # bound on the adaptive unroll
+    # data
+    config.dataset = "fashion_mnist_idx"
+    config.data_dir = ml_collections.FieldReference(None, field_type=str)  # dataset-specific default (see naisnet_jax.data.load_dataset)
+    config.limit_train = ml_collections.FieldReference(None, field_type=int)
+    config.limit_test = ml_collections.FieldReference(None, field_type=int)
+    config.augment = False
+    # optimisation (the paper: SGD, momentum 0.9, learning rate 0.1)
+    config.learning_rate = 0.1
+    config.momentum = 0.9
+    config.weight_decay = 0.0
+    config.lr_boundaries_epochs = []  # divide the learning rate by 10 at these epochs
+    config.lr_decay_factor = 0.1
+    config.batch_size = 128
+    config.eval_batch_size = 1000
+    config.num_epochs = 150
+    config.seed = 0
+    # bookkeeping
+    config.checkpoint_every_epochs = 1
+    config.keep_checkpoints = 3
+    config.steps_per_chunk = 50  # train steps per jitted scan (progress bar granularity)
+    config.progress = True
+    return config

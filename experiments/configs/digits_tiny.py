@@ -1,0 +1,15 @@
+"""A seconds-long run on scikit-learn's bundled 8x8 digits (tests, smoke runs)."""
+
+from experiments.configs import default
+
+
+def get_config():
+    config = default.get_config()
+    config.dataset = "digits"
+    config.model_kwargs.features = 16
+    config.model_kwargs.steps = 5
+    config.num_epochs = 2
+    config.batch_size = 64
+    config.eval_batch_size = 128
+    config.progress = False
+    return config

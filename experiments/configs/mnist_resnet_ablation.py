@@ -1,0 +1,15 @@
+"""Section 5.1's ablation baselines on MNIST: set config.model to any of
+the names in naisnet_jax.models.MODELS (resnet, resnet_sh, ..., resnet_sh_stable) or naisnet_mnist.
+
+MNIST comes through tensorflow-datasets from a prepared data_dir (see
+naisnet_jax.data.load_tfds for how to prepare it)."""
+
+from experiments.configs import default
+
+
+def get_config():
+    config = default.get_config()
+    config.dataset = "mnist"
+    config.model = "resnet_sh"
+    config.num_epochs = 150
+    return config

@@ -1,0 +1,434 @@
+"""Training: a pure ``train_step``, evaluation, and ``train_and_evaluate``.
+
+The optimiser is ``optax.chain(add_decayed_weights, sgd(momentum), stability_projection)``:
+every update is followed by Algorithms 1 and 2, so the parameters a step
+returns always satisfy the stability constraints. The step is a pure function
+of ``(state, batch)``; an epoch runs as ``lax.scan`` over batch indices inside
+``jit`` (in chunks, so a progress bar can advance), with the whole dataset on
+the accelerator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+
+from naisnet_jax import checkpoint as ckpt
+from naisnet_jax import data as data_lib
+from naisnet_jax import models
+from naisnet_jax.projection import check_eta, count_projected_blocks, project_params, stability_projection
+from naisnet_jax.parametrize import check_eps
+from naisnet_jax.stability import max_radius_bound
+
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+class TrainState(train_state.TrainState):
+    batch_stats: Any = None
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _positive_int(config, field):
+    value = config[field]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config.{field}={value!r} must be a positive integer.")
+
+
+def _number(config, field, lo, hi, *, lo_open=False, hi_open=False):
+    value = config[field]
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+    if not ok:
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ValueError(f"config.{field}={value!r} is outside {interval}.")
+
+
+def validate_config(config) -> None:
+    """Refuse invalid configs before anything is loaded or compiled, naming the field."""
+    if config.model not in models.MODELS:
+        raise ValueError(f"config.model={config.model!r} is unknown; valid: {sorted(models.MODELS)}.")
+    if config.dataset not in data_lib.DATASET_NAMES:
+        raise ValueError(f"config.dataset={config.dataset!r} is unknown; valid: {list(data_lib.DATASET_NAMES)}.")
+    for field in ("batch_size", "eval_batch_size", "num_epochs", "checkpoint_every_epochs",
+                  "keep_checkpoints", "steps_per_chunk"):
+        _positive_int(config, field)
+    _number(config, "learning_rate", 0, math.inf, lo_open=True, hi_open=True)
+    _number(config, "momentum", 0, 1, hi_open=True)
+    _number(config, "weight_decay", 0, math.inf, hi_open=True)
+    _number(config, "lr_decay_factor", 0, 1, lo_open=True)
+    _number(config, "h", 0, 1, lo_open=True)
+    try:
+        check_eps(config.eps)
+    except (ValueError, TypeError):
+        raise ValueError(f"config.eps={config.eps!r} is outside (0, 0.5).") from None
+    try:
+        check_eta(config.eta, config.eps)
+    except (ValueError, TypeError):
+        raise ValueError(f"config.eta={config.eta!r} is outside (eps, 1) = ({config.eps}, 1).") from None
+    bounds = list(config.lr_boundaries_epochs)
+    if any(not isinstance(b, int) or b < 1 for b in bounds) or bounds != sorted(bounds):
+        raise ValueError(
+            f"config.lr_boundaries_epochs={bounds!r} must be increasing positive epoch numbers."
+        )
+    for field in ("limit_train", "limit_test"):
+        if config.get(field) is not None:
+            _positive_int(config, field)
+    if config.adaptive_tol is not None:
+        _number(config, "adaptive_tol", 0, math.inf, lo_open=True, hi_open=True)
+
+
+def model_kwargs(config) -> dict:
+    """Keyword arguments for ``models.get_model``: the config's model_kwargs plus
+    eps, h and the adaptive settings, where the model takes them."""
+    kwargs = dict(config.model_kwargs)
+    accepted = {f.name for f in dataclasses.fields(models.MODELS[config.model].func)}
+    for field in ("eps", "eta", "h", "adaptive_tol", "max_steps"):
+        if field in accepted and config.get(field) is not None and field not in kwargs:
+            kwargs[field] = config[field]
+    unknown = set(kwargs) - accepted
+    if unknown:
+        raise ValueError(
+            f"config.model_kwargs has fields {sorted(unknown)} that {config.model} does not take; "
+            f"it takes {sorted(accepted - {'parent', 'name'})}."
+        )
+    return kwargs
+
+
+def build_model(config, num_classes: int):
+    return models.get_model(config.model, num_classes=num_classes, **model_kwargs(config))
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedule:
+    """Piecewise constant: ``learning_rate``, divided by 10 (``lr_decay_factor``) at
+    each epoch of ``lr_boundaries_epochs``."""
+    return optax.piecewise_constant_schedule(
+        config.learning_rate,
+        {int(e) * steps_per_epoch: config.lr_decay_factor for e in config.lr_boundaries_epochs},
+    )
+
+
+def make_optimizer(config, steps_per_epoch: int) -> optax.GradientTransformation:
+    parts = []
+    if config.weight_decay > 0:
+        parts.append(optax.add_decayed_weights(config.weight_decay))
+    parts.append(optax.sgd(learning_rate_schedule(config, steps_per_epoch), momentum=config.momentum or None))
+    parts.append(stability_projection(eps=config.eps, eta=config.eta, relaxed=config.relaxed))  # last
+    return optax.chain(*parts)
+
+
+def cross_entropy(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
+    """One SGD step followed by the stability projection. Pure."""
+    x, y = batch
+
+    def loss_fn(params):
+        variables = {"params": params}
+        if state.batch_stats is not None:
+            variables["batch_stats"] = state.batch_stats
+            logits, updates = state.apply_fn(variables, x, train=True, mutable=["batch_stats"])
+        else:
+            logits, updates = state.apply_fn(variables, x, train=True), {}
+        loss = jnp.mean(cross_entropy(logits, y))
+        return loss, (logits, updates)
+
+    (loss, (logits, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    state = state.apply_gradients(grads=grads)
+    if state.batch_stats is not None:
+        state = state.replace(batch_stats=updates["batch_stats"])
+    metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == y)}
+    return state, metrics
+
+
+def _variables(state):
+    variables = {"params": state.params}
+    if state.batch_stats is not None:
+        variables["batch_stats"] = state.batch_stats
+    return variables
+
+
+def eval_step(state: TrainState, batch, mask) -> dict:
+    """Sums over the real (``mask``) examples of a batch: loss, correct, depth."""
+    x, y = batch
+    logits, aux = state.apply_fn(_variables(state), x, train=False, return_aux=True)
+    m = mask.astype(jnp.float32)
+    out = {
+        "loss_sum": jnp.sum(cross_entropy(logits, y) * m),
+        "correct": jnp.sum((jnp.argmax(logits, -1) == y) * m),
+        "count": jnp.sum(m),
+    }
+    depth = aux.get("depth")
+    if depth is not None:
+        total_depth = jnp.sum(depth, axis=0).astype(jnp.float32)  # per pattern, over blocks
+        out["depth_sum"] = jnp.sum(total_depth * m)
+        out["depth_min"] = jnp.min(jnp.where(mask, total_depth, jnp.inf))
+        out["depth_max"] = jnp.max(jnp.where(mask, total_depth, -jnp.inf))
+    return out
+
+
+def make_train_chunk(mean, std, augment: bool) -> Callable:
+    """``(state, data, idx_rows, key) -> (state, metrics)``: a scan of train steps."""
+
+    def train_chunk(state, data, idx_rows, key):
+        def body(state, inputs):
+            idx, k = inputs
+            batch = data_lib.get_batch(data, idx, mean=mean, std=std, key=k, augment=augment)
+            return train_step(state, batch)
+
+        keys = jax.random.split(key, idx_rows.shape[0])
+        state, metrics = jax.lax.scan(body, state, (idx_rows, keys))
+        return state, jax.tree.map(jnp.mean, metrics)
+
+    return jax.jit(train_chunk, donate_argnums=(0,))
+
+
+def make_evaluate(mean, std, batch_size: int) -> Callable:
+    """``(state, data) -> metrics`` over every example of ``data`` exactly once."""
+
+    @jax.jit
+    def evaluate(state, data):
+        idx, mask = data_lib.eval_batches(data.images.shape[0], batch_size)
+
+        def body(_, inputs):
+            i, m = inputs
+            return None, eval_step(state, data_lib.get_batch(data, i, mean=mean, std=std), m)
+
+        _, sums = jax.lax.scan(body, None, (idx, mask))
+        count = jnp.sum(sums["count"])
+        out = {"loss": jnp.sum(sums["loss_sum"]) / count, "accuracy": jnp.sum(sums["correct"]) / count}
+        if "depth_sum" in sums:
+            out["depth_mean"] = jnp.sum(sums["depth_sum"]) / count
+            out["depth_min"] = jnp.min(sums["depth_min"])
+            out["depth_max"] = jnp.max(sums["depth_max"])
+        return out
+
+    return evaluate
+
+
+def per_step_loss(state: TrainState, data, mean, std, batch_size: int = 1000) -> np.ndarray:
+    """Mean cross-entropy of ``x(i)`` through the classifier at every unroll step ``i``
+    (FC models: ``aux["step_logits"]``), over every example of ``data``."""
+
+    @jax.jit
+    def run(state, data):
+        idx, mask = data_lib.eval_batches(data.images.shape[0], batch_size)
+
+        def body(_, inputs):
+            i, m = inputs
+            x, y = data_lib.get_batch(data, i, mean=mean, std=std)
+            _, aux = state.apply_fn(_variables(state), x, train=False, return_aux=True)
+            ce = cross_entropy(aux["step_logits"], y[None])  # (K, B)
+            return None, jnp.sum(ce * m[None], axis=1)
+
+        _, sums = jax.lax.scan(body, None, (idx, mask))
+        return jnp.sum(sums, axis=0) / jnp.sum(mask)
+
+    return np.asarray(run(state, data))
+
+
+# --------------------------------------------------------------------------- loop
+
+
+def create_train_state(config, model, input_shape, steps_per_epoch: int) -> TrainState:
+    key = jax.random.PRNGKey(config.seed)
+    variables = model.init(key, jnp.zeros((1,) + tuple(input_shape), jnp.float32), train=False)
+    params = project_params(variables["params"], eps=config.eps, eta=config.eta, relaxed=config.relaxed)
+    return TrainState.create(
+        apply_fn=model.apply,
+        params=params,
+        tx=make_optimizer(config, steps_per_epoch),
+        batch_stats=variables.get("batch_stats"),
+    )
+
+
+def _checkpoint_tree(state: TrainState) -> dict:
+    return {
+        "step": jnp.asarray(state.step, jnp.int32),
+        "params": state.params,
+        "batch_stats": state.batch_stats if state.batch_stats is not None else {},
+        "opt_state": state.opt_state,
+    }
+
+
+def _restore_into(state: TrainState, tree: dict) -> TrainState:
+    return state.replace(
+        step=tree["step"],
+        params=tree["params"],
+        batch_stats=tree["batch_stats"] if state.batch_stats is not None else None,
+        opt_state=tree["opt_state"],
+    )
+
+
+def _read_metrics(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _write_metrics(path, records):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = None) -> dict:
+    """Train ``config`` in ``workdir``, resuming from its latest checkpoint.
+
+    Writes ``workdir/metrics.jsonl`` (one JSON record per epoch) and Orbax
+    checkpoints under ``workdir/checkpoints``. ``stop_after_epochs`` ends this
+    call early (as an interruption would), for tests. Returns the final
+    record plus ``"state"`` (the final ``TrainState``).
+    """
+    validate_config(config)
+    os.makedirs(workdir, exist_ok=True)
+    ds = data_lib.load_dataset(
+        config.dataset, data_dir=config.get("data_dir"),
+        limit_train=config.get("limit_train"), limit_test=config.get("limit_test"),
+    )
+    n_train = ds.train_images.shape[0]
+    if config.batch_size > n_train:
+        raise ValueError(f"config.batch_size={config.batch_size} exceeds the {n_train} training examples.")
+    steps_per_epoch = n_train // config.batch_size
+    model = build_model(config, ds.num_classes)
+    state = create_train_state(config, model, ds.train_images.shape[1:], steps_per_epoch)
+    if count_projected_blocks(state.params) == 0 and config.model.startswith("naisnet"):
+        raise ValueError(f"{config.model} has no NAIS block parameters to project; check models.py.")
+
+    mean, std = data_lib.channel_stats(ds.train_images)
+    train_data = data_lib.put_on_device(ds.train_images, ds.train_labels)
+    test_data = data_lib.put_on_device(ds.test_images, ds.test_labels)
+    augment = bool(config.augment)
+
+    mngr = ckpt.manager(os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=config.keep_checkpoints)
+    metrics_path = os.path.join(workdir, METRICS_FILE)
+    start_epoch = 1
+    if mngr.latest_step() is not None:
+        tree, meta = ckpt.restore(mngr, target=_checkpoint_tree(state))
+        state = _restore_into(state, tree)
+        start_epoch = int(meta["epoch"]) + 1
+        # drop records of epochs after the checkpoint (written before a crash)
+        _write_metrics(metrics_path, [r for r in _read_metrics(metrics_path) if r["epoch"] < start_epoch])
+        print(f"Resuming from {mngr.directory} at epoch {start_epoch} (step {int(state.step)}).")
+    elif os.path.exists(metrics_path):
+        os.remove(metrics_path)
+
+    train_chunk = make_train_chunk(mean, std, augment)
+    evaluate = make_evaluate(mean, std, config.eval_batch_size)
+    base_key = jax.random.PRNGKey(config.seed + 1)
+    schedule = learning_rate_schedule(config, steps_per_epoch)
+    metadata = {
+        "model": config.model,
+        "model_kwargs": model_kwargs(config),
+        "num_classes": ds.num_classes,
+        "input_shape": list(ds.train_images.shape[1:]),
+        "dataset": config.dataset,
+        "channel_mean": [float(v) for v in mean],
+        "channel_std": [float(v) for v in std],
+        "eps": config.eps, "eta": config.eta, "h": config.h, "relaxed": config.relaxed,
+        "config": config.to_dict(),
+    }
+
+    last = {}
+    end_epoch = config.num_epochs if stop_after_epochs is None else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
+    progress = _progress(total=(end_epoch - start_epoch + 1) * steps_per_epoch, enabled=config.progress)
+    for epoch in range(start_epoch, end_epoch + 1):
+        t0 = time.time()
+        epoch_key = jax.random.fold_in(base_key, epoch)
+        perm_key, aug_key = jax.random.split(epoch_key)
+        idx = data_lib.epoch_batches(perm_key, n_train, config.batch_size)
+        sums, seen = {"loss": 0.0, "accuracy": 0.0}, 0
+        for c, start in enumerate(range(0, steps_per_epoch, config.steps_per_chunk)):
+            rows = idx[start:start + config.steps_per_chunk]
+            state, m = train_chunk(state, train_data, rows, jax.random.fold_in(aug_key, c))
+            m = jax.device_get(m)
+            if not all(np.isfinite(v) for v in m.values()):
+                progress.close()
+                good = mngr.latest_step()
+                raise TrainingDiverged(
+                    f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)}); "
+                    f"stopped. The last good checkpoint "
+                    + (f"(step {good}) is kept in {mngr.directory}." if good is not None else "does not exist yet.")
+                    + " Lower config.learning_rate or check the data."
+                )
+            for k in sums:
+                sums[k] += float(m[k]) * rows.shape[0]
+            seen += rows.shape[0]
+            progress.update(rows.shape[0])
+            progress.set_postfix(epoch=epoch, loss=f"{float(m['loss']):.4f}")
+        test = jax.device_get(evaluate(state, test_data))
+        record = {
+            "epoch": epoch,
+            "step": int(state.step),
+            "learning_rate": float(schedule(int(state.step) - 1)),
+            "train_loss": sums["loss"] / seen,
+            "train_accuracy": sums["accuracy"] / seen,
+            "test_loss": float(test["loss"]),
+            "test_accuracy": float(test["accuracy"]),
+            "rho_max": max_radius_bound(state.params, eps=config.eps, h=config.h),
+            "epoch_seconds": time.time() - t0,
+        }
+        record["generalisation_gap"] = record["train_accuracy"] - record["test_accuracy"]
+        for k in ("depth_mean", "depth_min", "depth_max"):
+            if k in test:
+                record[k] = float(test[k])
+        if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
+            ckpt.save(mngr, int(state.step), _checkpoint_tree(state), dict(metadata, epoch=epoch))
+        _write_metrics(metrics_path, _read_metrics(metrics_path) + [record])
+        progress.write(
+            f"epoch {epoch}: train loss {record['train_loss']:.4f} acc {record['train_accuracy']:.4f} | "
+            f"test loss {record['test_loss']:.4f} acc {record['test_accuracy']:.4f} | "
+            f"rho_max {record['rho_max']:.4f} | {record['epoch_seconds']:.1f}s"
+        )
+        last = record
+    progress.close()
+    mngr.close()
+    return dict(last, state=state, mean=mean, std=std, test_data=test_data)
+
+
+class _NoProgress:
+    def update(self, n):
+        pass
+
+    def set_postfix(self, **kw):
+        pass
+
+    def write(self, s):
+        print(s, flush=True)
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoProgress()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
