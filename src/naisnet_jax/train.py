@@ -355,7 +355,8 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
         "config": config.to_dict(),
     }
 
-    last = {}
+    done = _read_metrics(metrics_path) if start_epoch > 1 else []
+    last = done[-1] if done else {}
     end_epoch = config.num_epochs if stop_after_epochs is None else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
     progress = _progress(total=(end_epoch - start_epoch + 1) * steps_per_epoch, enabled=config.progress)
     for epoch in range(start_epoch, end_epoch + 1):
