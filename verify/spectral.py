@@ -1,0 +1,507 @@
+"""Spectral radii of block state operators and Jacobians: dense, Arnoldi, power and FFT.
+
+`rho(M) = max |lambda_i(M)|` decides Theorem 1's stability condition `rho(I + h diag(s) A) < 1`.
+
+- dense: `numpy.linalg.eigvals` in float64 on the host; exact up to rounding (the reference).
+- Arnoldi: matrix-free, for operators too large to write down. Only the operator's action
+  `v -> A v` is used; the basis and the matvecs stay on the device, the small Hessenberg
+  eigenproblem is solved on the host in float64. Krylov-Schur style thick restarts.
+- power: power iteration on `A^* A`, which estimates `||A||_2`, not `rho(A)`.
+- FFT: the exact spectrum of a convolution on the torus (periodic padding) only.
+
+Operators are linear functions on flat vectors (see `operators.py`); the caller must make sure
+they are linear: nothing here can tell a nonlinear function from a linear one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .operators import _check_conv_kernel, as_operator, dense_operator, operator_matrix
+
+Array = jax.Array
+_HIGHEST = lax.Precision.HIGHEST
+_METHODS = ("auto", "dense", "arnoldi")
+
+
+class SpectralResult(NamedTuple):
+    """How a spectral radius was obtained.
+
+    `radius = |eigenvalue|`; `residual = ||A v - eigenvalue v|| / ||v||` for the computed
+    eigenvector `v` of that eigenvalue (a backward error: the pair is exact for some `A + E`
+    with `||E||_2 = residual`); `iterations` counts applications of the operator (0 when a
+    matrix was given to the dense method); `method` is "dense" or "arnoldi".
+    """
+
+    radius: float
+    eigenvalue: complex
+    residual: float
+    iterations: int
+    method: str
+    converged: bool
+
+
+class ArnoldiResult(NamedTuple):
+    """Wanted Ritz pairs of a restarted Arnoldi run, by decreasing modulus.
+
+    `residual_estimates[i] = |h_{m+1,m}| |e_m^T y_i|` is the Krylov residual of pair `i`;
+    `residual` is the true `||A x - theta x||` of the dominant unit Ritz vector `x`
+    (recomputed with the operator); `matvecs` counts operator applications.
+    """
+
+    eigenvalues: np.ndarray
+    eigenvectors: Array
+    residual_estimates: np.ndarray
+    residual: float
+    matvecs: int
+    restarts: int
+    converged: bool
+
+
+# ----------------------------------------------------------------------------- Arnoldi
+
+
+def _project_out(V: Array, w: Array, mask: Array) -> tuple[Array, Array]:
+    """One classical Gram-Schmidt pass of `w` against the rows of `V` selected by `mask`."""
+    c = jnp.where(mask, jnp.matmul(jnp.conj(V), w, precision=_HIGHEST), 0)
+    return w - jnp.matmul(c, V, precision=_HIGHEST), c
+
+
+@jax.jit
+def _arnoldi_extend(op, V: Array, H: Array, start: Array, key: Array) -> tuple[Array, Array]:
+    """Grow an Arnoldi/Krylov-Schur decomposition from `start` basis vectors to `m`.
+
+    Plain-Python meaning: for j in range(start, m): w = A v_j; orthogonalise w against
+    v_0..v_j (two classical Gram-Schmidt passes, a third when the second removed more than
+    30% of w); H[:j+1, j] = coefficients, H[j+1, j] = ||w||, v_{j+1} = w / ||w||. On breakdown
+    (||w|| <= 1000 eps ||A v_j||, i.e. span(v_0..v_j) is invariant) H[j+1, j] = 0 exactly and
+    v_{j+1} is a fresh random vector orthogonal to the basis, so the Ritz values found so far
+    are exact and the search goes on in the complement.
+    """
+    m = H.shape[1]
+    rows = jnp.arange(m + 1)
+    dtype = V.dtype
+    real = jnp.finfo(dtype).dtype
+    eps = jnp.finfo(dtype).eps
+
+    def body(j, carry):
+        V, H = carry
+        mask = rows <= j
+        w0 = op(V[j]).astype(dtype)
+        w1, c1 = _project_out(V, w0, mask)
+        w2, c2 = _project_out(V, w1, mask)
+        n1 = jnp.linalg.norm(w1)
+        n2 = jnp.linalg.norm(w2)
+
+        def third_pass(args):
+            w, c = args
+            w3, c3 = _project_out(V, w, mask)
+            return w3, c + c3
+
+        w, c = lax.cond(n2 < 0.7 * n1, third_pass, lambda args: args, (w2, c1 + c2))
+        beta = jnp.linalg.norm(w)
+        broke = beta <= 1000 * eps * jnp.linalg.norm(w0)
+
+        def random_direction(_):
+            r = jax.random.normal(jax.random.fold_in(key, j), w.shape, dtype)
+            r, _ = _project_out(V, r, mask)
+            r, _ = _project_out(V, r, mask)
+            return r / jnp.maximum(jnp.linalg.norm(r), jnp.finfo(real).tiny)
+
+        v_next = lax.cond(broke, random_direction, lambda _: w / beta, None)
+        column = c.at[j + 1].set(jnp.where(broke, 0, beta).astype(dtype))
+        return V.at[j + 1].set(v_next), H.at[:, j].set(column)
+
+    return lax.fori_loop(start, m, body, (V, H))
+
+
+@jax.jit
+def _combine_rows(coeffs: Array, V: Array) -> Array:
+    """`coeffs @ V`: rows are linear combinations of the basis rows."""
+    return jnp.matmul(coeffs.astype(V.dtype), V, precision=_HIGHEST)
+
+
+@jax.jit
+def _restart_basis(V: Array, Q: Array, r: Array) -> Array:
+    """New basis rows `[V_m Q_r ; v_{m+1} ; 0 ...]` with `Q` zero-padded to `m` columns."""
+    m = Q.shape[0]
+    kept = jnp.matmul(Q.T.astype(V.dtype), V[:m], precision=_HIGHEST)  # rows >= r are zero
+    new = jnp.zeros_like(V).at[:m].set(kept)
+    return new.at[r].set(V[m])
+
+
+def _apply_complex(op, x: Array, real_basis: bool) -> Array:
+    if real_basis and jnp.iscomplexobj(x):
+        return op(jnp.real(x)) + 1j * op(jnp.imag(x))
+    return op(x)
+
+
+def _invariant_basis(theta, Y, nkeep: int, real_basis: bool) -> np.ndarray:
+    """Orthonormal basis (m x r) of the span of the `nkeep` leading Ritz vectors of H_m.
+
+    For a real basis a complex Ritz vector y contributes Re y and Im y (the real invariant
+    subspace of the conjugate pair). Near-parallel vectors (a near-defective H_m) are dropped
+    by a rank-revealing SVD.
+    """
+    cols = []
+    selected = set(range(nkeep))
+    for i in range(nkeep):
+        y = Y[:, i]
+        if not real_basis:
+            cols.append(y)
+        elif theta[i].imag == 0:
+            cols.append(y.real)
+        else:
+            partner = [j for j in selected if j != i and theta[j] == np.conj(theta[i])]
+            if theta[i].imag > 0 or not partner:
+                cols.extend([y.real, y.imag])
+    B = np.stack(cols, axis=1)
+    U, s, _ = np.linalg.svd(B, full_matrices=False)
+    rank = int(np.sum(s > 1e-10 * s[0]))
+    return U[:, :rank]
+
+
+def arnoldi_eigs(
+    matvec: Callable[[Array], Array],
+    n: int,
+    *,
+    k: int = 1,
+    krylov_dim: int | None = None,
+    tol: float | None = None,
+    max_restarts: int = 500,
+    key: Array | None = None,
+    v0: Array | None = None,
+    dtype=None,
+) -> ArnoldiResult:
+    """The `k` eigenvalues of largest modulus of a linear operator, by restarted Arnoldi.
+
+    Builds `A V_m = V_m H_m + h_{m+1,m} v_{m+1} e_m^T` with an orthonormal basis `V` of
+    `krylov_dim = m` vectors (default 64; full re-orthogonalisation, on the device), takes Ritz
+    values `theta_i` from `eig(H_m)` (float64, host) and stops when every wanted pair has
+    `|h_{m+1,m}| |e_m^T y_i| <= tol * |theta_i|`. Otherwise it restarts thick (Krylov-Schur):
+    it keeps the invariant subspace of `H_m` belonging to the `max(k, m // 2)` leading Ritz values
+    (`V <- V_m Q`, `H <- Q^* H_m Q` plus the residual row) and extends it again to `m` vectors.
+    Works for non-normal operators and complex conjugate dominant pairs; an exactly invariant
+    Krylov space (happy breakdown) gives exact Ritz values.
+
+    `matvec` must be linear and jittable on vectors of shape `(n,)`; pass a
+    `jax.tree_util.Partial` (as `operators.py` builds) to reuse compilations across operators.
+    `dtype` is the basis dtype (default: JAX's default float, float64 under x64; complex if the
+    operator returns complex values); `tol` defaults to `max(1e-10, 100 eps)` of that dtype
+    (1e-10 in float64, about 1e-5 in float32). The random start vector comes from `key` (default
+    `PRNGKey(0)`) unless `v0` is given.
+
+    The result is an eigenvalue with a small residual; that it is the one of largest modulus is
+    not proved (a start vector nearly orthogonal to the dominant eigenvector, or a tight cluster
+    of moduli with a small Krylov space, can make it converge to a smaller one first). With
+    `krylov_dim < 32` we saw this happen on a 16384-dimensional conv Jacobian; 64 was reliable.
+    """
+    op = as_operator(matvec)
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"n must be a positive vector length; got {n}")
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, n={n}]; got {k}")
+    m = min(n, krylov_dim if krylov_dim is not None else max(2 * k + 2, 64))
+    if m < min(n, k + 2):
+        raise ValueError(f"krylov_dim must be at least k + 2 = {k + 2} (or n); got {krylov_dim}")
+    key = jax.random.PRNGKey(0) if key is None else key
+
+    in_dtype = jnp.dtype(dtype) if dtype is not None else (
+        jnp.asarray(v0).dtype if v0 is not None else jnp.zeros((), float).dtype
+    )
+    out = jax.eval_shape(op, jax.ShapeDtypeStruct((n,), in_dtype))
+    if out.shape != (n,):
+        raise ValueError(f"matvec must map shape ({n},) to ({n},); it returns {out.shape}")
+    basis_dtype = jnp.result_type(in_dtype, out.dtype)
+    real_basis = not jnp.issubdtype(basis_dtype, jnp.complexfloating)
+    if tol is None:
+        tol = max(1e-10, 100 * float(jnp.finfo(basis_dtype).eps))
+    if not tol > 0:
+        raise ValueError(f"tol must be positive; got {tol}")
+
+    key, start_key = jax.random.split(key)
+    if v0 is None:
+        v0 = jax.random.normal(start_key, (n,), basis_dtype)
+    v0 = jnp.asarray(v0, basis_dtype).reshape(n)
+    norm0 = float(jnp.linalg.norm(v0))
+    if not norm0 > 0:
+        raise ValueError("v0 must be a nonzero vector")
+    V = jnp.zeros((m + 1, n), basis_dtype).at[0].set(v0 / norm0)
+    H = jnp.zeros((m + 1, m), basis_dtype)
+    start, matvecs, converged = 0, 0, False
+    nkeep = max(k, m // 2)
+
+    for restart in range(max_restarts + 1):
+        V, H = _arnoldi_extend(op, V, H, jnp.asarray(start), jax.random.fold_in(key, restart))
+        matvecs += m - start
+        Hn = np.asarray(H, dtype=np.complex128 if not real_basis else np.float64)
+        Hm, beta = Hn[:m, :m], abs(Hn[m, m - 1])
+        if not np.all(np.isfinite(Hn)):
+            raise ValueError("the operator produced non-finite values; no spectral radius")
+        theta, Y = np.linalg.eig(Hm)
+        order = np.argsort(-np.abs(theta), kind="stable")
+        theta, Y = theta[order], Y[:, order]
+        estimates = beta * np.abs(Y[m - 1, :])
+        floor = np.finfo(np.float64).eps * max(np.linalg.norm(Hm), np.finfo(np.float64).tiny)
+        if np.all(estimates[:k] <= tol * np.maximum(np.abs(theta[:k]), floor)):
+            converged = True
+            break
+        if restart == max_restarts:
+            break
+
+        keep = nkeep
+        Q = _invariant_basis(theta, Y, keep, real_basis)
+        while Q.shape[1] > m - 1 and keep > 1:  # leave room for at least one new vector
+            keep -= 1
+            Q = _invariant_basis(theta, Y, keep, real_basis)
+        T = Q.conj().T @ Hm @ Q
+        drift = np.linalg.norm(Hm @ Q - Q @ T)
+        r = Q.shape[1]
+        if r <= m - 1 and drift <= 1e-8 * max(np.linalg.norm(Hm), floor):
+            # Thick restart: A (V_m Q) = (V_m Q) T + v_{m+1} (h_{m+1,m} e_m^T Q).
+            Qpad = np.zeros((m, m), Q.dtype)
+            Qpad[:, :r] = Q
+            V = _restart_basis(V, jnp.asarray(Qpad), jnp.asarray(r))
+            Hnew = np.zeros((m + 1, m), Hn.dtype)
+            Hnew[:r, :r] = T.real if real_basis else T
+            row = Hn[m, m - 1] * Q[m - 1, :]
+            Hnew[r, :r] = row.real if real_basis else row
+            H = jnp.asarray(Hnew, basis_dtype)
+            start = r
+        else:
+            # The kept block is not invariant to working accuracy: restart explicitly from the
+            # dominant Ritz vector (its real and imaginary parts summed for a real basis).
+            y = Y[:, 0]
+            coeffs = (y.real + y.imag) if real_basis else y
+            u = _combine_rows(jnp.asarray(coeffs[None, :]), V[:m])[0]
+            V = jnp.zeros_like(V).at[0].set(u / jnp.linalg.norm(u))
+            H = jnp.zeros_like(H)
+            start = 0
+
+    complex_basis = V[:m].astype(jnp.result_type(basis_dtype, 1j))
+    vectors = _combine_rows(jnp.asarray(Y[:, :k].T), complex_basis)
+    x = vectors[0]
+    ax = _apply_complex(op, x, real_basis)
+    matvecs += 2 if (real_basis and theta[0].imag != 0) else 1
+    residual = float(jnp.linalg.norm(ax - theta[0] * x) / jnp.linalg.norm(x))
+    return ArnoldiResult(
+        eigenvalues=theta[:k],
+        eigenvectors=vectors,
+        residual_estimates=estimates[:k],
+        residual=residual,
+        matvecs=matvecs,
+        restarts=restart,
+        converged=converged,
+    )
+
+
+# ----------------------------------------------------------------------------- dense
+
+
+def _dense_result(A: np.ndarray, iterations: int) -> SpectralResult:
+    """Radius from `numpy.linalg.eigvals` (float64), residual from two inverse-iteration steps."""
+    A = np.asarray(A)
+    A = A.astype(np.complex128 if np.iscomplexobj(A) else np.float64)
+    if not np.all(np.isfinite(A)):
+        raise ValueError("the matrix has non-finite entries; no spectral radius")
+    lam = np.linalg.eigvals(A)
+    i = int(np.argmax(np.abs(lam)))
+    eigenvalue = complex(lam[i])
+    n = A.shape[0]
+    scale = max(np.linalg.norm(A, 1), np.finfo(np.float64).tiny)
+    x = np.random.default_rng(0).standard_normal(n) + 0j
+    for attempt in range(3):
+        shift = eigenvalue + attempt * 1e3 * np.finfo(np.float64).eps * scale
+        try:
+            M = A - shift * np.eye(n)
+            for _ in range(2):
+                x = np.linalg.solve(M, x)
+                x = x / np.linalg.norm(x)
+            break
+        except np.linalg.LinAlgError:
+            continue
+    residual = float(np.linalg.norm(A @ x - eigenvalue * x) / np.linalg.norm(x))
+    if not np.isfinite(residual):  # inverse iteration overflowed: take the eigenvector directly
+        lam, vecs = np.linalg.eig(A)
+        x = vecs[:, int(np.argmin(np.abs(lam - eigenvalue)))]
+        residual = float(np.linalg.norm(A @ x - eigenvalue * x) / np.linalg.norm(x))
+    return SpectralResult(abs(eigenvalue), eigenvalue, residual, iterations, "dense", True)
+
+
+def _is_matrix(op) -> bool:
+    return (not callable(op) and hasattr(op, "shape")) or isinstance(op, (list, tuple))
+
+
+def spectral_radius_info(
+    op,
+    *,
+    n: int | None = None,
+    method: str = "auto",
+    dense_max_n: int = 2048,
+    tol: float | None = None,
+    krylov_dim: int | None = None,
+    max_restarts: int = 500,
+    key: Array | None = None,
+) -> SpectralResult:
+    """`rho(A) = max_i |lambda_i(A)|` with the eigenvalue, its residual and how it was computed.
+
+    `op` is a square matrix (numpy or JAX) or a linear jittable function `v -> A v` on vectors of
+    length `n`. `method="dense"`: `numpy.linalg.eigvals` in float64 (a function is first written
+    out as a matrix, `n` applications); `"arnoldi"`: `arnoldi_eigs` to relative tolerance `tol`
+    (its default: 1e-10 in float64);
+    `"auto"`: dense when `n <= dense_max_n`, Arnoldi otherwise.
+    """
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}; got {method!r}")
+    if _is_matrix(op):
+        shape = tuple(np.shape(op))
+        if len(shape) != 2 or shape[0] != shape[1]:
+            raise ValueError(f"a matrix operand must be square; got shape {shape}")
+        if n is not None and n != shape[0]:
+            raise ValueError(f"n={n} disagrees with the matrix of shape {shape}")
+        n = shape[0]
+        if method in ("auto", "dense"):
+            return _dense_result(np.asarray(op), iterations=0)
+        fn = dense_operator(jnp.asarray(op))
+    elif callable(op):
+        if n is None:
+            raise ValueError("n (the vector length) is required when op is a function")
+        fn = as_operator(op)
+        if method == "dense" or (method == "auto" and n <= dense_max_n):
+            return _dense_result(np.asarray(operator_matrix(fn, n)), iterations=n)
+    else:
+        raise TypeError(
+            f"op must be a square matrix or a function v -> A v; got {type(op).__name__}"
+        )
+    res = arnoldi_eigs(
+        fn, n, k=1, krylov_dim=krylov_dim, tol=tol, max_restarts=max_restarts, key=key
+    )
+    eigenvalue = complex(res.eigenvalues[0])
+    return SpectralResult(
+        abs(eigenvalue), eigenvalue, res.residual, res.matvecs, "arnoldi", res.converged
+    )
+
+
+def spectral_radius(
+    op,
+    *,
+    n: int | None = None,
+    method: str = "auto",
+    dense_max_n: int = 2048,
+    tol: float | None = None,
+    krylov_dim: int | None = None,
+    max_restarts: int = 500,
+    key: Array | None = None,
+) -> float:
+    """`rho(A) = max_i |lambda_i(A)|` as a float; the arguments are `spectral_radius_info`'s.
+
+    Raises RuntimeError if Arnoldi did not converge (an unconverged radius certifies nothing);
+    `spectral_radius_info` returns it with `converged=False` instead.
+    """
+    res = spectral_radius_info(
+        op, n=n, method=method, dense_max_n=dense_max_n, tol=tol, krylov_dim=krylov_dim,
+        max_restarts=max_restarts, key=key,
+    )
+    if not res.converged:
+        raise RuntimeError(
+            f"Arnoldi did not converge after {res.iterations} matvecs (estimate {res.radius:.6g}, "
+            f"residual {res.residual:.3g}); raise krylov_dim or max_restarts, or use "
+            "spectral_radius_info for the unconverged estimate"
+        )
+    return res.radius
+
+
+# ----------------------------------------------------------------------------- power
+
+
+@jax.jit
+def _power_loop(op, v0: Array, tol: Array, max_iters: Array):
+    real = jnp.finfo(v0.dtype).dtype
+
+    def step(state):
+        i, v, mu, _ = state
+        av, pullback = jax.vjp(op, v)
+        w = jnp.conj(pullback(jnp.conj(av))[0])  # A^* A v
+        mu_new = jnp.linalg.norm(av).astype(real)
+        v_new = w / jnp.maximum(jnp.linalg.norm(w), jnp.finfo(real).tiny).astype(w.dtype)
+        return i + 1, v_new, mu_new, mu
+
+    def keep_going(state):
+        i, _, mu, mu_prev = state
+        return (i < max_iters) & (jnp.abs(mu - mu_prev) > tol * mu)
+
+    v0 = v0 / jnp.linalg.norm(v0)
+    init = (jnp.asarray(0), v0, jnp.asarray(0.0, real), jnp.asarray(-1.0, real))
+    i, _, mu, _ = lax.while_loop(keep_going, step, init)
+    return mu, i
+
+
+def power_norm_bound(
+    matvec: Callable[[Array], Array],
+    n: int,
+    *,
+    tol: float = 1e-12,
+    max_iters: int = 20000,
+    key: Array | None = None,
+    dtype=None,
+) -> float:
+    """Estimate of the operator 2-norm `||A||_2 = sigma_max(A)` by power iteration on `A^* A`.
+
+    Iterates `v <- A^* A v / ||A^* A v||` (`A^*` through `jax.vjp`, so `matvec` must be linear
+    and differentiable) and returns `||A v||` once it changes by less than `tol` relative.
+
+    This is a norm, not a spectral radius: `rho(A) <= ||A||_2`, with equality for normal `A`
+    only; for the non-normal operators of conv blocks it can be far above `rho`, so a value
+    >= 1 proves nothing about instability. Also note the estimate approaches `||A||_2` from
+    below, so it is an upper bound on `rho(A)` only up to its convergence error (slow when the
+    two largest singular values are close).
+    """
+    op = as_operator(matvec)
+    dtype = jnp.dtype(dtype) if dtype is not None else jnp.zeros((), float).dtype
+    key = jax.random.PRNGKey(1) if key is None else key
+    v0 = jax.random.normal(key, (int(n),), dtype)
+    mu, _ = _power_loop(op, v0, jnp.asarray(tol), jnp.asarray(max_iters))
+    return float(mu)
+
+
+# ----------------------------------------------------------------------------- FFT
+
+
+def fft_conv_spectrum(kernel, image_hw) -> np.ndarray:
+    """All `H*W*C` eigenvalues of the conv operator with PERIODIC padding, shape `(H, W, C)`.
+
+    On the torus, `out[y, x, o] = sum_{a, b, i} K[a, b, i, o] X[(y+a-p) mod H, (x+b-p) mod W, i]`
+    (cross-correlation, `p = (k-1)//2`). The Fourier modes `X[y, x, :] = v exp(2 pi j (f y / H +
+    g x / W))` are invariant, acting on `v` by the C x C symbol
+    `S(f, g) = sum_{a, b} K[a, b]^T exp(2 pi j (f (a-p) / H + g (b-p) / W))`,
+    so the spectrum is the union over the H*W frequencies of `eig(S(f, g))`; entry
+    `[f, g, :]` holds those. Computed in float64 / complex128 on the host.
+
+    Exact ONLY for periodic padding. The SAME zero-padded conv of the NAIS blocks is a different
+    (block-Toeplitz, non-normal) operator whose eigenvalues differ, and the periodic radius is not
+    a bound on the SAME one: on 300 random kernels (C <= 3, k in {3, 5}, 5..8 px images) the
+    periodic `rho(I + hA)` was below the SAME one 4 times, by up to 0.5%.
+    """
+    K = np.asarray(kernel)
+    _check_conv_kernel(K)
+    if K.shape[2] != K.shape[3]:
+        raise ValueError(
+            f"fft_conv_spectrum needs square channels (C_in == C_out); got shape {K.shape}"
+        )
+    height, width = (int(s) for s in image_hw)
+    if height < 1 or width < 1:
+        raise ValueError(f"image_hw must be positive; got {tuple(image_hw)}")
+    K = K.astype(np.complex128)
+    p = (K.shape[0] - 1) // 2
+    offsets = np.arange(K.shape[0]) - p
+    phase_y = np.exp(2j * np.pi * np.outer(np.arange(height), offsets) / height)
+    phase_x = np.exp(2j * np.pi * np.outer(np.arange(width), offsets) / width)
+    symbol = np.einsum("fa,gb,abio->fgoi", phase_y, phase_x, K)
+    return np.linalg.eigvals(symbol)
