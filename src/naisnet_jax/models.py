@@ -1,0 +1,630 @@
+"""Flax modules of NAIS-Net and of the paper's ResNet baselines.
+
+The modules own parameters and call the pure core; the maths lives in
+:mod:`naisnet_jax.cell`, :mod:`naisnet_jax.parametrize` and
+:mod:`naisnet_jax.unroll`. Conventions: batch first, row vectors, NHWC images.
+
+A NAIS block maps its input ``u`` to the state ``x_K`` of
+
+    x_0 = 0,    x_{k+1} = x_k + h * act(x_k @ A.T + drive),
+
+with ``A = -R.T R - eps I`` (dense; drive ``u @ B.T + b``) or a convolution
+with centre taps ``-1 - delta`` (conv; drive ``conv(U, D) + E``). The drive is
+computed once per block. State parameters carry the names that
+:func:`naisnet_jax.projection.project_params` looks for (``"R"``,
+``"state_kernel"``, ``"delta"``), so Algorithms 1 and 2 find every block.
+
+Every model is called as ``model.apply(variables, x, train=..., return_aux=...)``
+and returns ``logits`` or ``(logits, aux)``; ``aux`` holds
+
+- ``"trajectory"``: FC models ``(K, batch, n)``, the states ``x_1 .. x_K``;
+  conv models a tuple with one ``(K, batch, H, W, C)`` array per block;
+- ``"step_logits"`` (FC models only): the classifier applied to every state,
+  ``(K, batch, num_classes)``; its last entry equals ``logits``;
+- ``"depth"``: int32 ``(num_blocks, batch)``, the steps each pattern took in
+  each block (the constant ``K`` unless ``adaptive_tol`` is set).
+
+With ``adaptive_tol`` set, ``K`` above is ``max_steps`` and states after a
+pattern stops are frozen copies. BatchNorm statistics live in the
+``"batch_stats"`` collection (``mutable=["batch_stats"]`` when ``train=True``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from naisnet_jax.cell import ACTIVATIONS, check_activation, check_step_size, conv_step, fc_step
+from naisnet_jax.parametrize import check_eps, conv_state_kernel, fc_state_matrix
+from naisnet_jax.projection import check_eta, project_conv, project_fc
+from naisnet_jax.unroll import unroll, unroll_adaptive, unroll_adaptive_bounded
+
+Array = jax.Array
+BN_MOMENTUM = 0.9
+BN_EPSILON = 1e-5
+PARAM_DTYPE = jnp.float32  # as Flax's own layers, also when x64 is enabled
+
+
+# ----------------------------------------------------------------- validation
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer.")
+    return value
+
+
+def _check_kernel_size(kernel_size: Any) -> int:
+    _check_positive_int("kernel_size", kernel_size)
+    if kernel_size % 2 == 0:
+        raise ValueError(
+            f"kernel_size={kernel_size} is even; the state convolution needs an odd "
+            f"size 2p+1 so that every channel has a centre tap."
+        )
+    return kernel_size
+
+
+def _check_unroll(*, steps, h, eps, activation, untied, adaptive_tol, max_steps) -> None:
+    _check_positive_int("steps", steps)
+    check_step_size(h)
+    check_eps(eps)
+    check_activation(activation)
+    _check_positive_int("max_steps", max_steps)
+    if adaptive_tol is None:
+        return
+    if isinstance(adaptive_tol, bool) or not isinstance(adaptive_tol, (int, float)) or not (
+        adaptive_tol > 0
+    ):
+        raise ValueError(f"adaptive_tol={adaptive_tol!r} must be a positive number or None.")
+    if untied:
+        raise ValueError(
+            f"adaptive_tol={adaptive_tol!r} with untied=True: pattern-dependent depth "
+            f"needs tied weights (an untied block has parameters for `steps` steps only)."
+        )
+
+
+def _check_dense_attrs(m) -> None:
+    """Checks shared by :class:`NaisDenseBlock` and :class:`NaisNetFC` (same attribute names)."""
+    _check_positive_int("features", m.features)
+    if m.rank is not None:
+        _check_positive_int("rank", m.rank)
+        if m.rank > m.features:
+            raise ValueError(
+                f"rank={m.rank} exceeds features={m.features}; R is (rank, n) with rank <= n."
+            )
+    _check_unroll(
+        steps=m.steps, h=m.h, eps=m.eps, activation=m.activation, untied=m.untied,
+        adaptive_tol=m.adaptive_tol, max_steps=m.max_steps,
+    )
+
+
+def _check_stages(stage_sizes: Sequence[int], filters: Sequence[int]) -> None:
+    if len(stage_sizes) == 0 or len(stage_sizes) != len(filters):
+        raise ValueError(
+            f"stage_sizes={tuple(stage_sizes)} and filters={tuple(filters)} must be "
+            f"non-empty and of equal length."
+        )
+    for size in stage_sizes:
+        _check_positive_int("stage size", size)
+    for width in filters:
+        _check_positive_int("filters entry", width)
+
+
+# ----------------------------------------------------------- initialisation
+
+
+def _fc_init(eps: float) -> Callable:
+    """``R`` with N(0, 1/n) entries, then Algorithm 1: feasible from the start."""
+
+    def init(key, shape, dtype=PARAM_DTYPE):
+        R = jax.random.normal(key, shape, dtype) / math.sqrt(shape[-1])
+        return project_fc(R, eps=eps)
+
+    return init
+
+
+def _conv_init(eps: float, eta: float) -> Callable:
+    """State kernel with N(0, 1/(k^2 C)) taps, then Algorithm 2 with ``delta = 0``."""
+
+    def init(key, shape, dtype=PARAM_DTYPE):
+        k, _, c, _ = shape[-4:]
+        kernel = jax.random.normal(key, shape, dtype) / math.sqrt(k * k * c)
+        delta = jnp.zeros(shape[:-4] + (c,), dtype)
+        return project_conv(kernel, delta, eps=eps, eta=eta)[0]
+
+    return init
+
+
+def _batch_norm(train: bool, name: str) -> nn.BatchNorm:
+    return nn.BatchNorm(
+        use_running_average=not train, momentum=BN_MOMENTUM, epsilon=BN_EPSILON, name=name
+    )
+
+
+# ------------------------------------------------------------------ unrolling
+
+
+def _unroll_block(step, x0, *, steps, xs, adaptive_tol, max_steps, train, trajectory):
+    """Fixed or adaptive unroll; returns ``(x_K, depth, states or None)``.
+
+    Adaptive: training uses the masked scan (differentiable), evaluation the
+    ``while_loop``; a requested trajectory always takes the masked scan, whose
+    values and depths are those of the ``while_loop``.
+    """
+    batch = x0.shape[0]
+    if adaptive_tol is None:
+        out = unroll(step, x0, steps=steps, trajectory=trajectory, xs=xs)
+        x, states = out if trajectory else (out, None)
+        return x, jnp.full((batch,), steps, jnp.int32), states
+    if train or trajectory:
+        out = unroll_adaptive_bounded(
+            step, x0, tol=adaptive_tol, max_steps=max_steps, trajectory=trajectory
+        )
+        return out if trajectory else (*out, None)
+    x, depth = unroll_adaptive(step, x0, tol=adaptive_tol, max_steps=max_steps)
+    return x, depth, None
+
+
+def _untied_step(step: Callable) -> Callable:
+    """``step(x, drive, op)`` -> ``(x, (drive_k, op_k)) -> x_next`` for ``unroll(xs=...)``."""
+    return lambda x, params_k: step(x, *params_k)
+
+
+def _block_output(x, depth, states, return_aux):
+    return (x, {"trajectory": states, "depth": depth}) if return_aux else x
+
+
+# --------------------------------------------------------------- NAIS blocks
+
+
+class NaisDenseBlock(nn.Module):
+    """Fully connected NAIS block: ``x_{k+1} = x_k + h act(x_k A^T + u B^T + b)``, ``x_0 = 0``.
+
+    ``A = -R^T R - eps I`` with ``R`` of shape ``(r, n)``, ``r = rank or n``.
+    Parameters: ``"R"`` ``(r, n)`` and ``"input"`` (Dense ``m -> n``: kernel
+    ``B^T``, bias ``b``). Untied (per-step ``A(k), B(k), b(k)``): ``"R"``
+    ``(K, r, n)`` and ``"input"`` a Dense ``m -> K n`` read as ``(K, n)``.
+    ``R`` starts inside Algorithm 1's set. Returns ``x_K``, or ``(x_K, aux)``
+    with ``aux = {"trajectory": (K, batch, n), "depth": (batch,)}``.
+    """
+
+    features: int
+    steps: int = 30
+    h: float = 1.0
+    eps: float = 0.01
+    activation: str = "tanh"
+    untied: bool = False
+    rank: int | None = None
+    adaptive_tol: float | None = None
+    max_steps: int = 100
+
+    def __post_init__(self):
+        _check_dense_attrs(self)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, u: Array, *, train: bool = False, return_aux: bool = False):
+        if u.ndim != 2:
+            raise ValueError(f"NaisDenseBlock input must be (batch, m); got shape {u.shape}.")
+        n, K = self.features, self.steps
+        per_step = (K,) if self.untied else ()
+        R = self.param("R", _fc_init(self.eps), per_step + (self.rank or n, n), PARAM_DTYPE)
+        A = fc_state_matrix(R, self.eps)
+        drive = nn.Dense(n * K if self.untied else n, name="input")(u)
+        x0 = jnp.zeros((u.shape[0], n), jnp.result_type(drive, A))
+        step = functools.partial(fc_step, h=self.h, activation=self.activation)
+        if self.untied:
+            drives = jnp.moveaxis(drive.reshape(u.shape[0], K, n), 1, 0)  # (K, batch, n)
+            step, xs = _untied_step(step), (drives, A)
+        else:
+            step, xs = functools.partial(step, drive=drive, A=A), None
+        x, depth, states = _unroll_block(
+            step, x0, steps=K, xs=xs, adaptive_tol=self.adaptive_tol,
+            max_steps=self.max_steps, train=train, trajectory=return_aux,
+        )
+        return _block_output(x, depth, states, return_aux)
+
+
+class NaisConvBlock(nn.Module):
+    """Convolutional NAIS block: ``X_{k+1} = X_k + h act(conv(X_k, C) + conv(U, D) + E)``.
+
+    ``X_0 = 0``. The state convolution has stride 1, SAME padding and an odd ``k x k``
+    filter whose centre taps are ``-1 - delta_c`` (``delta = 0`` unless
+    ``learn_delta``). The input convolution ``D`` (``"input"``) has
+    ``strides``, so a stride-2 block halves the resolution. Parameters:
+    ``"state_kernel"`` ``(k, k, C, C)``, ``"delta"`` ``(C,)`` if
+    ``learn_delta``, ``"input"`` (Conv, kernel ``D``, bias ``E``); untied adds
+    a leading ``K`` axis to the first two and gives ``"input"`` ``K C``
+    outputs read as ``(K, C)``. ``normalize_drive`` applies BatchNorm
+    (``"drive_norm"``) to the drive, whose offset then plays ``E`` (the conv
+    has no bias). The state kernel starts inside Algorithm 2's set. Returns
+    ``X_K``, or ``(X_K, aux)`` with ``aux = {"trajectory": (K, batch, H, W, C),
+    "depth": (batch,)}``.
+    """
+
+    features: int
+    steps: int = 10
+    h: float = 1.0
+    eps: float = 0.01
+    eta: float = 0.5
+    kernel_size: int = 3
+    strides: int = 1
+    activation: str = "relu"
+    learn_delta: bool = False
+    untied: bool = False
+    normalize_drive: bool = False
+    adaptive_tol: float | None = None
+    max_steps: int = 100
+
+    def __post_init__(self):
+        _check_positive_int("features", self.features)
+        _check_kernel_size(self.kernel_size)
+        _check_positive_int("strides", self.strides)
+        _check_unroll(
+            steps=self.steps, h=self.h, eps=self.eps, activation=self.activation,
+            untied=self.untied, adaptive_tol=self.adaptive_tol, max_steps=self.max_steps,
+        )
+        check_eta(self.eta, self.eps)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, u: Array, *, train: bool = False, return_aux: bool = False):
+        if u.ndim != 4:
+            raise ValueError(f"NaisConvBlock input must be NHWC; got shape {u.shape}.")
+        C, K, k = self.features, self.steps, self.kernel_size
+        per_step = (K,) if self.untied else ()
+        kernel = self.param(
+            "state_kernel", _conv_init(self.eps, self.eta), per_step + (k, k, C, C), PARAM_DTYPE
+        )
+        if self.learn_delta:
+            delta = self.param("delta", nn.initializers.zeros, per_step + (C,), PARAM_DTYPE)
+        else:
+            delta = jnp.zeros(per_step + (C,), kernel.dtype)
+        kernel = conv_state_kernel(kernel, delta)
+        drive = nn.Conv(
+            C * K if self.untied else C,
+            (k, k),
+            strides=(self.strides, self.strides),
+            padding="SAME",
+            use_bias=not self.normalize_drive,
+            name="input",
+        )(u)
+        if self.normalize_drive:
+            drive = _batch_norm(train, "drive_norm")(drive)
+        batch, height, width = drive.shape[:3]
+        dtype = jnp.result_type(drive, kernel)  # lax.conv needs equal dtypes
+        drive, kernel = drive.astype(dtype), kernel.astype(dtype)
+        x0 = jnp.zeros((batch, height, width, C), dtype)
+        step = functools.partial(conv_step, h=self.h, activation=self.activation)
+        if self.untied:
+            drives = jnp.moveaxis(drive.reshape(batch, height, width, K, C), 3, 0)
+            step, xs = _untied_step(step), (drives, kernel)
+        else:
+            step, xs = functools.partial(step, drive=drive, kernel=kernel), None
+        x, depth, states = _unroll_block(
+            step, x0, steps=K, xs=xs, adaptive_tol=self.adaptive_tol,
+            max_steps=self.max_steps, train=train, trajectory=return_aux,
+        )
+        return _block_output(x, depth, states, return_aux)
+
+
+# ----------------------------------------------------------------- NAIS-Nets
+
+
+class NaisNetFC(nn.Module):
+    """The paper's MNIST net: flatten, one NaisDenseBlock (``"block"``), Dense classifier.
+
+    Parameters: ``"block"`` (see :class:`NaisDenseBlock`) and ``"classifier"``.
+    """
+
+    num_classes: int = 10
+    features: int = 128
+    steps: int = 30
+    h: float = 1.0
+    eps: float = 0.01
+    activation: str = "tanh"
+    untied: bool = False
+    rank: int | None = None
+    adaptive_tol: float | None = None
+    max_steps: int = 100
+
+    def __post_init__(self):
+        _check_positive_int("num_classes", self.num_classes)
+        _check_dense_attrs(self)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
+        u = x.reshape(x.shape[0], -1)
+        block = NaisDenseBlock(
+            self.features, steps=self.steps, h=self.h, eps=self.eps,
+            activation=self.activation, untied=self.untied, rank=self.rank,
+            adaptive_tol=self.adaptive_tol, max_steps=self.max_steps, name="block",
+        )
+        classifier = nn.Dense(self.num_classes, name="classifier")
+        if not return_aux:
+            return classifier(block(u, train=train))
+        _, aux = block(u, train=train, return_aux=True)
+        states = aux["trajectory"]
+        step_logits = classifier(states)  # states[-1] is x_K
+        return step_logits[-1], {
+            "step_logits": step_logits,
+            "trajectory": states,
+            "depth": aux["depth"][None],
+        }
+
+
+class NaisNetConv(nn.Module):
+    """Stacked convolutional NAIS-Net: stem, stages of NaisConvBlocks, pool, Dense.
+
+    ``stem`` (3x3 conv to ``filters[0]``) -> BatchNorm (``"stem_bn"``) -> act;
+    then stage ``i`` has ``stage_sizes[i]`` blocks of ``filters[i]`` channels
+    (``"stage{i}_block{j}"``), each block's ``x_K`` the next block's ``u``.
+    The first block of every later stage has a stride-2 input convolution and
+    BatchNorm on its drive. Normalisation appears only at these dimension
+    changes (stem, stage boundaries), never inside the state dynamics, so every
+    block keeps its stability guarantee. Then global average pooling and
+    ``"classifier"``.
+    """
+
+    num_classes: int = 10
+    stage_sizes: Sequence[int] = (18, 18, 18)
+    filters: Sequence[int] = (16, 32, 64)
+    steps: int = 10
+    h: float = 1.0
+    eps: float = 0.01
+    eta: float = 0.5
+    kernel_size: int = 3
+    activation: str = "relu"
+    learn_delta: bool = False
+    untied: bool = False
+    adaptive_tol: float | None = None
+    max_steps: int = 100
+
+    def __post_init__(self):
+        _check_positive_int("num_classes", self.num_classes)
+        _check_stages(self.stage_sizes, self.filters)
+        _check_kernel_size(self.kernel_size)
+        _check_unroll(
+            steps=self.steps, h=self.h, eps=self.eps, activation=self.activation,
+            untied=self.untied, adaptive_tol=self.adaptive_tol, max_steps=self.max_steps,
+        )
+        check_eta(self.eta, self.eps)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
+        x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, name="stem")(x)
+        x = ACTIVATIONS[self.activation](_batch_norm(train, "stem_bn")(x))
+        states, depths = [], []
+        for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):
+            for j in range(size):
+                change = i > 0 and j == 0
+                block = NaisConvBlock(
+                    width, steps=self.steps, h=self.h, eps=self.eps, eta=self.eta,
+                    kernel_size=self.kernel_size, strides=2 if change else 1,
+                    activation=self.activation, learn_delta=self.learn_delta,
+                    untied=self.untied, normalize_drive=change,
+                    adaptive_tol=self.adaptive_tol, max_steps=self.max_steps,
+                    name=f"stage{i}_block{j}",
+                )
+                if return_aux:
+                    x, aux = block(x, train=train, return_aux=True)
+                    states.append(aux["trajectory"])
+                    depths.append(aux["depth"])
+                else:
+                    x = block(x, train=train)
+        logits = nn.Dense(self.num_classes, name="classifier")(jnp.mean(x, axis=(1, 2)))
+        if not return_aux:
+            return logits
+        return logits, {"trajectory": tuple(states), "depth": jnp.stack(depths)}
+
+
+# ------------------------------------------------------------ ResNet baselines
+
+
+class ResNetFC(nn.Module):
+    """The 30-layer fully connected ResNets of the paper's MNIST ablation.
+
+    Layer ``k``: ``x_{k+1} = x_k + h act(BN_k(x_k W_k^T [+ u B_k^T] + b_k))``.
+
+    - ``shared`` (SH): one ``W``, ``b`` (and ``B``) used by every layer;
+      otherwise a leading ``depth`` axis, one set per layer.
+    - ``nonautonomous`` (NA): ``x_0 = 0`` and ``u`` drives every layer through
+      ``"input"`` (Dense: kernel ``B^T``, bias ``b``; ``depth n`` outputs if not
+      shared); else ``x_0 = u E^T + e`` (``"embed"``), a bias ``"b"``, and ``u``
+      is never seen again.
+    - ``batch_norm`` (BN): BatchNorm ``"bn{k}"`` on layer ``k``'s
+      pre-activation, one per layer even when shared (the statistics change
+      with depth).
+    - ``stable``: ``W = -R^T R - eps I`` with parameter ``"R"`` (otherwise the
+      parameter is ``"W"``), so ``project_params`` applies Algorithm 1.
+
+    ``ResNetSHNA`` is therefore a NAIS-Net block without the stability
+    parametrisation. Parameters also include ``"classifier"``.
+    """
+
+    num_classes: int = 10
+    features: int = 128
+    depth: int = 30
+    h: float = 1.0
+    eps: float = 0.01
+    activation: str = "tanh"
+    shared: bool = False
+    nonautonomous: bool = False
+    batch_norm: bool = False
+    stable: bool = False
+
+    def __post_init__(self):
+        _check_positive_int("num_classes", self.num_classes)
+        _check_positive_int("features", self.features)
+        _check_positive_int("depth", self.depth)
+        check_step_size(self.h)
+        check_eps(self.eps)
+        check_activation(self.activation)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
+        u = x.reshape(x.shape[0], -1)
+        n, L, batch = self.features, self.depth, u.shape[0]
+        per_layer = () if self.shared else (L,)
+        if self.stable:
+            R = self.param("R", _fc_init(self.eps), per_layer + (n, n), PARAM_DTYPE)
+            W = fc_state_matrix(R, self.eps)
+        else:
+            batch_axis = () if self.shared else (0,)
+            init = nn.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=batch_axis)
+            W = self.param("W", init, per_layer + (n, n), PARAM_DTYPE)
+        if self.nonautonomous:
+            drive = nn.Dense(n if self.shared else L * n, name="input")(u)
+            if not self.shared:
+                drive = jnp.moveaxis(drive.reshape(batch, L, n), 1, 0)  # (L, batch, n)
+            x = jnp.zeros((batch, n), jnp.result_type(drive, W))
+        else:
+            drive = self.param("b", nn.initializers.zeros, per_layer + (n,), PARAM_DTYPE)
+            x = nn.Dense(n, name="embed")(u)
+        act = ACTIVATIONS[self.activation]
+        states = []
+        for k in range(L):
+            W_k, d_k = (W, drive) if self.shared else (W[k], drive[k])
+            pre = x @ W_k.T + d_k
+            if self.batch_norm:
+                pre = _batch_norm(train, f"bn{k}")(pre)
+            x = x + self.h * act(pre)
+            states.append(x)
+        classifier = nn.Dense(self.num_classes, name="classifier")
+        if not return_aux:
+            return classifier(x)
+        states = jnp.stack(states)
+        step_logits = classifier(states)
+        return step_logits[-1], {
+            "step_logits": step_logits,
+            "trajectory": states,
+            "depth": jnp.full((1, batch), L, jnp.int32),
+        }
+
+
+class ResNetConvBlock(nn.Module):
+    """Single-convolution residual block ``x + relu(BN(conv(x)))``.
+
+    Where width or resolution changes, the shortcut is a strided 1x1
+    projection (``"shortcut"``). Parameters: ``"conv"``, ``"bn"``.
+    """
+
+    features: int
+    strides: int = 1
+    kernel_size: int = 3
+
+    @nn.compact
+    def __call__(self, x: Array, *, train: bool = False) -> Array:
+        s, k = self.strides, self.kernel_size
+        y = nn.Conv(self.features, (k, k), strides=(s, s), padding="SAME", use_bias=False,
+                    name="conv")(x)
+        y = nn.relu(_batch_norm(train, "bn")(y))
+        if s != 1 or x.shape[-1] != self.features:
+            x = nn.Conv(self.features, (1, 1), strides=(s, s), use_bias=False, name="shortcut")(x)
+        return x + y
+
+
+class ResNetConv(nn.Module):
+    """The paper's CIFAR ResNet baseline (one convolution per block, section 5.2).
+
+    ``stem`` -> ``"stem_bn"`` -> relu, stages of :class:`ResNetConvBlock`
+    (``"stage{i}_block{j}"``, stride 2 at the first block of every later
+    stage), global average pooling, ``"classifier"``. Each block is one step:
+    ``aux["trajectory"]`` holds ``(1, batch, H, W, C)`` per block.
+    """
+
+    num_classes: int = 10
+    stage_sizes: Sequence[int] = (18, 18, 18)
+    filters: Sequence[int] = (16, 32, 64)
+    kernel_size: int = 3
+
+    def __post_init__(self):
+        _check_positive_int("num_classes", self.num_classes)
+        _check_stages(self.stage_sizes, self.filters)
+        _check_kernel_size(self.kernel_size)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
+        x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, name="stem")(x)
+        x = nn.relu(_batch_norm(train, "stem_bn")(x))
+        states = []
+        for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):
+            for j in range(size):
+                strides = 2 if i > 0 and j == 0 else 1
+                x = ResNetConvBlock(
+                    width, strides=strides, kernel_size=self.kernel_size, name=f"stage{i}_block{j}"
+                )(x, train=train)
+                states.append(x[None])
+        logits = nn.Dense(self.num_classes, name="classifier")(jnp.mean(x, axis=(1, 2)))
+        if not return_aux:
+            return logits
+        depth = jnp.ones((len(states), x.shape[0]), jnp.int32)
+        return logits, {"trajectory": tuple(states), "depth": depth}
+
+
+# -------------------------------------------------------------------- aliases
+
+# Section 5.1: one NAIS block, K = 30, tanh; the state width (128) is our choice.
+NaisNetMNIST = functools.partial(NaisNetFC, num_classes=10, features=128, steps=30)
+NaisNetFCTiny = functools.partial(NaisNetFC, num_classes=3, features=6, steps=4)
+
+# Section 5.2: 3 stages x 18 blocks of 16/32/64 filters, ReLU, K = 1 or 10.
+_CIFAR = dict(stage_sizes=(18, 18, 18), filters=(16, 32, 64))
+NaisNetCifar1 = functools.partial(NaisNetConv, steps=1, **_CIFAR)
+NaisNetCifar10 = functools.partial(NaisNetConv, steps=10, **_CIFAR)
+ResNetCifar = functools.partial(ResNetConv, **_CIFAR)
+NaisNetConvTiny = functools.partial(
+    NaisNetConv, num_classes=3, stage_sizes=(1, 1), filters=(4, 8), steps=2
+)
+ResNetConvTiny = functools.partial(ResNetConv, num_classes=3, stage_sizes=(1, 1), filters=(4, 8))
+
+# Section 5.1's ablation: 30-layer ResNets with switches SH, NA, BN, Stable.
+ResNet = functools.partial(ResNetFC)
+ResNetSH = functools.partial(ResNetFC, shared=True)
+ResNetNA = functools.partial(ResNetFC, nonautonomous=True)
+ResNetBN = functools.partial(ResNetFC, batch_norm=True)
+ResNetSHNA = functools.partial(ResNetFC, shared=True, nonautonomous=True)
+ResNetSHBN = functools.partial(ResNetFC, shared=True, batch_norm=True)
+ResNetNABN = functools.partial(ResNetFC, nonautonomous=True, batch_norm=True)
+ResNetSHNABN = functools.partial(ResNetFC, shared=True, nonautonomous=True, batch_norm=True)
+ResNetSHStable = functools.partial(ResNetFC, shared=True, stable=True)
+
+# Paper label -> alias, in the paper's order of switches.
+RESNET_VARIANTS: dict[str, Callable[..., nn.Module]] = {
+    "ResNet": ResNet,
+    "ResNet-SH": ResNetSH,
+    "ResNet-NA": ResNetNA,
+    "ResNet-BN": ResNetBN,
+    "ResNet-SH-NA": ResNetSHNA,
+    "ResNet-SH-BN": ResNetSHBN,
+    "ResNet-NA-BN": ResNetNABN,
+    "ResNet-SH-NA-BN": ResNetSHNABN,
+    "ResNet-SH-Stable": ResNetSHStable,
+}
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "naisnet_mnist": NaisNetMNIST,
+    "naisnet_fc_tiny": NaisNetFCTiny,
+    "naisnet_cifar1": NaisNetCifar1,
+    "naisnet_cifar10": NaisNetCifar10,
+    "naisnet_conv_tiny": NaisNetConvTiny,
+    "resnet_cifar": ResNetCifar,
+    "resnet_conv_tiny": ResNetConvTiny,
+    **{label.lower().replace("-", "_"): alias for label, alias in RESNET_VARIANTS.items()},
+}
+
+
+def get_model(name: str, **overrides) -> nn.Module:
+    """``MODELS[name](**overrides)``; an unknown name raises ``ValueError`` listing them all."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(sorted(MODELS))}.")
+    return MODELS[name](**overrides)
