@@ -35,3 +35,8 @@ __all__ = [
     "spectral_radius",
     "spectral_radius_info",
 ]
+
+from .audit import SCHEMA, AuditOptions, audit  # noqa: E402
+from .cli import audit_and_report  # noqa: E402
+
+__all__ += ["SCHEMA", "AuditOptions", "audit", "audit_and_report"]
