@@ -238,3 +238,13 @@ def test_bad_conv_kernel_shapes_are_refused(shape, message):
 def test_mismatched_delta_is_refused():
     with pytest.raises(ValueError, match=r"delta must have shape \(3,\)"):
         nj.project_conv(jnp.zeros((3, 3, 3, 3)), jnp.zeros(2), eps=0.1, eta=0.5)
+
+
+def test_project_fc_huge_R_keeps_direction_without_overflow():
+    """A diverging optimiser can produce R whose R^T R overflows; the projection
+    still lands on the boundary with R's direction (float32, no x64 needed)."""
+    R = jnp.asarray(np.random.default_rng(8).standard_normal((4, 4)) * 1e30, jnp.float32)
+    P = np.asarray(nj.project_fc(R, eps=0.1), np.float64)
+    assert np.all(np.isfinite(P))
+    np.testing.assert_allclose(np.linalg.norm(P.T @ P, "fro"), 0.8, rtol=1e-5)
+    np.testing.assert_allclose(P / np.linalg.norm(P), np.asarray(R, np.float64) / np.linalg.norm(np.asarray(R, np.float64)), rtol=1e-5, atol=1e-7)

@@ -128,7 +128,7 @@ def restore(mngr, step: int | None = None, *, target: Any = None) -> tuple[Any, 
             raise CheckpointError(f"{where}: no checkpoint found.")
     meta = _read_metadata(mngr, step, f"{where} (step {step})")
     if target is not None:
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        target = jax.tree.map(lambda x: ocp.utils.to_shape_dtype_struct(jax.numpy.asarray(x)), target)
     try:
         state = mngr.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
@@ -171,7 +171,10 @@ def load(path: str, step: int | None = None) -> tuple[dict, dict]:
         mngr = manager(path, create=False)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{path}: not a checkpoint directory ({type(e).__name__}: {e}).") from e
-    if not mngr.all_steps():
-        raise CheckpointError(f"{path}: no checkpoint steps found (not a {FORMAT} checkpoint directory).")
-    state, meta = restore(mngr, step)
+    try:
+        if not mngr.all_steps():
+            raise CheckpointError(f"{path}: no checkpoint steps found (not a {FORMAT} checkpoint directory).")
+        state, meta = restore(mngr, step)
+    finally:
+        mngr.close()
     return jax.tree.map(np.asarray, state), meta

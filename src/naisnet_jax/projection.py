@@ -62,11 +62,17 @@ def project_fc(R: Array, *, eps: float, relaxed: bool = False) -> Array:
     delta = fc_delta(eps, relaxed)
     if R.ndim < 2:
         raise ValueError(f"R must have shape (..., r, n); got shape {R.shape}.")
-    gram = jnp.einsum("...ri,...rj->...ij", R, R, precision=jax.lax.Precision.HIGHEST)
-    norm = jnp.sqrt(jnp.sum(gram * gram, axis=(-2, -1), keepdims=True))
-    # ``where`` on the scale (not on R) keeps the feasible branch bit-exact.
-    scale = jnp.where(norm > delta, jnp.sqrt(delta / jnp.maximum(norm, delta)), 1.0)
-    return jnp.where(norm > delta, R * scale.astype(R.dtype), R)
+    # Work with R / max|R| so that ||R^T R||_F cannot overflow for huge R (a
+    # diverging optimiser); the projected point is the same, R's direction kept.
+    peak = jnp.max(jnp.abs(R), axis=(-2, -1), keepdims=True)
+    peak = jnp.where(peak > 0, peak, 1.0).astype(R.dtype)
+    unit = R / peak
+    gram = jnp.einsum("...ri,...rj->...ij", unit, unit, precision=jax.lax.Precision.HIGHEST)
+    unit_norm = jnp.sqrt(jnp.sum(gram * gram, axis=(-2, -1), keepdims=True))
+    norm = unit_norm * peak * peak  # ||R^T R||_F (may be inf; the comparison still holds)
+    projected = unit * jnp.sqrt(delta / jnp.maximum(unit_norm, jnp.finfo(R.dtype).tiny)).astype(R.dtype)
+    # ``where`` keeps the feasible branch bit-exact.
+    return jnp.where(norm > delta, projected, R)
 
 
 def project_conv(

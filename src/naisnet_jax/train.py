@@ -85,9 +85,9 @@ def validate_config(config) -> None:
     except (ValueError, TypeError):
         raise ValueError(f"config.eta={config.eta!r} is outside (eps, 1) = ({config.eps}, 1).") from None
     bounds = list(config.lr_boundaries_epochs)
-    if any(not isinstance(b, int) or b < 1 for b in bounds) or bounds != sorted(bounds):
+    if any(not isinstance(b, int) or b < 1 for b in bounds) or any(a >= b for a, b in zip(bounds, bounds[1:])):
         raise ValueError(
-            f"config.lr_boundaries_epochs={bounds!r} must be increasing positive epoch numbers."
+            f"config.lr_boundaries_epochs={bounds!r} must be strictly increasing positive epoch numbers."
         )
     for field in ("limit_train", "limit_test"):
         if config.get(field) is not None:
@@ -290,11 +290,16 @@ def _read_metrics(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _finite_or_none(value: float):
+    """JSON has no NaN: a figure that does not exist (no NAIS block) is logged as null."""
+    return value if math.isfinite(value) else None
+
+
 def _write_metrics(path, records):
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         for r in records:
-            f.write(json.dumps(r) + "\n")
+            f.write(json.dumps(r, allow_nan=False) + "\n")
     os.replace(tmp, path)
 
 
@@ -372,6 +377,7 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
             if not all(np.isfinite(v) for v in m.values()):
                 progress.close()
                 good = mngr.latest_step()
+                mngr.close()
                 raise TrainingDiverged(
                     f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)}); "
                     f"stopped. The last good checkpoint "
@@ -392,20 +398,35 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
             "train_accuracy": sums["accuracy"] / seen,
             "test_loss": float(test["loss"]),
             "test_accuracy": float(test["accuracy"]),
-            "rho_max": max_radius_bound(state.params, eps=config.eps, h=config.h),
+            "rho_max": _finite_or_none(max_radius_bound(state.params, eps=config.eps, h=config.h)),
             "epoch_seconds": time.time() - t0,
         }
         record["generalisation_gap"] = record["train_accuracy"] - record["test_accuracy"]
         for k in ("depth_mean", "depth_min", "depth_max"):
             if k in test:
                 record[k] = float(test[k])
+        params_finite = all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(jax.device_get(state.params)))
+        if not (params_finite and np.isfinite(record["test_loss"])):
+            progress.close()
+            good = mngr.latest_step()
+            mngr.close()
+            raise TrainingDiverged(
+                f"after epoch {epoch} (step {int(state.step)}) the "
+                + ("parameters are not finite" if not params_finite else f"test loss is {record['test_loss']}")
+                + "; stopped before saving. The last good checkpoint "
+                + (f"(step {good}) is kept in {mngr.directory}." if good is not None else "does not exist yet.")
+                + " Lower config.learning_rate or check the data."
+            )
+        # The record first: a crash between the two leaves a record that resume drops,
+        # never a checkpoint whose epoch has no record.
+        _write_metrics(metrics_path, _read_metrics(metrics_path) + [record])
         if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
             ckpt.save(mngr, int(state.step), _checkpoint_tree(state), dict(metadata, epoch=epoch))
-        _write_metrics(metrics_path, _read_metrics(metrics_path) + [record])
         progress.write(
             f"epoch {epoch}: train loss {record['train_loss']:.4f} acc {record['train_accuracy']:.4f} | "
             f"test loss {record['test_loss']:.4f} acc {record['test_accuracy']:.4f} | "
-            f"rho_max {record['rho_max']:.4f} | {record['epoch_seconds']:.1f}s"
+            f"rho_max {'n/a' if record['rho_max'] is None else format(record['rho_max'], '.4f')} | "
+            f"{record['epoch_seconds']:.1f}s"
         )
         last = record
     progress.close()

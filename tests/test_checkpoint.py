@@ -1,0 +1,351 @@
+"""Orbax checkpoints with metadata and digest: round trips, and every kind of damage refused.
+
+A damaged checkpoint must raise ``CheckpointError`` naming its directory, never return arrays
+that differ from what was saved, never raise some other exception, and never make training
+start again from scratch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pathlib
+import pickle
+import shutil
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from naisnet_jax import checkpoint as ckpt
+from naisnet_jax import train
+
+pytestmark = pytest.mark.filterwarnings(
+    # Orbax leaves asyncio tasks behind when a read fails; harmless, and out of our hands.
+    "ignore::pytest.PytestUnraisableExceptionWarning"
+)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the configs import `experiments.configs.default`
+    sys.path.insert(0, str(REPO))
+
+
+def sample_tree(seed=0):
+    """A tree shaped like training's: int32 step, float32 params, empty batch_stats, optax state."""
+    rng = np.random.default_rng(seed)
+    params = {
+        "block": {"R": rng.normal(size=(6, 6)).astype(np.float32),
+                  "input": {"kernel": rng.normal(size=(64, 6)).astype(np.float32),
+                            "bias": np.zeros(6, np.float32)}},
+        "classifier": {"kernel": rng.normal(size=(6, 10)).astype(np.float32)},
+    }
+    opt_state = optax.sgd(0.1, momentum=0.9).init(params)
+    opt_state = jax.tree.map(lambda x: x + 1.5, opt_state)  # not all zeros
+    return {"step": np.asarray(7, np.int32), "params": params, "batch_stats": {}, "opt_state": opt_state}
+
+
+def assert_trees_equal(a, b, *, structure=True):
+    a_leaves, a_def = jax.tree_util.tree_flatten(a)
+    b_leaves, b_def = jax.tree_util.tree_flatten(b)
+    if structure:
+        assert a_def == b_def
+    assert len(a_leaves) == len(b_leaves)
+    for x, y in zip(a_leaves, b_leaves):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x, y)
+
+
+def write_checkpoint(directory, tree=None, step=7, **metadata):
+    mngr = ckpt.manager(str(directory))
+    ckpt.save(mngr, step, sample_tree() if tree is None else tree, {"epoch": 3, "model": "m", **metadata})
+    mngr.close()
+    return pathlib.Path(directory)
+
+
+def files_under(directory):
+    return sorted(p for p in pathlib.Path(directory).rglob("*") if p.is_file())
+
+
+def flip_bytes(path, span=16):
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    for i in range(max(0, mid - span // 2), min(len(data), mid + span // 2)):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def assert_refused(directory, *, match=None):
+    """``checkpoint.load`` raises CheckpointError naming ``directory`` (resolved)."""
+    with pytest.raises(ckpt.CheckpointError) as info:
+        ckpt.load(str(directory))
+    message = str(info.value)
+    assert os.path.abspath(str(directory)) in message
+    if match is not None:
+        assert match in message, message
+    return message
+
+
+@pytest.fixture
+def no_pickle(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle used while reading a checkpoint")
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+
+
+# ----------------------------------------------------------------- round trips
+
+
+def test_save_load_round_trip_with_metadata(tmp_path, no_pickle):
+    tree = sample_tree()
+    write_checkpoint(tmp_path, tree, step=7, config={"eps": 0.01, "boundaries": [1, 2]})
+    state, meta = ckpt.load(str(tmp_path))
+    assert_trees_equal(state, tree, structure=False)  # NamedTuples come back as plain containers
+    assert state["batch_stats"] == {}
+    assert meta["format"] == ckpt.FORMAT and meta["format_version"] == ckpt.FORMAT_VERSION
+    assert meta["step"] == 7 and meta["epoch"] == 3 and meta["model"] == "m"
+    assert meta["config"] == {"eps": 0.01, "boundaries": [1, 2]}
+    assert meta["digest"] == ckpt.tree_digest(tree)
+    # The digest ignores container types: the plain-container tree digests like the original.
+    assert ckpt.tree_digest(state) == ckpt.tree_digest(tree)
+
+
+def test_restore_with_a_target_keeps_the_structure(tmp_path, no_pickle):
+    tree = sample_tree()
+    mngr = ckpt.manager(str(write_checkpoint(tmp_path, tree)))
+    target = jax.tree.map(np.zeros_like, tree)
+    state, meta = ckpt.restore(mngr, target=target)
+    mngr.close()
+    assert_trees_equal(state, tree)  # NamedTuples of the optax state included
+    assert meta["epoch"] == 3
+
+
+def test_load_a_step_directory_and_pick_steps(tmp_path):
+    mngr = ckpt.manager(str(tmp_path), max_to_keep=2)
+    for step in (1, 2, 3):
+        ckpt.save(mngr, step, sample_tree(seed=step), {"epoch": step})
+    mngr.close()
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2, 3]  # max_to_keep
+    assert ckpt.latest_step(str(tmp_path)) == 3
+    assert ckpt.latest_step(str(tmp_path / "missing")) is None
+    state, meta = ckpt.load(str(tmp_path / "2"))
+    assert meta["epoch"] == 2
+    assert_trees_equal(state, sample_tree(seed=2), structure=False)
+    assert ckpt.load(str(tmp_path), step=2)[1]["epoch"] == 2
+    assert ckpt.load(str(tmp_path))[1]["epoch"] == 3
+    with pytest.raises(ckpt.CheckpointError, match=str(tmp_path)):
+        ckpt.load(str(tmp_path), step=1)  # deleted by max_to_keep
+
+
+def test_metadata_that_is_not_json_is_refused_before_writing(tmp_path):
+    mngr = ckpt.manager(str(tmp_path))
+    with pytest.raises(TypeError):
+        ckpt.save(mngr, 1, sample_tree(), {"epoch": 1, "bad": object()})
+    assert mngr.all_steps() == [] and not any(tmp_path.iterdir())
+    mngr.close()
+
+
+# ----------------------------------------------------------------- damaged checkpoints
+
+
+def test_flipped_bytes_in_array_data_are_refused(tmp_path, no_pickle):
+    """(a) Each data file under ``<step>/state/``: corrupt it, then the load either fails with
+    CheckpointError or (for a file the reader never opens) returns exactly the saved arrays."""
+    tree = sample_tree()
+    source = write_checkpoint(tmp_path / "source", tree)
+    data_files = [p for p in files_under(source / "7" / "state") if p.parent.name == "d"]
+    assert data_files, "no array data files found under <step>/state/**/d/"
+    refused = 0
+    for i, path in enumerate(data_files):
+        copy = tmp_path / f"copy{i}"
+        shutil.copytree(source, copy)
+        flip_bytes(copy / path.relative_to(source))
+        try:
+            state, _ = ckpt.load(str(copy))
+        except ckpt.CheckpointError as e:
+            assert str(copy) in str(e)
+            refused += 1
+        else:
+            assert_trees_equal(state, tree, structure=False)
+    assert refused >= 1
+
+
+def test_wrong_digest_is_refused(tmp_path):
+    # Arrays intact, but they do not match the digest written with them (as when array bytes
+    # change in a way the storage layer cannot see).
+    source = write_checkpoint(tmp_path)
+    meta_file = source / "7" / "metadata" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["digest"] = "0" * 64
+    meta_file.write_text(json.dumps(meta))
+    assert_refused(source, match="digest")
+
+
+@pytest.mark.parametrize("relative", ["7/state/_METADATA", "7/state/manifest.ocdbt", "7/metadata/metadata"])
+def test_deleted_essential_file_is_refused(tmp_path, relative):
+    """(b) Deleting a file every read needs."""
+    source = write_checkpoint(tmp_path)
+    (source / relative).unlink()
+    assert_refused(source)
+
+
+def test_every_deleted_or_truncated_file_is_refused_or_harmless(tmp_path):
+    """(b) Any single file deleted or truncated: refused, or the exact saved arrays."""
+    tree = sample_tree()
+    source = write_checkpoint(tmp_path / "source", tree)
+    refused = 0
+    for i, path in enumerate(files_under(source / "7")):
+        for mode in ("delete", "truncate"):
+            copy = tmp_path / f"{mode}{i}"
+            shutil.copytree(source, copy)
+            target = copy / path.relative_to(source)
+            if mode == "delete":
+                target.unlink()
+            else:
+                target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+            try:
+                state, _ = ckpt.load(str(copy))
+            except ckpt.CheckpointError as e:
+                assert str(copy) in str(e)
+                refused += 1
+            else:
+                assert_trees_equal(state, tree, structure=False)
+    assert refused >= 4
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"\x00\xffnot json at all{{", "metadata"),
+        (b"", "metadata"),
+        (json.dumps({"format": "someone-else", "digest": "x"}).encode(), "not a naisnet-jax checkpoint"),
+        (json.dumps([1, 2, 3]).encode(), "not a naisnet-jax checkpoint"),
+        (json.dumps({"format": ckpt.FORMAT, "format_version": 99}).encode(), "format_version"),
+    ],
+    ids=["garbage", "empty", "foreign-format", "json-list", "future-version"],
+)
+def test_bad_metadata_is_refused(tmp_path, content, match):
+    """(c) The metadata JSON replaced with garbage, or a valid JSON that is not ours."""
+    source = write_checkpoint(tmp_path)
+    (source / "7" / "metadata" / "metadata").write_bytes(content)
+    assert_refused(source, match=match)
+
+
+def test_foreign_orbax_checkpoint_is_refused(tmp_path):
+    import orbax.checkpoint as ocp
+
+    mngr = ocp.CheckpointManager(str(tmp_path))
+    mngr.save(1, args=ocp.args.StandardSave(sample_tree()["params"]))
+    mngr.wait_until_finished()
+    mngr.close()
+    assert_refused(tmp_path, match="metadata")
+
+
+def test_directory_of_random_garbage_is_refused(tmp_path):
+    """(d) Random files, including a step-like numeric folder full of them."""
+    rng = np.random.default_rng(0)
+    for name in ("a.bin", "_CHECKPOINT_METADATA", "5/state/_METADATA", "5/metadata/metadata", "5/junk"):
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.bytes(200))
+    assert_refused(tmp_path)
+
+
+def test_empty_and_missing_directories_are_refused(tmp_path):
+    """(e) An empty directory, and one that does not exist."""
+    assert_refused(tmp_path)
+    assert_refused(tmp_path / "does-not-exist")
+    assert not (tmp_path / "does-not-exist").exists()  # loading creates nothing
+
+
+def test_a_step_with_uncommitted_partial_save_is_ignored(tmp_path):
+    # A save interrupted mid-write leaves Orbax's temporary folder; it is not a step.
+    tree = sample_tree()
+    source = write_checkpoint(tmp_path, tree)
+    partial = tmp_path / "9.orbax-checkpoint-tmp-1234567890"
+    shutil.copytree(source / "7", partial)
+    for path in files_under(partial / "state"):
+        path.write_bytes(b"")
+    state, meta = ckpt.load(str(tmp_path))
+    assert meta["step"] == 7
+    assert_trees_equal(state, tree, structure=False)
+
+
+def test_failed_restore_leaves_the_target_untouched(tmp_path):
+    source = write_checkpoint(tmp_path)
+    for path in files_under(source / "7" / "state"):
+        if path.parent.name == "d":
+            flip_bytes(path)
+    target = jax.tree.map(np.zeros_like, sample_tree())
+    before = jax.tree.map(np.copy, target)
+    mngr = ckpt.manager(str(source), create=False)
+    with pytest.raises(ckpt.CheckpointError, match=str(source)):
+        ckpt.restore(mngr, target=target)
+    mngr.close()
+    assert_trees_equal(target, before)
+
+
+# ----------------------------------------------------------------- training refuses them too
+
+
+@pytest.fixture(scope="module")
+def trained_workdir(tmp_path_factory):
+    """Two epochs of a tiny NAIS-Net on 128 digits: checkpoints at steps 2 and 4."""
+    config = tiny_config()
+    workdir = tmp_path_factory.mktemp("trained")
+    train.train_and_evaluate(config, str(workdir))
+    return workdir
+
+
+def tiny_config():
+    config = importlib.import_module("experiments.configs.digits_tiny").get_config()
+    config.limit_train, config.limit_test = 128, 64
+    config.batch_size, config.num_epochs, config.progress = 64, 2, False
+    config.model_kwargs.features, config.model_kwargs.steps = 4, 2
+    return config
+
+
+def corrupt_state_data(step_dir):
+    for path in files_under(step_dir / "state"):
+        if path.parent.name == "d":
+            flip_bytes(path)
+
+
+def garble_metadata(step_dir):
+    (step_dir / "metadata" / "metadata").write_bytes(b"\x89garbage")
+
+
+def delete_state_metadata(step_dir):
+    (step_dir / "state" / "_METADATA").unlink()
+
+
+@pytest.mark.parametrize("damage", [corrupt_state_data, garble_metadata, delete_state_metadata])
+def test_training_refuses_a_corrupt_latest_checkpoint(trained_workdir, tmp_path, damage, no_pickle):
+    workdir = tmp_path / "work"
+    shutil.copytree(trained_workdir, workdir)
+    checkpoints = workdir / train.CHECKPOINT_DIR
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4"]
+    damage(checkpoints / "4")
+    metrics_before = (workdir / train.METRICS_FILE).read_text()
+    config = tiny_config()
+    config.num_epochs = 3  # there is work left, so a silent restart would train
+    with pytest.raises(ckpt.CheckpointError) as info:
+        train.train_and_evaluate(config, str(workdir))
+    assert str(checkpoints) in str(info.value) and "step 4" in str(info.value)
+    # Nothing was trained, rewritten or deleted: no fallback to step 2 or to a fresh start.
+    assert (workdir / train.METRICS_FILE).read_text() == metrics_before
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4"]
+    # The intact earlier checkpoint still loads.
+    assert ckpt.load(str(checkpoints / "2"))[1]["epoch"] == 1
+
+
+def test_trained_checkpoint_loads_without_pickle(trained_workdir, no_pickle):
+    state, meta = ckpt.load(str(trained_workdir / train.CHECKPOINT_DIR))
+    assert meta["epoch"] == 2 and meta["step"] == 4 and meta["model"] == "naisnet_mnist"
+    assert set(state) == {"step", "params", "batch_stats", "opt_state"}
+    assert int(state["step"]) == 4

@@ -1,0 +1,491 @@
+"""Training end to end on tiny data: metrics, checkpoints, constraints, resume, divergence,
+config validation and the command line.
+
+Every run here is a tiny NAIS-Net (a handful of units, a few unroll steps) on a few hundred
+examples, so each ``train_and_evaluate`` costs about one XLA compilation. Subprocess tests that
+kill and restart training are marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from naisnet_jax import checkpoint as ckpt
+from naisnet_jax import train
+from naisnet_jax.projection import fc_delta
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the configs import `experiments.configs.default`
+    sys.path.insert(0, str(REPO))
+
+RECORD_FIELDS = {
+    "epoch", "step", "learning_rate", "train_loss", "train_accuracy", "test_loss",
+    "test_accuracy", "generalisation_gap", "rho_max", "epoch_seconds",
+}
+DEPTH_FIELDS = {"depth_mean", "depth_min", "depth_max"}
+PROJECTION_RTOL = 1e-5  # float32 parameters: ||R^T R||_F may exceed delta by round-off
+
+
+def get_config(name="digits_tiny", **overrides):
+    """An experiment config, shrunk: 256 train / 100 test digits, an 8-unit block, 3 steps."""
+    config = importlib.import_module(f"experiments.configs.{name}").get_config()
+    config.limit_train = 256
+    config.limit_test = 100  # not a multiple of eval_batch_size: the last eval batch is padded
+    config.batch_size = 64  # 4 steps per epoch
+    config.eval_batch_size = 64
+    config.steps_per_chunk = 3  # chunks of 3 and 1 steps
+    config.num_epochs = 2
+    config.progress = False
+    config.model_kwargs.features = 8
+    config.model_kwargs.steps = 3
+    for key, value in overrides.items():
+        config[key] = value
+    return config
+
+
+def read_metrics(workdir):
+    with open(os.path.join(workdir, train.METRICS_FILE)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def steps_of(workdir):
+    directory = os.path.join(workdir, train.CHECKPOINT_DIR)
+    return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+
+
+def assert_trees_equal(a, b):
+    a_leaves, a_def = jax.tree_util.tree_flatten(a)
+    b_leaves, b_def = jax.tree_util.tree_flatten(b)
+    assert a_def == b_def
+    for x, y in zip(a_leaves, b_leaves):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def assert_projection_bounds(params, *, eps):
+    """Every NAIS block of ``params`` lies in Algorithm 1's or 2's set (float64 numpy).
+
+    Dense: ``||R^T R||_F <= 1 - 2 eps``. Conv (HWIO ``(..., k, k, C, C)``): centre taps
+    ``-1 - delta_c`` and the other taps feeding channel ``c`` sum (in absolute value) to at most
+    ``1 - eps - |delta_c|``. Returns the number of blocks checked.
+    """
+    checked = 0
+
+    def visit(node):
+        nonlocal checked
+        if not hasattr(node, "items"):
+            return
+        if "R" in node:
+            R = np.asarray(node["R"], np.float64)
+            for Rk in R.reshape((-1,) + R.shape[-2:]):
+                assert np.linalg.norm(Rk.T @ Rk, "fro") <= fc_delta(eps) * (1 + PROJECTION_RTOL)
+            checked += 1
+        if "state_kernel" in node:
+            kernel = np.asarray(node["state_kernel"], np.float64)
+            k, c = kernel.shape[-4], kernel.shape[-1]
+            delta = np.asarray(node.get("delta", np.zeros(kernel.shape[:-4] + (c,))), np.float64)
+            centre = np.diagonal(kernel[..., k // 2, k // 2, :, :], axis1=-2, axis2=-1)
+            np.testing.assert_allclose(centre, -1.0 - delta, rtol=0, atol=1e-6)
+            others = np.abs(kernel).sum(axis=(-4, -3, -2)) - np.abs(centre)
+            assert np.all(others <= (1 - eps - np.abs(delta)) * (1 + PROJECTION_RTOL))
+            checked += 1
+        for value in node.values():
+            visit(value)
+
+    visit(params)
+    return checked
+
+
+def dense_rho(params, *, eps, h):
+    """max over dense blocks of rho(I + h A), A = -R^T R - eps I, from float64 eigenvalues."""
+    rhos = []
+    for node in _dense_nodes(params):
+        R = np.asarray(node["R"], np.float64)
+        for Rk in R.reshape((-1,) + R.shape[-2:]):
+            A = -Rk.T @ Rk - eps * np.eye(Rk.shape[1])
+            rhos.append(np.max(np.abs(np.linalg.eigvals(np.eye(len(A)) + h * A))))
+    return max(rhos)
+
+
+def _dense_nodes(node):
+    if hasattr(node, "items"):
+        if "R" in node:
+            yield node
+        for value in node.values():
+            yield from _dense_nodes(value)
+
+
+def reference_eval(result, config):
+    """Test loss and accuracy of the returned state, by numpy over the whole test split at once."""
+    from naisnet_jax import data
+
+    ds = data.load_dataset(config.dataset, limit_train=config.limit_train, limit_test=config.limit_test)
+    x = ((ds.test_images / 255.0 - result["mean"]) / result["std"]).astype(np.float32)
+    state = result["state"]
+    logits = np.asarray(state.apply_fn({"params": state.params}, x, train=False), np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    loss = -np.mean(logp[np.arange(len(x)), ds.test_labels])
+    accuracy = np.mean(np.argmax(logits, -1) == ds.test_labels)
+    return loss, accuracy
+
+
+def float_dtypes(tree):
+    dtypes = {np.dtype(x.dtype) for x in jax.tree.leaves(tree)}
+    return {d for d in dtypes if np.issubdtype(d, np.floating)}
+
+
+# ----------------------------------------------------------------- one shared uninterrupted run
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """Two uninterrupted epochs of the tiny digits config; reused by several tests."""
+    config = get_config()
+    workdir = str(tmp_path_factory.mktemp("uninterrupted"))
+    result = train.train_and_evaluate(config, workdir)
+    return config, workdir, result
+
+
+# ----------------------------------------------------------------- 1. end to end
+
+
+def test_metrics_records_every_documented_field(finished_run):
+    config, workdir, result = finished_run
+    records = read_metrics(workdir)
+    steps_per_epoch = config.limit_train // config.batch_size
+    assert [r["epoch"] for r in records] == [1, 2]
+    for r in records:
+        assert RECORD_FIELDS <= set(r), RECORD_FIELDS - set(r)
+        assert all(math.isfinite(r[k]) for k in RECORD_FIELDS)
+        assert r["step"] == r["epoch"] * steps_per_epoch
+        assert r["learning_rate"] == pytest.approx(config.learning_rate)
+        assert 0 <= r["train_accuracy"] <= 1 and 0 <= r["test_accuracy"] <= 1
+        assert r["generalisation_gap"] == pytest.approx(r["train_accuracy"] - r["test_accuracy"])
+        assert r["train_loss"] > 0 and r["test_loss"] > 0 and r["epoch_seconds"] >= 0
+        assert 0 < r["rho_max"] <= 1
+        if DEPTH_FIELDS & set(r):  # a fixed unroll reports its depth as K exactly
+            assert r["depth_min"] == r["depth_mean"] == r["depth_max"] == config.model_kwargs.steps
+    # The returned record is the last line of the log.
+    assert {k: result[k] for k in records[-1]} == records[-1]
+
+
+def test_test_metrics_match_an_independent_evaluation(finished_run):
+    config, workdir, result = finished_run
+    loss, accuracy = reference_eval(result, config)
+    # 100 examples = 64 + 36 in a padded batch; float32 division, so 1e-6 (one example is 1e-2)
+    assert result["test_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    assert result["test_loss"] == pytest.approx(loss, rel=1e-4)
+
+
+def test_final_params_satisfy_the_projection_and_rho_max_is_exact(finished_run):
+    config, _, result = finished_run
+    params = result["state"].params
+    assert assert_projection_bounds(params, eps=config.eps) == 1
+    rho = dense_rho(params, eps=config.eps, h=config.h)
+    assert rho <= 1
+    assert result["rho_max"] == pytest.approx(rho, rel=1e-6)
+
+
+def test_checkpoint_holds_the_final_state(finished_run):
+    config, workdir, result = finished_run
+    steps_per_epoch = config.limit_train // config.batch_size
+    assert steps_of(workdir) == [steps_per_epoch, 2 * steps_per_epoch]
+    state, meta = ckpt.load(os.path.join(workdir, train.CHECKPOINT_DIR))
+    assert meta["format"] == ckpt.FORMAT and meta["epoch"] == 2 and meta["step"] == 2 * steps_per_epoch
+    assert meta["model"] == config.model and meta["dataset"] == "digits" and meta["num_classes"] == 10
+    assert meta["model_kwargs"]["features"] == 8 and meta["eps"] == config.eps
+    assert int(state["step"]) == 2 * steps_per_epoch
+    assert_trees_equal(state["params"], jax.device_get(result["state"].params))
+
+
+def test_everything_trained_is_float32_even_with_x64(finished_run):
+    # conftest turns x64 on; inputs are float32, so params, optimiser state and logits must be too.
+    assert jax.config.jax_enable_x64
+    _, workdir, result = finished_run
+    state = result["state"]
+    assert float_dtypes(state.params) == {np.dtype(np.float32)}
+    assert float_dtypes(state.opt_state) <= {np.dtype(np.float32)}
+    stored, _ = ckpt.load(os.path.join(workdir, train.CHECKPOINT_DIR))
+    assert float_dtypes(stored) == {np.dtype(np.float32)}
+    x = np.zeros((2, 8, 8, 1), np.float32)
+    assert state.apply_fn({"params": state.params}, x, train=False).dtype == np.float32
+
+
+@pytest.mark.parametrize("model, model_kwargs, shape", [
+    ("naisnet_mnist", {"features": 8, "steps": 3}, (8, 8, 1)),
+    ("naisnet_conv_tiny", {}, (8, 8, 3)),
+])
+def test_train_step_computes_in_float32_with_x64(model, model_kwargs, shape):
+    # Under x64 only weakly typed scalar constants may be float64; no float64 array may appear.
+    import re
+
+    config = get_config(model=model)
+    config.model_kwargs = model_kwargs
+    model = train.build_model(config, 10)
+    state = jax.eval_shape(lambda: train.create_train_state(config, model, shape, 4))  # no compile
+    assert float_dtypes(state.params) == {np.dtype(np.float32)}
+    batch = (jax.ShapeDtypeStruct((4, *shape), np.float32), jax.ShapeDtypeStruct((4,), np.int32))
+    jaxpr = str(jax.make_jaxpr(train.train_step)(state, batch))
+    assert re.findall(r"f64\[\d[^\]]*\]", jaxpr) == []
+    new_state, metrics = jax.eval_shape(train.train_step, state, batch)
+    assert float_dtypes(new_state.params) == {np.dtype(np.float32)}
+    assert float_dtypes(new_state.opt_state) <= {np.dtype(np.float32)}
+
+
+def test_adaptive_depth_statistics(tmp_path):
+    config = get_config(num_epochs=1, adaptive_tol=1e-2, max_steps=6)
+    result = train.train_and_evaluate(config, str(tmp_path))
+    (record,) = read_metrics(tmp_path)
+    assert DEPTH_FIELDS <= set(record)
+    assert 1 <= record["depth_min"] <= record["depth_mean"] <= record["depth_max"] <= 6
+    assert record["depth_min"] == int(record["depth_min"]) and record["depth_max"] == int(record["depth_max"])
+    assert assert_projection_bounds(result["state"].params, eps=config.eps) == 1
+    assert record["rho_max"] <= 1
+
+
+def test_metrics_are_strict_json_for_a_baseline_without_nais_blocks(tmp_path):
+    # A ResNet baseline has no NAIS block, so it has no rho_max; the log must still be JSON that
+    # any reader accepts (NaN and Infinity are not JSON).
+    config = get_config(model="resnet_sh", num_epochs=1)
+    config.model_kwargs = {"features": 8, "depth": 3}
+    train.train_and_evaluate(config, str(tmp_path))
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    lines = (tmp_path / train.METRICS_FILE).read_text().splitlines()
+    (record,) = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert RECORD_FIELDS - {"rho_max"} <= set(record)
+    assert record.get("rho_max") is None
+
+
+# ----------------------------------------------------------------- 2. TFDS paths (mocked)
+
+
+@pytest.mark.parametrize(
+    "dataset, model, augment, model_kwargs",
+    [
+        ("mnist", "naisnet_fc_tiny", False, {}),
+        ("cifar10", "naisnet_conv_tiny", True, {"learn_delta": True}),
+    ],
+)
+def test_tfds_datasets_under_mock_data(tmp_path, dataset, model, augment, model_kwargs):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    config = get_config(
+        dataset=dataset, model=model, augment=augment, num_epochs=1, batch_size=8,
+        limit_train=None, limit_test=None, data_dir=str(tmp_path / "tfds"),
+    )
+    config.model_kwargs = dict(model_kwargs)
+    with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
+        result = train.train_and_evaluate(config, str(tmp_path / "work"))
+    (record,) = read_metrics(tmp_path / "work")
+    assert record["step"] == 2 and RECORD_FIELDS <= set(record)
+    assert all(math.isfinite(record[k]) for k in RECORD_FIELDS)
+    assert assert_projection_bounds(result["state"].params, eps=config.eps) >= 1
+    assert record["rho_max"] <= 1
+    _, meta = ckpt.load(str(tmp_path / "work" / train.CHECKPOINT_DIR))
+    assert meta["dataset"] == dataset and meta["num_classes"] == 10
+
+
+# ----------------------------------------------------------------- 3. resume
+
+
+def test_resume_matches_uninterrupted_training(finished_run, tmp_path):
+    config, dir_a, result_a = finished_run
+    dir_b = str(tmp_path)
+    first = train.train_and_evaluate(config, dir_b, stop_after_epochs=1)
+    assert first["epoch"] == 1 and [r["epoch"] for r in read_metrics(dir_b)] == [1]
+    result_b = train.train_and_evaluate(get_config(), dir_b)  # a fresh call, same config
+    assert result_b["epoch"] == 2
+
+    assert_trees_equal(jax.device_get(result_b["state"].params), jax.device_get(result_a["state"].params))
+    assert_trees_equal(jax.device_get(result_b["state"].opt_state), jax.device_get(result_a["state"].opt_state))
+    records_a, records_b = read_metrics(dir_a), read_metrics(dir_b)
+    assert [r["epoch"] for r in records_b] == [1, 2]
+    for ra, rb in zip(records_a, records_b):
+        ra.pop("epoch_seconds"), rb.pop("epoch_seconds")
+        assert ra == rb
+    assert steps_of(dir_b) == steps_of(dir_a)
+
+    # A third call on the finished workdir trains nothing and returns the last record.
+    again = train.train_and_evaluate(get_config(), dir_b)
+    assert again["epoch"] == 2 and again["test_accuracy"] == records_b[-1]["test_accuracy"]
+    assert [r["epoch"] for r in read_metrics(dir_b)] == [1, 2]
+    assert_trees_equal(jax.device_get(again["state"].params), jax.device_get(result_a["state"].params))
+
+
+class Crash(Exception):
+    """Stands in for the process dying at a chosen point."""
+
+
+def test_crash_right_after_a_checkpoint_keeps_every_metrics_record(tmp_path, monkeypatch):
+    # The process dies just after checkpoint 1 is committed (e.g. SIGKILL, power loss). The
+    # restarted run resumes at epoch 2, so the record of epoch 1 must already be on disk.
+    real_save = ckpt.save
+
+    def save_then_die(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise Crash
+
+    monkeypatch.setattr(ckpt, "save", save_then_die)
+    with pytest.raises(Crash):
+        train.train_and_evaluate(get_config(), str(tmp_path))
+    monkeypatch.setattr(ckpt, "save", real_save)
+    train.train_and_evaluate(get_config(), str(tmp_path))
+    assert [r["epoch"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def _cli(workdir, *flags):
+    return [
+        sys.executable, "-m", "naisnet_jax.train_cli",
+        f"--config={REPO / 'experiments/configs/digits_tiny.py'}", f"--workdir={workdir}",
+        "--config.model_kwargs.features=8", "--config.model_kwargs.steps=3", *flags,
+    ]
+
+
+@pytest.mark.slow
+def test_sigkill_then_restart_finishes_like_an_uninterrupted_run(tmp_path):
+    # Many short epochs; SIGKILL as soon as the first checkpoint is committed, which lands
+    # within the next epoch or two (possibly inside the metrics write or a later save).
+    flags = ["--config.num_epochs=25", "--config.batch_size=32", "--config.keep_checkpoints=2"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    proc = subprocess.Popen(_cli(killed, *flags), env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = killed / train.CHECKPOINT_DIR
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()):
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "training finished before it could be killed"
+    assert ckpt.load(str(checkpoints))[1]["epoch"] < 25
+
+    for workdir in (killed, clean):
+        out = subprocess.run(_cli(workdir, *flags), env=env, cwd=REPO, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "test accuracy" in out.stdout and "after epoch 25" in out.stdout
+        assert ("Resuming from" in out.stdout) == (workdir == killed)
+    assert [r["epoch"] for r in read_metrics(killed)] == list(range(1, 26))
+    state_k, meta_k = ckpt.load(str(killed / train.CHECKPOINT_DIR))
+    state_c, meta_c = ckpt.load(str(clean / train.CHECKPOINT_DIR))
+    assert meta_k["epoch"] == meta_c["epoch"] == 25
+    assert_trees_equal(state_k, state_c)
+    assert len(steps_of(killed)) <= 2  # keep_checkpoints is honoured across the restart
+
+
+# ----------------------------------------------------------------- 5. divergence
+
+
+def test_divergence_raises_and_keeps_the_last_good_checkpoint(tmp_path):
+    workdir = str(tmp_path)
+    train.train_and_evaluate(get_config(), workdir, stop_after_epochs=1)
+    good_state, good_meta = ckpt.load(os.path.join(workdir, train.CHECKPOINT_DIR))
+    # Resume with an absurd learning rate: within a few steps the float32 loss is inf or NaN.
+    with pytest.raises(train.TrainingDiverged) as info:
+        train.train_and_evaluate(get_config(learning_rate=1e37), workdir)
+    message = str(info.value)
+    assert "epoch 2" in message and ("nan" in message or "inf" in message)
+    assert "learning_rate" in message and f"step {good_meta['step']}" in message
+    assert steps_of(workdir) == [good_meta["step"]]  # nothing saved after the divergence
+    state, meta = ckpt.load(os.path.join(workdir, train.CHECKPOINT_DIR))
+    assert meta["epoch"] == 1
+    assert_trees_equal(state, good_state)
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state["params"]))
+    assert [r["epoch"] for r in read_metrics(workdir)] == [1]
+
+
+def test_divergence_in_the_last_step_of_an_epoch_is_not_checkpointed(tmp_path):
+    # One step per epoch: the step's loss (computed before its update) is finite, but the update
+    # (learning rate 1e38) leaves parameters whose logits are NaN. The epoch's test loss is NaN,
+    # so this epoch must not be saved as a good checkpoint nor logged as a finite record.
+    config = get_config(learning_rate=1e38, batch_size=256, num_epochs=1)
+    with pytest.raises(train.TrainingDiverged):
+        train.train_and_evaluate(config, str(tmp_path))
+    directory = tmp_path / train.CHECKPOINT_DIR
+    assert not directory.exists() or steps_of(tmp_path) == []
+
+
+# ----------------------------------------------------------------- 6. config validation
+
+
+BAD_VALUES = [
+    ("eps", 0.7), ("eps", 0.0), ("h", 0.0), ("h", 1.5), ("h", float("nan")),
+    ("batch_size", 0), ("batch_size", -3), ("learning_rate", -1.0), ("learning_rate", float("inf")),
+    ("momentum", 1.0), ("momentum", -0.1), ("weight_decay", -1e-4), ("lr_decay_factor", 0.0),
+    ("lr_boundaries_epochs", [3, 2]), ("lr_boundaries_epochs", [0]), ("num_epochs", 0),
+    ("eta", 0.001), ("model", "nope"), ("dataset", "nope"), ("limit_train", 0),
+    ("adaptive_tol", 0.0), ("steps_per_chunk", 0), ("checkpoint_every_epochs", 0),
+]
+
+
+@pytest.fixture
+def no_compilation(monkeypatch):
+    """Fail the test if anything is jitted or a train state is built."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compilation started before the config was refused")
+
+    monkeypatch.setattr(jax, "jit", refuse)
+    for name in ("make_train_chunk", "make_evaluate", "create_train_state"):
+        monkeypatch.setattr(train, name, refuse)
+
+
+@pytest.mark.parametrize("field, value", BAD_VALUES, ids=[f"{f}={v!r}" for f, v in BAD_VALUES])
+def test_bad_config_values_are_refused_before_compilation(tmp_path, no_compilation, field, value):
+    config = get_config()
+    config[field] = value
+    with pytest.raises(ValueError, match=rf"config\.{field}\b"):
+        train.train_and_evaluate(config, str(tmp_path / "work"))
+    assert not (tmp_path / "work").exists()  # refused before anything is written
+
+
+def test_unknown_model_kwargs_are_refused_before_compilation(tmp_path, no_compilation):
+    config = get_config()
+    config.model_kwargs.widht = 8
+    with pytest.raises(ValueError, match=r"config\.model_kwargs.*widht"):
+        train.train_and_evaluate(config, str(tmp_path))
+
+
+def test_batch_larger_than_the_dataset_is_refused_before_compilation(tmp_path, no_compilation):
+    config = get_config(batch_size=257)  # limit_train = 256
+    with pytest.raises(ValueError, match=r"config\.batch_size=257.*256"):
+        train.train_and_evaluate(config, str(tmp_path))
+
+
+# ----------------------------------------------------------------- 7. command line
+
+
+def test_cli_trains_and_prints_the_test_accuracy(tmp_path):
+    out = subprocess.run(
+        _cli(tmp_path, "--config.num_epochs=1", "--config.limit_train=256", "--config.limit_test=100"),
+        cwd=REPO, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (record,) = read_metrics(tmp_path)
+    assert f"test accuracy {record['test_accuracy']:.4f} after epoch 1" in out.stdout
+    assert steps_of(tmp_path) == [4]
+
+
+def test_cli_refuses_a_bad_value_with_exit_code_2(tmp_path):
+    out = subprocess.run(
+        _cli(tmp_path / "work", "--config.eps=0.7"),
+        cwd=REPO, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert out.returncode == 2
+    assert "config.eps=0.7" in out.stderr and "(0, 0.5)" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "work").exists()
