@@ -88,36 +88,48 @@ def table(report: dict) -> str:
 
 
 def block_figure(block: dict, h: float, path: str) -> None:
-    """Eigenvalues of ``I + h A`` in the complex plane with Gershgorin discs and the unit circle."""
+    """Eigenvalues of ``I + h A`` in the complex plane with the Gershgorin discs and
+    the unit circle: the whole picture on the left, a zoom on the spectrum on the right."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     p = block["parameter"]
-    fig, ax = plt.subplots(figsize=(4.8, 4.8))
-    t = np.linspace(0, 2 * np.pi, 400)
-    ax.plot(np.cos(t), np.sin(t), "k-", lw=0.8, label="unit circle")
-    if "_discs" in p:
-        centres, radii = p["_discs"]
-        for i, (c, r) in enumerate(zip(centres, radii)):
-            ax.add_patch(plt.Circle((float(np.real(c)), float(np.imag(c))), float(r), fill=True, alpha=0.08,
-                                    color="C0", label="Gershgorin discs" if i == 0 else None))
-    eig = p.get("_eigenvalues")
-    if eig is not None and len(eig):
-        eig = np.asarray(eig)
-        ax.plot(eig.real, eig.imag, "x", color="C3", ms=5,
-                label="eigenvalues" if p.get("_all_eigenvalues", True) else "dominant eigenvalue(s)")
-    ax.set_aspect("equal")
-    lim = 1.15
-    if "_discs" in p:
-        c, r = p["_discs"]
-        lim = max(lim, float(np.max(np.abs(np.asarray(c)) + np.asarray(r))) * 1.05)
-    ax.set(xlim=(-lim, lim), ylim=(-lim, lim), xlabel="Re", ylabel="Im",
-           title=f"{block['name']}: I + {h:g} A ({'certified' if block['certified'] else 'NOT certified'})")
-    ax.axhline(0, color="k", lw=0.3)
-    ax.axvline(0, color="k", lw=0.3)
-    ax.legend(loc="lower left", fontsize=8)
+    eig = np.asarray(p.get("_eigenvalues", []), dtype=complex)
+    discs = p.get("_discs")
+    t = np.linspace(0, 2 * np.pi, 2000)
+    fig, axes = plt.subplots(1, 2, figsize=(9.6, 4.6))
+    points = list(eig)
+    if discs is not None:
+        centres, radii = (np.asarray(v, dtype=float) for v in discs)
+        points += list(centres + radii) + list(centres - radii)
+    points = np.asarray(points if points else [1.0], dtype=complex)
+    for ax in axes:
+        ax.plot(np.cos(t), np.sin(t), "k-", lw=0.8, label="unit circle")
+        if discs is not None:
+            for i, (c, r) in enumerate(zip(*discs)):
+                ax.add_patch(plt.Circle((float(c), 0.0), float(r), fill=True, alpha=0.06, color="C0",
+                                        label="Gershgorin discs" if i == 0 else None))
+        if len(eig):
+            ax.plot(eig.real, eig.imag, "x", color="C3", ms=5,
+                    label="eigenvalues" if p.get("_all_eigenvalues", True) else "dominant eigenvalue(s)")
+        ax.axhline(0, color="k", lw=0.3)
+        ax.axvline(0, color="k", lw=0.3)
+        ax.set_aspect("equal")
+        ax.set(xlabel="Re", ylabel="Im")
+    lim = max(1.15, float(np.max(np.abs(points))) * 1.05)
+    axes[0].set(xlim=(-lim, lim), ylim=(-lim, lim))
+    focus = eig if len(eig) else points  # zoom on the spectrum itself
+    lo, hi = focus.real.min(), focus.real.max()
+    span = max(hi - lo, float(np.abs(focus.imag).max()) * 2, 1e-3) * 0.6
+    mid = (lo + hi) / 2
+    axes[1].set(xlim=(mid - span, mid + span), ylim=(-span, span), title="zoom on the eigenvalues")
+    axes[0].legend(loc="lower left", fontsize=8)
+    status = "certified" if block["certified"] else "NOT certified"
+    rho = p.get("rho_I_plus_hA")
+    fig.suptitle(f"{block['name']}: spectrum of I + {h:g} A"
+                 + (f", rho = {rho:.6f}" if rho is not None else "") + f" ({status})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
