@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy.optimize import linear_sum_assignment
 
-from naisnet_jax.verify import gershgorin as G
+from naisnet_jax.verify import bounds as G
 from naisnet_jax.verify import operators as O
 from naisnet_jax.verify import spectral as S
 

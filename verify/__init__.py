@@ -6,7 +6,7 @@ plain calls of a linear function), Gershgorin discs and infinity-norm bounds
 read off convolution kernels, exact spectra of periodic convolutions by FFT.
 """
 
-from .gershgorin import conv_inf_norm_bound, dense_gershgorin, gershgorin
+from .bounds import conv_inf_norm_bound, dense_gershgorin, gershgorin
 from .operators import conv_matrix, conv_operator, dense_operator, jacobian_operator, operator_matrix
 from .spectral import (
     ArnoldiResult,

@@ -60,10 +60,16 @@ def main(argv=None) -> None:
                         "inputs, 'none' to skip the data-driven checks")
     parser.add_argument("--data-dir", default=None, help="where that dataset lives")
     parser.add_argument("--sigma-min", type=float, default=1e-2, help="slope threshold of the unsaturated set P")
+    parser.add_argument("--jacobian-samples", type=int, default=1,
+                        help="conv blocks: trajectory Jacobians whose exact radius is computed (the worst by the "
+                        "inf-norm bound first)")
     args = parser.parse_args(argv)
     if args.samples < 1:
         parser.error(f"--samples={args.samples} must be a positive integer")
-    options = AuditOptions(samples=args.samples, data=args.data, data_dir=args.data_dir, sigma_min=args.sigma_min)
+    if args.jacobian_samples < 0:
+        parser.error(f"--jacobian-samples={args.jacobian_samples} must be >= 0")
+    options = AuditOptions(samples=args.samples, data=args.data, data_dir=args.data_dir, sigma_min=args.sigma_min,
+                           jacobian_samples=args.jacobian_samples)
     sys.exit(audit_and_report(args.checkpoint_dir, json_path=args.json, figures_dir=args.figures, options=options))
 
 
