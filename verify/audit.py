@@ -43,7 +43,7 @@ import numpy as np
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax.cell import activation_slope, conv_same
 from naisnet_jax.projection import CONV_DELTA_KEY, CONV_KERNEL_KEY, FC_KEY, fc_delta, iter_state_blocks
-from naisnet_jax.stability import effective_state_kernel, kernel_gershgorin
+from naisnet_jax.stability import conv_block_figures, effective_state_kernel, kernel_gershgorin
 
 from .operators import conv_operator, jacobian_operator, operator_matrix
 from .spectral import spectral_radius_info
@@ -338,7 +338,7 @@ def _conv_parameters(kernel, delta, *, eps, eta, h, rel_tol, learn_delta: bool) 
     budget = 1 - eps - np.abs(d)
     ok_radius = bool(np.all(radii <= budget * (1 + rel_tol) + 1e-12))
     ok_delta = bool(np.all(np.abs(d) <= 1 - eta + 1e-12)) if learn_delta else True
-    bound = float(np.max(np.abs(1 + h * centres) + h * radii))
+    bound = conv_block_figures(kernel, h=h)["inf_norm_bound_I_plus_hA"]
     return {
         "condition": "per channel c: centre = -1 - delta_c, radius_c <= 1 - eps - |delta_c|"
         + (", |delta_c| <= 1 - eta" if learn_delta else ""),

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from naisnet_jax.stability import conv_block_figures
+
 Array = jax.Array
 
 
@@ -41,17 +43,12 @@ def _check_state_kernel(kernel) -> None:
         )
 
 
-def _discs(kernel, xp):
+def _discs(kernel):
     k, c = kernel.shape[-4], kernel.shape[-1]
     p = (k - 1) // 2
-    centres = xp.diagonal(kernel[..., p, p, :, :], axis1=-2, axis2=-1)
-    centre_taps = xp.zeros((k, k, c, c), dtype=bool)
-    if xp is np:
-        centre_taps[p, p] = np.eye(c, dtype=bool)
-    else:
-        centre_taps = centre_taps.at[p, p].set(jnp.eye(c, dtype=bool))
-    off = xp.where(centre_taps, 0, xp.abs(kernel))
-    radii = off.sum(axis=(-4, -3, -2))
+    centres = jnp.diagonal(kernel[..., p, p, :, :], axis1=-2, axis2=-1)
+    centre_taps = jnp.zeros((k, k, c, c), dtype=bool).at[p, p].set(jnp.eye(c, dtype=bool))
+    radii = jnp.where(centre_taps, 0, jnp.abs(kernel)).sum(axis=(-4, -3, -2))
     return centres, radii
 
 
@@ -66,7 +63,7 @@ def gershgorin(kernel) -> tuple[Array, Array]:
     """
     kernel = jnp.asarray(kernel)
     _check_state_kernel(kernel)
-    return _discs(kernel, jnp)
+    return _discs(kernel)
 
 
 def conv_inf_norm_bound(kernel, h: float = 1.0) -> float:
@@ -85,8 +82,7 @@ def conv_inf_norm_bound(kernel, h: float = 1.0) -> float:
         raise ValueError(f"h must be in (0, 1]; got {h}")
     kernel = np.asarray(kernel, dtype=np.float64)
     _check_state_kernel(kernel)
-    centres, radii = _discs(kernel, np)
-    return float(np.max(np.abs(1.0 + h * centres) + h * radii))
+    return conv_block_figures(kernel, h=h)["inf_norm_bound_I_plus_hA"]
 
 
 def dense_gershgorin(A) -> tuple[Array, Array]:
