@@ -460,6 +460,16 @@ def test_unknown_model_kwargs_are_refused_before_compilation(tmp_path, no_compil
         train.train_and_evaluate(config, str(tmp_path))
 
 
+@pytest.mark.parametrize("field", ["h", "eps"])
+def test_model_kwargs_may_not_shadow_the_config_fields(tmp_path, no_compilation, field):
+    """eps and h live once, at the top level: the projection, the model and the
+    checkpoint metadata (read by the verifier) must agree."""
+    config = get_config()
+    config.model_kwargs[field] = 0.25
+    with pytest.raises(ValueError, match=rf"config\.model_kwargs sets \['{field}'\]; set config\.{field}"):
+        train.train_and_evaluate(config, str(tmp_path))
+
+
 def test_batch_larger_than_the_dataset_is_refused_before_compilation(tmp_path, no_compilation):
     config = get_config(batch_size=257)  # limit_train = 256
     with pytest.raises(ValueError, match=r"config\.batch_size=257.*256"):

@@ -36,7 +36,7 @@ __all__ = [
     "spectral_radius_info",
 ]
 
-from .audit import SCHEMA, AuditOptions, audit  # noqa: E402
+from .certify import SCHEMA, AuditOptions, audit  # noqa: E402
 from .cli import audit_and_report  # noqa: E402
 
 __all__ += ["SCHEMA", "AuditOptions", "audit", "audit_and_report"]

@@ -13,7 +13,7 @@ import sys
 
 from naisnet_jax.checkpoint import CheckpointError
 
-from .audit import AuditOptions, audit
+from .certify import AuditOptions, audit
 from .report import block_figure, figure_name, table, write_json
 
 

@@ -11,8 +11,10 @@ Certificate schema (``"schema": "naisnet-jax-certificate/1"``), top level:
   ``parameter`` (the projection condition, its figures, ``rho_I_plus_hA``)
   and, with data, ``trajectory`` (``rho_J_max``, ``unsaturated_fraction``,
   ``states_in_P_fraction``, ``rho_bar_theorem``, ``rho_bar_measured``,
-  ``gamma_theorem``, ``gamma_measured``, ``io_gain_measured``, and for tanh
-  blocks ``equilibrium``).
+  ``gamma_theorem`` and ``gamma_measured`` (the paper's ``h ||B|| / (1 - rho_bar)``
+  with either rho_bar), ``gamma_bound`` (a gain proved on the visited region,
+  infinite when saturated units leave no margin), ``io_gain_measured`` and
+  ``io_gain_within_bound``, and for tanh blocks ``equilibrium``).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def _fmt(v, spec=".6f"):
 
 def table(report: dict) -> str:
     """A plain-text table, one row per block."""
-    head = ["block", "kind", "condition", "rho(I+hA)", "bound", "max rho(J) data", "unsat", "gamma", "status"]
+    head = ["block", "kind", "condition", "rho(I+hA)", "bound", "max rho(J) data", "unsat", "gain", "gamma", "status"]
     rows = []
     for b in report["blocks"]:
         p, t = b["parameter"], b.get("trajectory", {})
@@ -71,6 +73,7 @@ def table(report: dict) -> str:
             _fmt(bound, ".4f"),
             _fmt(t.get("rho_J_max")),
             "-" if "unsaturated_fraction" not in t else f"{100 * t['unsaturated_fraction']:.1f}%",
+            _fmt(t.get("io_gain_measured"), ".3g"),
             _fmt(t.get("gamma_measured"), ".3g"),
             "certified" if b["certified"] else "NOT certified",
         ])
@@ -82,7 +85,8 @@ def table(report: dict) -> str:
     out.append(f"{verdict}: {report['reason']}  ({report['summary']['certified_blocks']}/"
                f"{report['summary']['blocks']} blocks; data: {report['data']['source']}; "
                f"{report.get('seconds', 0):.1f} s on {report['device']})")
-    bound_note = "bound: ||R^T R||_F for dense blocks, the Gershgorin bound on ||I + hA||_inf for conv blocks"
+    bound_note = ("bound: ||R^T R||_F for dense blocks, the Gershgorin bound on ||I + hA||_inf for conv blocks; "
+                  "gain: measured input-output gain; gamma: h ||B|| / (1 - rho_bar) with the measured rho_bar")
     out.append(bound_note)
     return "\n".join(out)
 

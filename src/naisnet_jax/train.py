@@ -101,8 +101,14 @@ def model_kwargs(config) -> dict:
     eps, h and the adaptive settings, where the model takes them."""
     kwargs = dict(config.model_kwargs)
     accepted = {f.name for f in dataclasses.fields(models.MODELS[config.model].func)}
+    shadowed = sorted(set(kwargs) & {"eps", "eta", "h", "adaptive_tol", "max_steps"})
+    if shadowed:  # one source of truth: the projection and the checkpoint use config's
+        raise ValueError(
+            f"config.model_kwargs sets {shadowed}; set config.{shadowed[0]} instead (the projection "
+            f"and the checkpoint metadata read the top-level fields)."
+        )
     for field in ("eps", "eta", "h", "adaptive_tol", "max_steps"):
-        if field in accepted and config.get(field) is not None and field not in kwargs:
+        if field in accepted and config.get(field) is not None:
             kwargs[field] = config[field]
     unknown = set(kwargs) - accepted
     if unknown:

@@ -13,7 +13,8 @@ For each block the audit computes, in float64:
 * **gains and equilibria** — the contraction factor (the theorem's worst case
   for the observed slopes, and the measured one), the input-output gain
   ``gamma = h ||B|| / (1 - rho_bar)`` next to the gain measured under random
-  input perturbations, and for tanh blocks the equilibrium
+  input perturbations (and a gain bound proved on the visited states), and
+  for tanh blocks the equilibrium
   ``x* = -A^{-1}(B u + b)``, the residual of the unrolled state against it and
   the contraction ``||x_k - x*|| <= c^k ||x_0 - x*||`` in a norm where the proof
   holds (energy norm ``sqrt(e^T (-A) e)`` for dense blocks — the 2-norm is also
@@ -36,6 +37,7 @@ import platform
 import time
 from typing import Any
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,6 +126,11 @@ def _inputs(meta: dict, options: AuditOptions) -> tuple[np.ndarray, str]:
     from naisnet_jax import data as data_lib
 
     name = options.data or meta["dataset"]
+    if name not in data_lib.DATASET_NAMES:
+        raise ckpt.CheckpointError(
+            f"dataset {name!r} is unknown (valid: {', '.join(data_lib.DATASET_NAMES)}); "
+            f"pass --data=random or --data=none"
+        )
     data_dir = options.data_dir or meta.get("config", {}).get("data_dir")
     ds = data_lib.load_dataset(name, data_dir=data_dir, limit_test=options.samples)
     images = ds.test_images[: options.samples].astype(np.float64) / 255.0
@@ -254,7 +261,14 @@ def _dense_trajectory(R, rec: _BlockRecord, *, eps, h, activation, options) -> d
     Bs = np.moveaxis(kernel.reshape(kernel.shape[0], K, n), 1, 0) if untied else kernel[None]
     b_norm = max(np.linalg.norm(Bk, 2) for Bk in Bs)
     out.update(_gains(out, b_norm, h, norm="2"))
-    out["io_gain_measured"] = _dense_io_gain(As, Bs, rec, K=K, h=h, activation=activation, options=options)
+    gain, sigma_both = _dense_io_gain(As, Bs, rec, K=K, h=h, activation=activation, options=options)
+    # Proved on the visited region: in the energy norm ||e||_M (M = -A) a step
+    # contracts by c (see _dense_equilibrium) and the input adds at most
+    # h sqrt(lam_max) ||B|| ||w||; back to the 2-norm costs sqrt(lam_max / lam_min).
+    c = _energy_contraction(h, sigma_both, lam_min_M, lam_max_M)
+    out["gamma_bound"] = float(h * b_norm * np.sqrt(lam_max_M / lam_min_M) / (1 - c)) if c < 1 else float("inf")
+    out["io_gain_measured"] = gain
+    out["io_gain_within_bound"] = bool(gain <= out["gamma_bound"] * (1 + 1e-9))
     if activation == "tanh" and not untied:
         out["equilibrium"] = _dense_equilibrium(As[0], drive, X, pre, h=h, lam_min=lam_min_M, lam_max=lam_max_M)
     return out
@@ -271,8 +285,15 @@ def _gains(out: dict, b_norm: float, h: float, *, norm: str) -> dict:
     }
 
 
-def _dense_io_gain(As, Bs, rec, *, K, h, activation, options) -> float:
-    """``max ||x_K(u + w) - x_K(u)||_2 / ||w||_2`` over the sample, ``w`` random and small."""
+def _energy_contraction(h: float, sigma: float, lam_min: float, lam_max: float) -> float:
+    """Per-step contraction of ``e -> (I + h D A) e`` in the energy norm for diagonal
+    ``D`` in ``[sigma, 1]`` (``lam_*``: extreme eigenvalues of ``M = -A``)."""
+    return float(np.sqrt(max(0.0, 1 - h * (2 - h * lam_max) * sigma * lam_min))) if h * lam_max < 2 else 1.0
+
+
+def _dense_io_gain(As, Bs, rec, *, K, h, activation, options) -> tuple[float, float]:
+    """``max ||x_K(u + w) - x_K(u)||_2 / ||w||_2`` over the sample, ``w`` random and
+    small; and the smallest activation slope met on either trajectory."""
     from naisnet_jax.cell import ACTIVATIONS
 
     act = ACTIVATIONS[activation]
@@ -284,13 +305,16 @@ def _dense_io_gain(As, Bs, rec, *, K, h, activation, options) -> float:
     batch, n = u.shape[0], As[0].shape[0]
     untied = len(As) > 1
     x, xp = np.zeros((batch, n)), np.zeros((batch, n))
+    slope_min = np.inf
     for k in range(K):
         A = As[k] if untied else As[0]
         d = drive.reshape(batch, K, n)[:, k] if untied else drive
         dw = w @ (Bs[k] if untied else Bs[0])
-        x = x + h * np.asarray(act(x @ A.T + d))
-        xp = xp + h * np.asarray(act(xp @ A.T + d + dw))
-    return float(np.max(np.linalg.norm(xp - x, axis=1) / np.linalg.norm(w, axis=1)))
+        pre, pre_p = x @ A.T + d, xp @ A.T + d + dw
+        slope_min = min(slope_min, float(np.min(activation_slope(activation, jnp.asarray(np.stack([pre, pre_p]))))))
+        x = x + h * np.asarray(act(pre))
+        xp = xp + h * np.asarray(act(pre_p))
+    return float(np.max(np.linalg.norm(xp - x, axis=1) / np.linalg.norm(w, axis=1))), slope_min
 
 
 def _dense_equilibrium(A, drive, X, pre, *, h, lam_min, lam_max) -> dict:
@@ -310,7 +334,7 @@ def _dense_equilibrium(A, drive, X, pre, *, h, lam_min, lam_max) -> dict:
     z = pre  # A e_k, since A x* + drive = 0
     secant = np.where(np.abs(z) > 1e-12, np.tanh(z) / np.where(np.abs(z) > 1e-12, z, 1), 1.0)
     sigma = float(secant.min())
-    c = float(np.sqrt(max(0.0, 1 - h * (2 - h * lam_max) * sigma * lam_min)))
+    c = _energy_contraction(h, sigma, lam_min, lam_max)
     k = np.arange(E.shape[0])[:, None]
     slack = 1e-9 * energy[0].max() + 1e-12
     energy_ok = bool(np.all(energy <= c ** k * energy[0][None] + slack))
@@ -402,8 +426,10 @@ def _conv_trajectory(kernel, rec: _BlockRecord, *, eps, h, activation, options, 
         radii.append(res.radius)
     out["rho_J_sampled"] = [float(r) for r in radii]
     out["rho_J_max"] = float(max(radii)) if radii else None
+    # worst ||I + h diag(s) A||_inf over s in [sigma, 1] (each row is convex in s, so an
+    # end point wins): <= 1 - h sigma eps when Algorithm 2's condition holds, a bound always
     sigma = max(out["slope_min"], options.sigma_min)
-    out["rho_bar_theorem"] = float(1 - h * sigma * eps)  # ||J||_inf <= 1 - h sigma eps (conv Lemma)
+    out["rho_bar_theorem"] = _conv_row_bound(kernels, h, sigma)
     out["rho_bar_measured"] = out["inf_norm_J_max"]  # a norm: contraction factor along the data
     # ||B||_inf of the input convolution (times the drive normalisation's scale)
     D = _f64(rec.input_params["kernel"])
@@ -412,13 +438,24 @@ def _conv_trajectory(kernel, rec: _BlockRecord, *, eps, h, activation, options, 
         b_rows = b_rows * np.abs(rec.input_params["drive_scale"])
     b_norm = float(b_rows.max())
     out.update(_gains(out, b_norm, h, norm="inf"))
-    out["io_gain_measured"] = _conv_io_gain(kernels, drives, rec, K=K, h=h, activation=activation, options=options)
+    gain, sigma_both = _conv_io_gain(kernels, drives, rec, K=K, h=h, activation=activation, options=options)
+    # Proved on the visited region: ||dx_{k+1}||_inf <= q ||dx_k||_inf + h ||B w||_inf
+    q = _conv_row_bound(kernels, h, sigma_both)
+    out["gamma_bound"] = float(h * b_norm / (1 - q)) if q < 1 else float("inf")
+    out["io_gain_measured"] = gain
+    out["io_gain_within_bound"] = bool(gain <= out["gamma_bound"] * (1 + 1e-9))
     if activation == "tanh" and not untied:
         out["equilibrium"] = _conv_equilibrium(kernels[0], drive, X, pre, h=h, eps=eps)
     return out
 
 
-def _conv_io_gain(kernels, drives, rec, *, K, h, activation, options) -> float:
+def _conv_row_bound(kernels, h: float, sigma: float) -> float:
+    """``max over s in {sigma, 1}`` of the kernel's row bound on ``||I + h s A||_inf``."""
+    centres, radii = kernel_gershgorin(np.asarray(kernels))
+    return float(max(np.max(np.abs(1 + h * s * centres) + h * s * radii) for s in (sigma, 1.0)))
+
+
+def _conv_io_gain(kernels, drives, rec, *, K, h, activation, options) -> tuple[float, float]:
     """``max ||x_K(u + w) - x_K(u)||_inf / ||w||_inf``: ``w`` enters through the
     input convolution (and the drive normalisation's scale), which are linear."""
     from naisnet_jax.cell import ACTIVATIONS
@@ -443,13 +480,15 @@ def _conv_io_gain(kernels, drives, rec, *, K, h, activation, options) -> float:
     def run(extra):
         def body(x, inputs):
             kernel, d, e = inputs
-            return x + h * act(conv_same(x, kernel, precision=_HIGHEST) + d + e), None
+            pre = conv_same(x, kernel, precision=_HIGHEST) + d + e
+            return x + h * act(pre), jnp.min(activation_slope(activation, pre))
 
-        return jax.lax.scan(body, jnp.zeros(drives.shape[1:], jnp.float64), (kernels, drives, extra))[0]
+        x, slopes = jax.lax.scan(body, jnp.zeros(drives.shape[1:], jnp.float64), (kernels, drives, extra))
+        return x, jnp.min(slopes)
 
-    delta = run(dw) - run(jnp.zeros_like(dw))
-    gain = jnp.max(jnp.abs(delta), axis=(1, 2, 3)) / jnp.max(jnp.abs(w), axis=(1, 2, 3))
-    return float(jnp.max(gain))
+    (xp, sp), (x, s0) = run(dw), run(jnp.zeros_like(dw))
+    gain = jnp.max(jnp.abs(xp - x), axis=(1, 2, 3)) / jnp.max(jnp.abs(w), axis=(1, 2, 3))
+    return float(jnp.max(gain)), float(jnp.minimum(sp, s0))
 
 
 def _conv_equilibrium(kernel, drive, X, pre, *, h, eps) -> dict:
@@ -479,9 +518,10 @@ def _conv_equilibrium(kernel, drive, X, pre, *, h, eps) -> dict:
     z = np.asarray(pre)
     secant = np.where(np.abs(z) > 1e-12, np.tanh(z) / np.where(np.abs(z) > 1e-12, z, 1), 1.0)
     sigma = float(secant.min())
-    c = 1 - h * sigma * eps
+    c = _conv_row_bound(kernel, h, sigma)
     k = jnp.arange(E.shape[0])[:, None]
-    error_bound = float(res) / eps
+    q = _conv_row_bound(kernel, 1.0, 1.0)  # ||I + A||_inf: the fixed-point map's contraction
+    error_bound = float(res) / (1 - q) if q < 1 else float("inf")
     ok = bool(jnp.all(inf <= c ** k * inf[0][None] + 2 * error_bound + 1e-12))
     scale = jnp.max(jnp.abs(x_star), axis=(1, 2, 3)).clip(1e-12)
     return {
@@ -519,16 +559,20 @@ def _baseline_blocks(params, batch_stats, records, h, key) -> list[dict]:
         W = _f64(params["W"])
         Ws = W.reshape((-1,) + W.shape[-2:])
         layers = max(len(Ws), sum(1 for k in params if k.startswith("bn")))
-        radii = []
+        radii, Js = [], []
         for k in range(layers):
             Wk = Ws[k % len(Ws)]
             g = _bn_scale(batch_stats, params, f"bn{k}")
             Jk = np.eye(len(Wk)) + h * (Wk if g is None else g[:, None] * Wk)
             radii.append(spectral_radius_info(Jk, method="dense").radius)
+            Js.append(Jk)
+        J = Js[int(np.argmax(radii))]  # the figure shows the worst layer
         blocks.append({
             "name": "W", "kind": "dense-baseline", "reason": reason,
             "parameter": {"layers": layers, "rho_I_plus_hA": float(max(radii)),
-                          "rho_per_layer": [float(r) for r in radii]},
+                          "rho_per_layer": [float(r) for r in radii],
+                          "_eigenvalues": np.linalg.eigvals(J),
+                          "_discs": (np.diag(J), np.abs(J).sum(axis=1) - np.abs(np.diag(J)))},
         })
     for name, node in params.items():
         if not (isinstance(node, dict) and "conv" in node):
@@ -548,6 +592,9 @@ def _baseline_blocks(params, batch_stats, records, h, key) -> list[dict]:
                 "rho_I_plus_hA": float(res.radius), "rho_method": res.method,
                 "rho_converged": bool(res.converged),
                 "inf_norm_bound_I_plus_hA": float(np.max(np.abs(1 + c) + r)),
+                "_discs": (1 + c.reshape(-1), r.reshape(-1)),
+                "_eigenvalues": np.array([res.eigenvalue, np.conj(res.eigenvalue)]),
+                "_all_eigenvalues": False,
             })
         blocks.append(entry)
     for b in blocks:
@@ -568,10 +615,23 @@ def audit(checkpoint_dir: str, options: AuditOptions = AuditOptions(), *, step: 
     t0 = time.time()
     with jax.enable_x64(True), jax.default_matmul_precision("highest"):
         state, meta = ckpt.load(checkpoint_dir, step=step)
+        _check_metadata(state, meta)
         report = _audit_loaded(state, meta, options, progress=progress)
     report["checkpoint"]["path"] = str(checkpoint_dir)
     report["seconds"] = time.time() - t0
     return report
+
+
+_REQUIRED_METADATA = ("model", "model_kwargs", "num_classes", "input_shape", "dataset",
+                      "channel_mean", "channel_std", "eps", "h")
+
+
+def _check_metadata(state, meta: dict) -> None:
+    missing = [k for k in _REQUIRED_METADATA if k not in meta]
+    if missing:
+        raise ckpt.CheckpointError(f"the checkpoint's metadata lacks {missing}; it was not written by naisnet-jax's trainer.")
+    if not isinstance(state, dict) or "params" not in state:
+        raise ckpt.CheckpointError("the checkpoint holds no 'params' tree.")
 
 
 def _audit_loaded(state: dict, meta: dict, options: AuditOptions, *, progress: bool) -> dict:
@@ -581,14 +641,27 @@ def _audit_loaded(state: dict, meta: dict, options: AuditOptions, *, progress: b
     variables = {"params": params}
     if batch_stats:
         variables["batch_stats"] = jax.tree.map(_f64, batch_stats)
-    eps, h = float(meta["eps"]), float(meta["h"])
-    eta, relaxed = float(meta.get("eta", 0.5)), bool(meta.get("relaxed", False))
+    # the network runs with the model's own eps, h (which training sets from the config)
+    eps, h = float(getattr(model, "eps", meta["eps"])), float(getattr(model, "h", meta["h"]))
+    eta, relaxed = float(getattr(model, "eta", meta.get("eta", 0.5))), bool(meta.get("relaxed", False))
+    for field, used in (("eps", eps), ("h", h)):
+        if not np.isclose(float(meta[field]), used, rtol=1e-12, atol=0):
+            raise ckpt.CheckpointError(
+                f"the metadata's {field}={meta[field]} disagrees with the model's {field}={used} "
+                f"(model_kwargs); the network runs with the latter."
+            )
     activation = getattr(model, "activation", "relu")
     learn_delta = bool(getattr(model, "learn_delta", False))
     key = jax.random.PRNGKey(options.seed)
 
     inputs, source = _inputs(meta, options)
-    records, _ = _record_forward(model, variables, jnp.asarray(inputs))
+    try:
+        records, _ = _record_forward(model, variables, jnp.asarray(inputs))
+    except (flax.errors.FlaxError, TypeError, ValueError) as e:
+        raise ckpt.CheckpointError(
+            f"the checkpoint's arrays do not fit the model its metadata describes "
+            f"({meta['model']}, {meta['model_kwargs']}): {type(e).__name__}: {e}"
+        ) from e
     use_data = options.data != "none"
     report: dict[str, Any] = {
         "schema": SCHEMA,
