@@ -499,3 +499,12 @@ def test_cli_refuses_a_bad_value_with_exit_code_2(tmp_path):
     assert "config.eps=0.7" in out.stderr and "(0, 0.5)" in out.stderr
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "work").exists()
+
+
+def test_resuming_with_another_model_says_what_differs(tmp_path):
+    config = get_config(num_epochs=1)
+    train.train_and_evaluate(config, str(tmp_path))
+    other = get_config(num_epochs=2)
+    other.model_kwargs.features = 4
+    with pytest.raises(ValueError, match=r"holds checkpoints of model naisnet_mnist .*'features': 8.*'features': 4"):
+        train.train_and_evaluate(other, str(tmp_path))

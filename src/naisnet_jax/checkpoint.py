@@ -112,6 +112,15 @@ def _read_metadata(mngr, step: int, where: str) -> dict:
     return meta
 
 
+def read_metadata(mngr, step: int | None = None) -> dict:
+    """The metadata of ``step`` (default: the latest); raises :class:`CheckpointError`."""
+    if step is None:
+        step = mngr.latest_step()
+        if step is None:
+            raise CheckpointError(f"{mngr.directory}: no checkpoint found.")
+    return _read_metadata(mngr, step, f"{mngr.directory} (step {step})")
+
+
 def restore(mngr, step: int | None = None, *, target: Any = None) -> tuple[Any, dict]:
     """Restore ``(state, metadata)`` at ``step`` (default: the latest).
 

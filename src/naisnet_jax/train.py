@@ -289,6 +289,17 @@ def _restore_into(state: TrainState, tree: dict) -> TrainState:
     )
 
 
+def _check_same_model(meta: dict, config, directory) -> None:
+    """Resuming with another model would fail as a shape mismatch; say what differs."""
+    theirs = (meta.get("model"), meta.get("model_kwargs"))
+    ours = (config.model, json.loads(json.dumps(model_kwargs(config))))
+    if theirs != ours:
+        raise ValueError(
+            f"{directory} holds checkpoints of model {theirs[0]} with {theirs[1]}, but config.model="
+            f"{ours[0]} with {ours[1]}: use another workdir, or the checkpoint's config, to resume."
+        )
+
+
 def _read_metrics(path):
     if not os.path.exists(path):
         return []
@@ -341,6 +352,7 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
     metrics_path = os.path.join(workdir, METRICS_FILE)
     start_epoch = 1
     if mngr.latest_step() is not None:
+        _check_same_model(ckpt.read_metadata(mngr), config, mngr.directory)
         tree, meta = ckpt.restore(mngr, target=_checkpoint_tree(state))
         state = _restore_into(state, tree)
         start_epoch = int(meta["epoch"]) + 1
@@ -382,14 +394,7 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
             m = jax.device_get(m)
             if not all(np.isfinite(v) for v in m.values()):
                 progress.close()
-                good = mngr.latest_step()
-                mngr.close()
-                raise TrainingDiverged(
-                    f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)}); "
-                    f"stopped. The last good checkpoint "
-                    + (f"(step {good}) is kept in {mngr.directory}." if good is not None else "does not exist yet.")
-                    + " Lower config.learning_rate or check the data."
-                )
+                _diverged(mngr, f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)})")
             for k in sums:
                 sums[k] += float(m[k]) * rows.shape[0]
             seen += rows.shape[0]
@@ -414,15 +419,8 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
         params_finite = all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(jax.device_get(state.params)))
         if not (params_finite and np.isfinite(record["test_loss"])):
             progress.close()
-            good = mngr.latest_step()
-            mngr.close()
-            raise TrainingDiverged(
-                f"after epoch {epoch} (step {int(state.step)}) the "
-                + ("parameters are not finite" if not params_finite else f"test loss is {record['test_loss']}")
-                + "; stopped before saving. The last good checkpoint "
-                + (f"(step {good}) is kept in {mngr.directory}." if good is not None else "does not exist yet.")
-                + " Lower config.learning_rate or check the data."
-            )
+            what = "the parameters are not finite" if not params_finite else f"the test loss is {record['test_loss']}"
+            _diverged(mngr, f"after epoch {epoch} (step {int(state.step)}) {what}")
         # The record first: a crash between the two leaves a record that resume drops,
         # never a checkpoint whose epoch has no record.
         _write_metrics(metrics_path, _read_metrics(metrics_path) + [record])
@@ -438,6 +436,17 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
     progress.close()
     mngr.close()
     return dict(last, state=state, mean=mean, std=std, test_data=test_data)
+
+
+def _diverged(mngr, what: str):
+    """Stop without saving: close the manager, keep the last good checkpoint."""
+    good = mngr.latest_step()
+    mngr.close()
+    raise TrainingDiverged(
+        f"{what}; stopped before saving. The last good checkpoint "
+        + (f"(step {good}) is kept in {mngr.directory}." if good is not None else "does not exist yet.")
+        + " Lower config.learning_rate or check the data."
+    )
 
 
 class _NoProgress:
