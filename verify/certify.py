@@ -690,12 +690,9 @@ def _audit_loaded(state: dict, meta: dict, options: AuditOptions, *, progress: b
         rec = records.get(tuple(path))
         if rec is not None and rec.input_params is None:
             rec.input_params = dict(node.get("input", {}))
-            norm = node.get("drive_norm")
-            if norm is not None:  # eval-mode BatchNorm: scale gamma / sqrt(var + eps)
-                stats = _get_path(variables.get("batch_stats", {}), path + ("drive_norm",))
-                from naisnet_jax.models import BN_EPSILON
-
-                rec.input_params["drive_scale"] = _f64(norm["scale"]) / np.sqrt(_f64(stats["var"]) + BN_EPSILON)
+            if "drive_norm" in node:  # eval-mode BatchNorm multiplies the drive by gamma / sqrt(var + eps)
+                stats = _get_path(variables.get("batch_stats", {}), path)
+                rec.input_params["drive_scale"] = _bn_scale(stats, node, "drive_norm")
         block_key = jax.random.fold_in(key, i)
         if FC_KEY in node:
             entry = {"name": name, "kind": "dense",
