@@ -50,7 +50,7 @@ def test_conv_step_matches_numpy():
     np.testing.assert_allclose(out, ref, rtol=1e-12)
 
 
-@pytest.mark.parametrize("h", [0.0, -0.5, 1.5, float("nan")])
+@pytest.mark.parametrize("h", [0.0, -0.5, 1.5, float("nan"), np.float32(1.5), np.asarray(0.0)])
 def test_bad_step_size_is_refused(h):
     with pytest.raises(ValueError, match=r"outside \(0, 1\]"):
         nj.fc_step(jnp.zeros((1, 2)), jnp.zeros((1, 2)), -jnp.eye(2), h=h)

@@ -26,6 +26,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -46,7 +47,10 @@ def check_activation(activation: str) -> str:
 
 def check_step_size(h: float) -> float:
     """``h`` must lie in (0, 1]: the stability proofs need ``h <= 1``."""
-    if isinstance(h, (int, float)) and not (0.0 < h <= 1.0 and math.isfinite(h)):
+    if isinstance(h, jax.core.Tracer):  # a traced h cannot be checked here
+        return h
+    value = float(np.asarray(h)) if np.ndim(h) == 0 else None
+    if value is None or not (0.0 < value <= 1.0 and math.isfinite(value)):
         raise ValueError(f"step size h={h!r} is outside (0, 1].")
     return h
 
