@@ -9,7 +9,6 @@ WORKDIR ?= runs/demo
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _importable():
     """Run from a checkout without installing: src/ on the path, verify/ as naisnet_jax.verify."""
-    sys.path.insert(0, os.path.join(ROOT, "src"))
+    sys.path[:0] = [os.path.join(ROOT, "src"), ROOT]
     import naisnet_jax
 
     if not any(os.path.isdir(os.path.join(p, "verify")) for p in naisnet_jax.__path__):
