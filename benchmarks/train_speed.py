@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -78,14 +80,23 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=50, help="steps per timed chunk")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     _importable()
     import jax
 
     os.makedirs(args.out, exist_ok=True)
+    if args.one:  # one model per process: the device's peak-memory counter never resets
+        row = bench(args.one, steps=args.steps, batch=args.batch, repeats=args.repeats)
+        with open(os.path.join(args.out, f"train_speed_{args.one}.json"), "w") as f:
+            json.dump(row, f)
+        return
     rows = []
     for name in args.models.split(","):
-        rows.append(bench(name, steps=args.steps, batch=args.batch, repeats=args.repeats))
+        subprocess.run([sys.executable, __file__, f"--one={name}", f"--out={args.out}", f"--steps={args.steps}",
+                        f"--batch={args.batch}", f"--repeats={args.repeats}"], check=True)
+        with open(os.path.join(args.out, f"train_speed_{name}.json")) as f:
+            rows.append(json.load(f))
         with open(os.path.join(args.out, "train_speed.json"), "w") as f:
             json.dump(rows, f, indent=2)
     device = jax.devices()[0]
