@@ -59,18 +59,6 @@ SAMPLES = 16  # inputs per audit: digits test images
 BN_EPSILON = 1e-5  # flax BatchNorm's epsilon as the models use it (independent constant)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_threaded_blas():
-    """Multi-threaded OpenBLAS next to XLA's CPU threads runs eigvals ~30x slower on small CPUs."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        yield
-        return
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
-
-
 # ------------------------------------------------------------------ numpy references
 
 

@@ -19,18 +19,6 @@ from naisnet_jax.verify import spectral as S
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_threaded_blas():
-    """Multi-threaded OpenBLAS next to XLA's CPU threads runs eigvals ~30x slower on small CPUs."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        yield
-        return
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
-
-
 SHAPES = [(c, k, hw) for c in (1, 2, 3) for k in (3, 5) for hw in (5, 6, 7)]
 
 
