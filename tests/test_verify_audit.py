@@ -22,7 +22,6 @@ import contextlib
 import functools
 import importlib
 import io
-import itertools
 import json
 import os
 import pathlib
@@ -42,6 +41,7 @@ from naisnet_jax import data as data_lib
 from naisnet_jax import models
 from naisnet_jax.projection import fc_delta, project_conv, project_fc, project_params
 from naisnet_jax.verify import AuditOptions, audit, cli, report
+from references import loop_conv_matrix, rho
 
 # the audit lives in naisnet_jax.verify.certify:
 AU = importlib.import_module("naisnet_jax.verify.certify")
@@ -60,25 +60,6 @@ BN_EPSILON = 1e-5  # flax BatchNorm's epsilon as the models use it (independent 
 
 
 # ------------------------------------------------------------------ numpy references
-
-
-def loop_conv_matrix(kernel, height, width):
-    """Plain-loop matrix of the stride-1 SAME cross-correlation, row-major (H, W, C) vectors."""
-    kernel = np.asarray(kernel, np.float64)
-    k, _, c_in, c_out = kernel.shape
-    p = (k - 1) // 2
-    M = np.zeros((height * width * c_out, height * width * c_in))
-    for y, x, a, b in itertools.product(range(height), range(width), range(k), range(k)):
-        yy, xx = y + a - p, x + b - p
-        if not (0 <= yy < height and 0 <= xx < width):
-            continue
-        r, q = (y * width + x) * c_out, (yy * width + xx) * c_in
-        M[r : r + c_out, q : q + c_in] += kernel[a, b].T
-    return M
-
-
-def rho(M) -> float:
-    return float(np.max(np.abs(np.linalg.eigvals(np.asarray(M, np.float64)))))
 
 
 def centre_set(kernel, delta):

@@ -5,7 +5,6 @@ Soundness: the kernel Gershgorin bound is never below the true radius of I + hA,
 spectra agree with that reference. Teeth: unstable kernels are reported unstable.
 """
 
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -16,31 +15,11 @@ from scipy.optimize import linear_sum_assignment
 from naisnet_jax.verify import bounds as G
 from naisnet_jax.verify import operators as O
 from naisnet_jax.verify import spectral as S
+from references import loop_conv_matrix, rho
 
 
 
 SHAPES = [(c, k, hw) for c in (1, 2, 3) for k in (3, 5) for hw in (5, 6, 7)]
-
-
-def loop_conv_matrix(kernel, height, width, circular=False):
-    """Plain-loop matrix of the stride-1 cross-correlation, row-major (H, W, C) flattening."""
-    kernel = np.asarray(kernel, np.float64)
-    k, _, c_in, c_out = kernel.shape
-    p = (k - 1) // 2
-    M = np.zeros((height * width * c_out, height * width * c_in))
-    for y, x, a, b in itertools.product(range(height), range(width), range(k), range(k)):
-        yy, xx = y + a - p, x + b - p
-        if circular:
-            yy, xx = yy % height, xx % width
-        elif not (0 <= yy < height and 0 <= xx < width):
-            continue
-        r, q = (y * width + x) * c_out, (yy * width + xx) * c_in
-        M[r : r + c_out, q : q + c_in] += kernel[a, b].T
-    return M
-
-
-def rho(M):
-    return float(np.max(np.abs(np.linalg.eigvals(M))))
 
 
 def random_kernel(rng, c, k, off_sum, centre=(-2.0, 0.3)):

@@ -45,7 +45,7 @@ import numpy as np
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax.cell import activation_slope, conv_same
 from naisnet_jax.projection import CONV_DELTA_KEY, CONV_KERNEL_KEY, FC_KEY, fc_delta, iter_state_blocks
-from naisnet_jax.stability import conv_block_figures, effective_state_kernel, kernel_gershgorin
+from naisnet_jax.stability import conv_block_figures, dense_block_figures, effective_state_kernel, kernel_gershgorin
 
 from .operators import conv_operator, jacobian_operator, operator_matrix
 from .spectral import spectral_radius_info
@@ -188,29 +188,25 @@ def _dense_parameters(R: np.ndarray, *, eps: float, h: float, relaxed: bool, rel
     """Algorithm 1's condition and the exact spectrum of ``I + h A`` (per step if untied)."""
     delta = fc_delta(eps, relaxed)
     Rs = R.reshape((-1,) + R.shape[-2:])
-    frob, lam_lo, lam_hi, rho, rho_eigvals = [], [], [], [], []
-    for Rk in Rs:
-        A = -Rk.T @ Rk - eps * np.eye(Rk.shape[1])
-        lam = np.linalg.eigvalsh(A)
-        frob.append(np.linalg.norm(Rk.T @ Rk, "fro"))
-        lam_lo.append(lam.min())
-        lam_hi.append(lam.max())
-        rho.append(np.max(np.abs(1 + h * lam)))
-        # independent check with the general (non-symmetric) eigen-solver
-        rho_eigvals.append(spectral_radius_info(np.eye(len(A)) + h * A, method="dense").radius)
+    figures = dense_block_figures(R, eps=eps, h=h)  # symmetric eigen-solver, worst over steps
+    # independent check with the general (non-symmetric) eigen-solver
+    rho_eigvals = [
+        spectral_radius_info(np.eye(Rk.shape[1]) + h * (-Rk.T @ Rk - eps * np.eye(Rk.shape[1])), method="dense").radius
+        for Rk in Rs
+    ]
     A0 = -Rs[0].T @ Rs[0] - eps * np.eye(Rs.shape[-1])
     J0 = np.eye(len(A0)) + h * A0
     discs = (np.diag(J0), np.abs(J0).sum(axis=1) - np.abs(np.diag(J0)))
     interval = (1 - h * (2 * (1 - eps) + eps) if relaxed else 1 - h * (1 - eps), 1 - h * eps)
-    ok = max(frob) <= delta * (1 + rel_tol)
+    ok = figures["frobenius_RtR"] <= delta * (1 + rel_tol)
     return {
         "condition": f"||R^T R||_F <= delta = {'2(1 - eps)' if relaxed else '1 - 2 eps'} = {delta:.6g}",
-        "frobenius_RtR": float(max(frob)),
+        "frobenius_RtR": figures["frobenius_RtR"],
         "delta": float(delta),
         "condition_holds": bool(ok),
-        "eig_A": [float(min(lam_lo)), float(max(lam_hi))],
+        "eig_A": [figures["eig_A_min"], figures["eig_A_max"]],
         "lemma_interval_I_plus_hA": [float(interval[0]), float(interval[1])],
-        "rho_I_plus_hA": float(max(rho)),
+        "rho_I_plus_hA": figures["rho_I_plus_hA"],
         "rho_I_plus_hA_eigvals": float(max(rho_eigvals)),
         "_eigenvalues": np.linalg.eigvals(J0),
         "_discs": discs,
