@@ -2,7 +2,7 @@
 each block unrolled 10 times), 450 epochs, learning rate divided by 10 at
 epochs 150, 250 and 350, with 4-pixel pad-and-crop and flip augmentation."""
 
-from experiments.configs import default
+from naisnet_jax.configs import default
 
 
 def get_config():

@@ -1,6 +1,6 @@
 """A seconds-long run on scikit-learn's bundled 8x8 digits (tests, smoke runs)."""
 
-from experiments.configs import default
+from naisnet_jax.configs import default
 
 
 def get_config():

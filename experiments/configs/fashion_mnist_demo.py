@@ -7,7 +7,7 @@ the first epoch; h = 0.1 keeps them O(1) and reaches ~85% test accuracy in two
 epochs on two CPU cores.
 """
 
-from experiments.configs import default
+from naisnet_jax.configs import default
 
 
 def get_config():

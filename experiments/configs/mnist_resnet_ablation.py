@@ -4,7 +4,7 @@ the names in naisnet_jax.models.MODELS (resnet, resnet_sh, ..., resnet_sh_stable
 MNIST comes through tensorflow-datasets from a prepared data_dir (see
 naisnet_jax.data.load_tfds for how to prepare it)."""
 
-from experiments.configs import default
+from naisnet_jax.configs import default
 
 
 def get_config():

@@ -12,7 +12,7 @@ from ml_collections import config_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics (resumed if present).")
-config_flags.DEFINE_config_file("config", None, "A get_config() file, e.g. experiments/configs/default.py.", lock_config=True)
+config_flags.DEFINE_config_file("config", None, "A get_config() file, e.g. src/naisnet_jax/configs/default.py.", lock_config=True)
 flags.mark_flags_as_required(["config", "workdir"])
 
 

@@ -1,6 +1,8 @@
 """Default config: the paper's FC NAIS-Net (one block, K = 30) on Fashion-MNIST.
 
-Every other config imports this one and overrides only what differs.
+Every other config (``experiments/configs/*.py``) imports this one with
+``from naisnet_jax.configs import default`` and overrides only what differs, so configs
+load from any directory once the package is installed.
 """
 
 import ml_collections

@@ -1,0 +1,1 @@
+"""Configs shipped with the package; every experiment config starts from ``default.get_config()``."""
