@@ -39,6 +39,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from naisnet_jax import probe
 from naisnet_jax.cell import ACTIVATIONS, check_activation, check_step_size, conv_step, fc_step
 from naisnet_jax.parametrize import check_eps, conv_state_kernel, fc_state_matrix
 from naisnet_jax.projection import check_eta, project_conv, project_fc
@@ -225,8 +226,13 @@ class NaisDenseBlock(nn.Module):
             step, xs = functools.partial(step, drive=drive, A=A), None
         x, depth, states = _unroll_block(
             step, x0, steps=K, xs=xs, adaptive_tol=self.adaptive_tol,
-            max_steps=self.max_steps, train=train, trajectory=return_aux,
+            max_steps=self.max_steps, train=train, trajectory=return_aux or probe.auditing(self),
         )
+        if probe.auditing(self):
+            probe.sow_block(self, kind="dense", activation=self.activation, h=self.h, eps=self.eps,
+                            untied=self.untied, operator=A, factor=R, u=u, x0=x0, states=states,
+                            drive=xs[0] if self.untied else drive,
+                            input_kernel=self.variables["params"]["input"]["kernel"])
         return _block_output(x, depth, states, return_aux)
 
 
@@ -308,8 +314,16 @@ class NaisConvBlock(nn.Module):
             step, xs = functools.partial(step, drive=drive, kernel=kernel), None
         x, depth, states = _unroll_block(
             step, x0, steps=K, xs=xs, adaptive_tol=self.adaptive_tol,
-            max_steps=self.max_steps, train=train, trajectory=return_aux,
+            max_steps=self.max_steps, train=train, trajectory=return_aux or probe.auditing(self),
         )
+        if probe.auditing(self):
+            probe.sow_block(self, kind="conv", activation=self.activation, h=self.h, eps=self.eps,
+                            eta=self.eta, untied=self.untied, learn_delta=self.learn_delta,
+                            operator=kernel, factor=delta, u=u, x0=x0, states=states,
+                            drive=xs[0] if self.untied else drive, input_stride=self.strides,
+                            input_kernel=self.variables["params"]["input"]["kernel"],
+                            input_scale=probe.batch_norm_multiplier(self, "drive_norm")
+                            if self.normalize_drive else None)
         return _block_output(x, depth, states, return_aux)
 
 
@@ -467,6 +481,14 @@ class ResNetFC(nn.Module):
         check_step_size(self.h)
         check_eps(self.eps)
         check_activation(self.activation)
+        if self.stable and self.batch_norm:
+            raise ValueError(
+                "stable=True with batch_norm=True is refused: BatchNorm inside the dynamics makes "
+                "the Jacobian I + h diag(g act') A with g = gamma / sqrt(var + eps), a data-dependent "
+                "scale the projection does not control (var = 1e-4 gives g ~ 95 and rho ~ 68), so "
+                "no stability guarantee holds. Use batch_norm=False (NAIS-Net normalises only where "
+                "the dimension changes)."
+            )
         super().__post_init__()
 
     @nn.compact
@@ -489,6 +511,7 @@ class ResNetFC(nn.Module):
         else:
             drive = self.param("b", nn.initializers.zeros, per_layer + (n,), PARAM_DTYPE)
             x = nn.Dense(n, name="embed")(u)
+        x0 = x
         act = ACTIVATIONS[self.activation]
         states = []
         for k in range(L):
@@ -498,6 +521,8 @@ class ResNetFC(nn.Module):
                 pre = _batch_norm(train, f"bn{k}")(pre)
             x = x + self.h * act(pre)
             states.append(x)
+        if probe.auditing(self):
+            self._sow_probe(u, W, drive, x0, jnp.stack(states))
         classifier = nn.Dense(self.num_classes, name="classifier")
         if not return_aux:
             return classifier(x)
@@ -508,6 +533,22 @@ class ResNetFC(nn.Module):
             "trajectory": states,
             "depth": jnp.full((1, batch), L, jnp.int32),
         }
+
+    def _sow_probe(self, u, W, drive, x0, states):
+        """The residual map's weights for the verifier (stable: a dense NAIS-type block)."""
+        variables, batch = self.variables["params"], u.shape[0]
+        common = dict(activation=self.activation, h=self.h, untied=not self.shared, u=u, x0=x0,
+                      states=states, operator=W)
+        if not self.stable:
+            scale = None
+            if self.batch_norm:
+                scale = jnp.stack([probe.batch_norm_multiplier(self, f"bn{k}") for k in range(self.depth)])
+            probe.sow_block(self, kind="dense-baseline", scale=scale, **common)
+            return
+        if drive.ndim == W.ndim - 1:  # autonomous: the bias b, one per pattern
+            drive = jnp.broadcast_to(drive[..., None, :], drive.shape[:-1] + (batch, drive.shape[-1]))
+        probe.sow_block(self, kind="dense", eps=self.eps, factor=variables["R"], drive=drive,
+                        input_kernel=variables["input"]["kernel"] if self.nonautonomous else None, **common)
 
 
 class ResNetConvBlock(nn.Module):
@@ -527,7 +568,12 @@ class ResNetConvBlock(nn.Module):
         y = nn.Conv(self.features, (k, k), strides=(s, s), padding="SAME", use_bias=False,
                     name="conv")(x)
         y = nn.relu(_batch_norm(train, "bn")(y))
-        if s != 1 or x.shape[-1] != self.features:
+        square = s == 1 and x.shape[-1] == self.features
+        if probe.auditing(self):
+            probe.sow_block(self, kind="conv-baseline", activation="relu", h=1.0, square=square, u=x,
+                            operator=self.variables["params"]["conv"]["kernel"],
+                            scale=probe.batch_norm_multiplier(self, "bn"))
+        if not square:
             x = nn.Conv(self.features, (1, 1), strides=(s, s), use_bias=False, name="shortcut")(x)
         return x + y
 

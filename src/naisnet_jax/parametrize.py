@@ -25,9 +25,32 @@ from naisnet_jax.cell import check_state_kernel_shape
 Array = jax.Array
 
 
+EPS_MIN = 1e-6
+"""Smallest ``eps`` accepted anywhere (configs, models, projections).
+
+The parameters run in float32, whose resolution near 1 is ``2^-24 ~ 6e-8``
+(half an ulp of 1). ``eps`` is the margin that keeps ``A = -R^T R - eps I``
+negative definite and the conv budget ``1 - eps - |delta|`` below 1, and it is
+added to numbers of size up to 1: the diagonal of ``R^T R`` (at most
+``||R^T R||_F <= 1``) and the centre tap ``-1 - delta``. Below about ten ulps
+the shift is lost in rounding: at ``eps = 1e-8`` the float32
+``-R^T R - eps I`` of a wide ``R`` (fewer rows than columns) has
+``rho(I + A) = 1 + 8e-9``. ``1e-6`` is about 17 of those half-ulps. The floor
+makes the intent representable; it is not a proof: the verifier audits the
+float32 operator the model actually runs and certifies only what it proves.
+"""
+
+
 def check_eps(eps: float) -> float:
-    if not (0.0 < float(eps) < 0.5):
-        raise ValueError(f"eps={eps!r} is outside (0, 0.5).")
+    """``eps`` must lie in ``[EPS_MIN, 0.5)`` (see :data:`EPS_MIN` for the floor)."""
+    try:
+        value = float(eps)
+    except (TypeError, ValueError):
+        raise ValueError(f"eps={eps!r} is not a number; expected one in [{EPS_MIN:g}, 0.5).") from None
+    if not (EPS_MIN <= value < 0.5):
+        hint = (f" (below the float32 floor EPS_MIN={EPS_MIN:g}: the margin would be lost in rounding)"
+                if 0.0 < value < EPS_MIN else "")
+        raise ValueError(f"eps={eps!r} is outside [{EPS_MIN:g}, 0.5){hint}.")
     return eps
 
 

@@ -18,10 +18,13 @@ axes (untied weights: one set per step) are projected step by step.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from naisnet_jax.cell import check_state_kernel_shape
@@ -45,6 +48,98 @@ def check_eta(eta: float, eps: float) -> float:
     return eta
 
 
+# ------------------------------------------------- rounding-aware arithmetic
+#
+# The projections must land *every* finite input in their set, where the set
+# is read in exact arithmetic on the values returned (the verifier checks the
+# stored float32 numbers, not what a float32 computation of them says). So
+# norms are computed on a power-of-two rescaled copy (no overflow or underflow,
+# and the rescaling is exact), with sums in a fixed pairwise order, and every
+# comparison and target uses a proven upper bound on the rounding error:
+# a sum of ``m`` non-negative terms in any order is within ``(m - 1) u`` of
+# exact, a pairwise sum within ``ceil(log2 m) u``, a dot product of length
+# ``r`` within ``r u`` of ``|x| . |y|`` (``u`` the unit round-off). Feasible
+# points whose membership is proven pass bit-exactly; points within rounding
+# of the boundary are treated as infeasible and land a few ulps inside it.
+
+
+def _unit_roundoff(dtype) -> float:
+    return float(jnp.finfo(dtype).eps) / 2
+
+
+def _gamma(k: int, dtype) -> float:
+    """Standard rounding-error factor ``k u / (1 - k u)`` of ``dtype``."""
+    ku = k * _unit_roundoff(dtype)
+    return ku / (1 - ku)
+
+
+def _round_down(value: float, dtype) -> float:
+    """The largest ``dtype`` number ``<= value`` (as a Python float)."""
+    x = np.asarray(value, dtype=dtype)
+    if float(x) > value:
+        x = np.nextafter(x, np.asarray(-np.inf, dtype))
+    return float(x)
+
+
+def _pow2(k: Array, dtype) -> Array:
+    """Exact ``2**k`` for integer ``k`` in the normal range of ``dtype`` (built from bits)."""
+    info = jnp.finfo(dtype)
+    int_type = jnp.int32 if jnp.dtype(dtype).itemsize == 4 else jnp.int64
+    bits = (k.astype(int_type) + (info.maxexp - 1)) << info.nmant
+    return jax.lax.bitcast_convert_type(bits, dtype)
+
+
+def _scale_pow2(x: Array, k: Array) -> Array:
+    """``x * 2**k``, exact unless the result leaves the normal range; ``k`` is split in
+    four so that every factor is a normal number for any exponent a float can have."""
+    k = k.astype(jnp.int32)
+    parts = [k // 4] * 3
+    parts.append(k - 3 * (k // 4))
+    for part in parts:
+        x = x * _pow2(part, x.dtype)
+    return x
+
+
+def _exponent(peak: Array) -> Array:
+    """``e`` with ``peak = f 2^e``, ``f`` in ``[1/2, 1)`` (``e = 0`` for ``peak = 0``)."""
+    return jnp.frexp(peak)[1].astype(jnp.int32)
+
+
+def _pairwise_sum(x: Array) -> tuple[Array, int]:
+    """Sum over the last axis in a fixed pairwise order; returns ``(sum, depth)``.
+
+    Plain-Python meaning: pad to a power of two with zeros, then repeat
+    ``x = x[..., 0::2] + x[..., 1::2]`` until one entry is left; ``depth`` is
+    the number of rounds (each a separate elementwise add, which XLA does not
+    reassociate), so the sum of non-negative terms is within ``depth * u``.
+    """
+    size = x.shape[-1]
+    depth = max(0, math.ceil(math.log2(size))) if size > 1 else 0
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 2**depth - size)])
+    for _ in range(depth):
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0], depth
+
+
+def _check_finite(name: str, x) -> None:
+    """Refuse NaN / inf outside ``jit``; a traced value cannot be checked here."""
+    if isinstance(x, jax.core.Tracer):
+        return
+    values = np.asarray(x)
+    bad = int(np.size(values) - np.count_nonzero(np.isfinite(values)))
+    if bad:
+        raise ValueError(
+            f"{name} has {bad} non-finite entries (NaN or inf) out of {values.size}; the projection "
+            f"needs finite values (under jax.jit it cannot check and returns NaN instead)."
+        )
+
+
+def _nan_unless_finite(out: Array, *inputs: Array) -> Array:
+    """Under ``jit`` a non-finite input gives an all-NaN output (never a finite guess)."""
+    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in inputs]))
+    return jnp.where(ok, out, jnp.nan)
+
+
 def project_fc(R: Array, *, eps: float, relaxed: bool = False) -> Array:
     """Algorithm 1: project ``R`` onto ``{R : ||R^T R||_F <= delta}``.
 
@@ -55,24 +150,54 @@ def project_fc(R: Array, *, eps: float, relaxed: bool = False) -> Array:
     ``delta = 2 (1 - eps)``: still stable for ReLU, but eigenvalues may be
     negative and trajectories may oscillate.
 
-    Feasible ``R`` is returned unchanged; otherwise
-    ``R <- sqrt(delta) R / sqrt(||R^T R||_F)``, which scales ``||R^T R||_F``
-    to exactly ``delta``. ``R`` may carry leading axes (per-step factors).
+    Returns ``R`` itself when its membership is proven, otherwise
+    ``c R`` with ``c > 0`` such that the returned values satisfy
+    ``||R^T R||_F <= delta`` in exact arithmetic: ``R`` is first rescaled by
+    the power of two of its largest entry (exact; no overflow at 1e38, no
+    flush to zero of a reciprocal), and ``||R^T R||_F`` is bounded above with
+    its rounding error, so the result sits a few ulps inside the boundary
+    (relative ``~ r u ||(|R|^T |R|)||_F / ||R^T R||_F``, about 1e-4 for a
+    float32 128 x 128 ``R``; 1e-13 in float64). Any finite input lands in the
+    set with its direction kept. ``R`` may carry leading axes (per-step
+    factors), projected one matrix at a time. Non-finite ``R`` raises
+    ``ValueError`` outside ``jit``; under ``jit`` the output is NaN.
     """
     delta = fc_delta(eps, relaxed)
     if R.ndim < 2:
         raise ValueError(f"R must have shape (..., r, n); got shape {R.shape}.")
-    # Work with R / max|R| so that ||R^T R||_F cannot overflow for huge R (a
-    # diverging optimiser); the projected point is the same, R's direction kept.
-    peak = jnp.max(jnp.abs(R), axis=(-2, -1), keepdims=True)
-    peak = jnp.where(peak > 0, peak, 1.0).astype(R.dtype)
-    unit = R / peak
-    gram = jnp.einsum("...ri,...rj->...ij", unit, unit, precision=jax.lax.Precision.HIGHEST)
-    unit_norm = jnp.sqrt(jnp.sum(gram * gram, axis=(-2, -1), keepdims=True))
-    norm = unit_norm * peak * peak  # ||R^T R||_F (may be inf; the comparison still holds)
-    projected = unit * jnp.sqrt(delta / jnp.maximum(unit_norm, jnp.finfo(R.dtype).tiny)).astype(R.dtype)
-    # ``where`` keeps the feasible branch bit-exact.
-    return jnp.where(norm > delta, projected, R)
+    _check_finite("R", R)
+    return _project_fc(jnp.asarray(R), delta)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _project_fc(R: Array, delta: float) -> Array:
+    """Body of :func:`project_fc` (one compiled program, also when called eagerly)."""
+    dtype = R.dtype
+    r, n = R.shape[-2:]
+    tiny = float(jnp.finfo(dtype).tiny)
+    # R = 2^e U with the largest |U| in [1/2, 1): exact, overflow-free.
+    e = _exponent(jnp.max(jnp.abs(R), axis=(-2, -1), keepdims=True))
+    U = _scale_pow2(R, -e)
+    hi = jax.lax.Precision.HIGHEST
+    gram = jnp.einsum("...ri,...rj->...ij", U, U, precision=hi)
+    gram_abs = jnp.einsum("...ri,...rj->...ij", jnp.abs(U), jnp.abs(U), precision=hi)
+    flat = (*gram.shape[:-2], n * n)
+    sq, depth = _pairwise_sum((gram * gram).reshape(flat))
+    sq_abs, _ = _pairwise_sum((gram_abs * gram_abs).reshape(flat))
+    # ||U^T U||_F (exact) <= ||fl(U^T U)||_F + gamma_r ||(|U|^T |U|)||_F, each Frobenius
+    # norm computed within gamma_(depth + 3); the flush of tiny products adds at most
+    # (r + 1) n^2 tiny. The last factor covers the rounding of this very expression.
+    c_sum = 1 + _gamma(depth + 8, dtype)
+    upper = (jnp.sqrt(sq) + 2 * _gamma(r + 2, dtype) * jnp.sqrt(sq_abs)) * c_sum + (r + 1) * n * n * tiny
+    upper = upper[..., None, None]
+    delta_low = _round_down(delta, dtype)
+    # ||R^T R||_F = 4^e ||U^T U||_F <= delta  <=>  ||U^T U||_F <= delta 4^-e
+    feasible = upper <= _scale_pow2(jnp.full_like(upper, delta_low), -2 * e)
+    # U s with s^2 upper (1 + slack) = delta_low: exact ||(U s)^T (U s)||_F <= delta even after
+    # rounding U s, s and the quotient; the slack also keeps the result a fixed point.
+    s = jnp.sqrt(delta_low / (upper * (1 + _gamma(4 * depth + 32, dtype))))
+    out = jnp.where(feasible, R, U * s)
+    return _nan_unless_finite(out, R)
 
 
 def project_conv(
@@ -93,6 +218,14 @@ def project_conv(
     lies in ``{z : |z + 1| <= 1 - eps}`` and ``||I + h A||_inf <= 1 - h eps``
     for ``0 < h <= 1``. Leading axes (per-step kernels) are allowed, with
     ``delta`` of shape ``(..., C)``. Returns ``(kernel, delta)``.
+
+    Step 3 holds in exact arithmetic on the returned values: the sums are
+    bounded with their rounding error on a power-of-two rescaled copy, so any
+    finite kernel (taps of 1e-30 or 3e37 alike) is rescaled with its
+    direction kept, never zeroed by an overflowing sum; a channel within
+    rounding of its budget is scaled to a few ulps inside it (relative
+    ``~ log2(k^2 C) u``). Non-finite input raises ``ValueError`` outside
+    ``jit``; under ``jit`` the output is NaN.
     """
     check_eps(eps)
     check_eta(eta, eps)
@@ -103,19 +236,37 @@ def project_conv(
             f"delta must have shape {kernel.shape[:-4] + (c,)} for a state kernel of "
             f"shape {kernel.shape}; got {delta.shape}."
         )
-    delta = jnp.clip(delta, -1.0 + eta, 1.0 - eta)
-    mask = centre_mask(kernel.shape, kernel.dtype)
-    others = kernel * (1 - mask)
-    radius = jnp.sum(jnp.abs(others), axis=(-4, -3, -2))  # (..., C)
-    budget = 1.0 - eps - jnp.abs(delta)
-    scale = jnp.where(radius > budget, budget / jnp.where(radius > 0, radius, 1.0), 1.0)
-    others = jnp.where(
-        (radius > budget)[..., None, None, None, :],
-        others * scale[..., None, None, None, :].astype(kernel.dtype),
-        others,
-    )
-    centre = (-1.0 - delta)[..., None, None, None, :].astype(kernel.dtype)
-    return others + centre * mask, delta
+    _check_finite("kernel", kernel)
+    _check_finite("delta", delta)
+    return _project_conv(jnp.asarray(kernel), jnp.asarray(delta), float(eps), float(eta))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _project_conv(kernel: Array, delta: Array, eps: float, eta: float) -> tuple[Array, Array]:
+    """Body of :func:`project_conv` (one compiled program, also when called eagerly)."""
+    dtype = kernel.dtype
+    u, tiny = _unit_roundoff(dtype), float(jnp.finfo(dtype).tiny)
+    bound = _round_down(1.0 - eta, dtype)
+    delta = jnp.clip(delta, -bound, bound).astype(dtype)
+    mask = centre_mask(kernel.shape, dtype)
+    others = kernel * (1 - mask)  # exact: the centre taps become 0
+    k, c = kernel.shape[-4], kernel.shape[-1]
+    m = k * k * c
+    # (..., k, k, C_in, C_out) -> (..., C_out, k k C_in): one row per output channel
+    rows = jnp.moveaxis(jnp.abs(others).reshape(kernel.shape[:-4] + (m, c)), -1, -2)
+    e = _exponent(jnp.max(rows, axis=-1))  # (..., C)
+    radius, depth = _pairwise_sum(_scale_pow2(rows, -e[..., None]))
+    upper = radius * (1 + _gamma(depth + 4, dtype)) + m * tiny  # >= exact radius / 2^e
+    # budget = 1 - eps - |delta| (exact) >= fl(round_down(1 - eps) - |delta|) - 4u
+    budget = jnp.maximum((_round_down(1.0 - eps, dtype) - jnp.abs(delta)) - 4 * u, 0).astype(dtype)
+    feasible = upper <= _scale_pow2(budget, -e)
+    scale = budget / (upper * (1 + _gamma(2 * depth + 8, dtype)))  # applies to the rescaled taps
+    expand = lambda x: x[..., None, None, None, :]  # noqa: E731 - (..., C) -> tap axes
+    rescaled = _scale_pow2(others, -expand(e)) * expand(scale).astype(dtype)
+    others = jnp.where(expand(feasible), kernel, rescaled)  # feasible taps pass bit-exactly
+    centre = expand(-1.0 - delta).astype(dtype)
+    out = jnp.where(mask > 0, centre, others)
+    return _nan_unless_finite(out, kernel, delta), delta
 
 
 def _project_node(node: dict, eps: float, eta: float, relaxed: bool) -> dict:

@@ -78,8 +78,8 @@ def validate_config(config) -> None:
     _number(config, "h", 0, 1, lo_open=True)
     try:
         check_eps(config.eps)
-    except (ValueError, TypeError):
-        raise ValueError(f"config.eps={config.eps!r} is outside (0, 0.5).") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"config.{e}") from None
     try:
         check_eta(config.eta, config.eps)
     except (ValueError, TypeError):
