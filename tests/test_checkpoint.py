@@ -7,13 +7,12 @@ start again from scratch.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pathlib
 import pickle
 import shutil
-import sys
+import types
 
 import jax
 import numpy as np
@@ -28,9 +27,12 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore::pytest.PytestUnraisableExceptionWarning"
 )
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # the configs import `experiments.configs.default`
-    sys.path.insert(0, str(REPO))
+
+def metadata(**fields):
+    """A valid CheckpointMetadata (model "m": any name; only building the model needs a real one)."""
+    base = dict(model="m", num_classes=10, input_shape=(8, 8, 1), dataset="digits", channel_mean=(0.1,),
+                channel_std=(0.9,), eps=0.01, h=1.0, epoch=3)
+    return ckpt.CheckpointMetadata(**{**base, **fields})
 
 
 def sample_tree(seed=0):
@@ -59,9 +61,9 @@ def assert_trees_equal(a, b, *, structure=True):
         np.testing.assert_array_equal(x, y)
 
 
-def write_checkpoint(directory, tree=None, step=7, **metadata):
+def write_checkpoint(directory, tree=None, step=7, **fields):
     mngr = ckpt.manager(str(directory))
-    ckpt.save(mngr, step, sample_tree() if tree is None else tree, {"epoch": 3, "model": "m", **metadata})
+    ckpt.save(mngr, step, sample_tree() if tree is None else tree, metadata(**fields))
     mngr.close()
     return pathlib.Path(directory)
 
@@ -140,7 +142,7 @@ def test_restore_with_a_target_keeps_the_structure(tmp_path, no_pickle):
 def test_load_a_step_directory_and_pick_steps(tmp_path):
     mngr = ckpt.manager(str(tmp_path), max_to_keep=2)
     for step in (1, 2, 3):
-        ckpt.save(mngr, step, sample_tree(seed=step), {"epoch": step})
+        ckpt.save(mngr, step, sample_tree(seed=step), metadata(epoch=step))
     mngr.close()
     assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2, 3]  # max_to_keep
     assert ckpt.latest_step(str(tmp_path)) == 3
@@ -156,10 +158,67 @@ def test_load_a_step_directory_and_pick_steps(tmp_path):
 
 def test_metadata_that_is_not_json_is_refused_before_writing(tmp_path):
     mngr = ckpt.manager(str(tmp_path))
-    with pytest.raises(TypeError):
-        ckpt.save(mngr, 1, sample_tree(), {"epoch": 1, "bad": object()})
+    with pytest.raises(ckpt.CheckpointError, match="not JSON"):
+        ckpt.save(mngr, 1, sample_tree(), metadata(config={"bad": object()}))
+    with pytest.raises(TypeError, match="CheckpointMetadata"):  # a hand-made dict has no owner
+        ckpt.save(mngr, 1, sample_tree(), {"epoch": 1, "model": "m"})
     assert mngr.all_steps() == [] and not any(tmp_path.iterdir())
     mngr.close()
+
+
+# ----------------------------------------------------------------- the metadata schema
+
+
+def test_metadata_round_trips_and_stores_eps_and_h_once(tmp_path):
+    meta = metadata(model_kwargs={"features": 8, "stage_sizes": (1, 2)}, config={"a": [1, 2]}, relaxed=True)
+    again = ckpt.CheckpointMetadata.from_json(json.loads(json.dumps(meta.to_json())))
+    assert again == meta
+    assert meta.to_json()["metadata_version"] == ckpt.METADATA_VERSION
+    write_checkpoint(tmp_path, model_kwargs={"features": 8}, eps=0.02, h=0.5)
+    _, raw = ckpt.load(str(tmp_path))
+    assert "eps" not in raw["model_kwargs"] and "h" not in raw["model_kwargs"]
+    stored = ckpt.CheckpointMetadata.from_json(raw)
+    assert (stored.eps, stored.h, stored.step, stored.digest) == (0.02, 0.5, 7, raw["digest"])
+
+
+def test_metadata_from_config_builds_the_trained_model():
+    from naisnet_jax.configs import default
+
+    config = default.get_config()
+    config.model, config.dataset = "naisnet_fc_tiny", "digits"
+    config.eps, config.h = 0.05, 0.5
+    config.model_kwargs.features = 5
+    ds = types.SimpleNamespace(num_classes=3, train_images=np.zeros((4, 8, 8, 1), np.uint8))
+    meta = ckpt.CheckpointMetadata.from_config(config, ds, np.array([0.2]), np.array([0.3]))
+    assert meta.model_kwargs == {"features": 5, **({"max_steps": config.max_steps} if "max_steps" in
+                                                     meta.model_kwargs else {})}
+    model = meta.build_model()
+    assert (model.eps, model.h, model.features, model.num_classes) == (0.05, 0.5, 5, 3)
+    assert meta.input_shape == (8, 8, 1) and meta.channel_std == (0.3,)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("eps", 1e-8, "float32 floor"), ("eps", 0.7, r"outside \(0, 0.5\)"), ("h", 1.5, "h=1.5"),
+    ("num_classes", 0, "num_classes"), ("input_shape", (8, -1), "input_shape"),
+    ("channel_std", (0.0,), "channel_std"), ("channel_mean", (0.1, 0.2), "channel_mean"),
+    ("model_kwargs", {"eps": 0.01}, r"no \['eps'\]"), ("epoch", -1, "epoch"), ("model", "", "model"),
+])
+def test_metadata_refuses_bad_fields_naming_them(field, value, match):
+    with pytest.raises(ckpt.CheckpointError, match=match):
+        metadata(**{field: value})
+
+
+def test_version_1_metadata_is_read_and_must_agree_with_itself():
+    v1 = {"model": "naisnet_fc_tiny", "model_kwargs": {"features": 4, "eps": 0.05, "h": 0.5},
+          "num_classes": 3, "input_shape": [8, 8, 1], "dataset": "digits", "channel_mean": [0.0],
+          "channel_std": [1.0], "eps": 0.05, "eta": 0.5, "h": 0.5, "relaxed": False, "config": {},
+          "epoch": 1, "format": "naisnet-jax", "format_version": 1, "step": 2, "digest": "ab"}
+    meta = ckpt.CheckpointMetadata.from_json(v1)
+    assert meta.model_kwargs == {"features": 4} and meta.h == 0.5 and meta.step == 2
+    with pytest.raises(ckpt.CheckpointError, match="h=1.0 disagrees with model_kwargs h=0.5"):
+        ckpt.CheckpointMetadata.from_json(dict(v1, h=1.0))
+    with pytest.raises(ckpt.CheckpointError, match=r"lacks \['eps'\]"):
+        ckpt.CheckpointMetadata.from_json({k: v for k, v in v1.items() if k != "eps"})
 
 
 # ----------------------------------------------------------------- damaged checkpoints
@@ -303,7 +362,10 @@ def trained_workdir(tmp_path_factory):
 
 
 def tiny_config():
-    config = importlib.import_module("experiments.configs.digits_tiny").get_config()
+    from naisnet_jax.configs import default
+
+    config = default.get_config()
+    config.dataset, config.eval_batch_size = "digits", 128
     config.limit_train, config.limit_test = 128, 64
     config.batch_size, config.num_epochs, config.progress = 64, 2, False
     config.model_kwargs.features, config.model_kwargs.steps = 4, 2

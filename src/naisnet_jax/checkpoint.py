@@ -5,9 +5,11 @@ sub-directory per saved step, each with two items:
 
 * ``state``: the array tree (``params``, ``batch_stats``, ``opt_state``, ...),
   written by Orbax's standard (tensorstore/OCDBT) handler — no pickle;
-* ``metadata``: JSON saying what the checkpoint holds: ``format``
-  (``"naisnet-jax"``), the model name and keyword arguments, the training
-  config, the epoch, and a SHA-256 ``digest`` of every array of ``state``.
+* ``metadata``: JSON saying what the checkpoint holds, written from one
+  validated :class:`CheckpointMetadata` (model name and keyword arguments,
+  eps / eta / h stored once, dataset and its normalisation, the training
+  config, the epoch) plus ``format`` (``"naisnet-jax"``) and a SHA-256
+  ``digest`` of every array of ``state``.
 
 Restoring checks the format and the digest before anything is returned, so a
 corrupt or foreign checkpoint is refused as a whole, never half-loaded.
@@ -17,10 +19,12 @@ imports the other.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -31,6 +35,231 @@ FORMAT_VERSION = 1
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, or not a naisnet-jax checkpoint."""
+
+
+METADATA_VERSION = 2
+_STORED_ONCE = ("eps", "eta", "h")  # top-level fields, never repeated in model_kwargs
+_FROM_CONFIG = ("adaptive_tol", "max_steps")  # config fields passed to models that take them
+
+
+def _json_ready(value):
+    """A JSON-able copy (tuples become lists; ConfigDicts and mappings become dicts)."""
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    if isinstance(value, Mapping):
+        return {str(k): _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMetadata:
+    """What a naisnet-jax checkpoint holds: the one schema training writes and the verifier reads.
+
+    ``model`` / ``model_kwargs`` / ``num_classes`` rebuild the network
+    (:meth:`build_model`); ``eps``, ``eta`` and ``h`` are stored once, here,
+    and passed to the model where it takes them (``model_kwargs`` may not
+    repeat them); ``input_shape``, ``dataset``, ``channel_mean`` and
+    ``channel_std`` say what the network reads and how inputs are normalised;
+    ``relaxed`` is Algorithm 1's bound; ``config`` the training config as a
+    dict; ``epoch`` the last finished epoch. ``step`` and ``digest`` are set
+    by :func:`save`. Every field is validated on construction
+    (:class:`CheckpointError` names the field); :meth:`to_json` /
+    :meth:`from_json` round-trip, and :meth:`from_json` also reads the
+    version-1 metadata of earlier checkpoints (eps and h repeated in
+    ``model_kwargs``, refused when the two disagree).
+    """
+
+    model: str
+    num_classes: int
+    input_shape: tuple[int, ...]
+    dataset: str
+    channel_mean: tuple[float, ...]
+    channel_std: tuple[float, ...]
+    eps: float
+    h: float
+    eta: float = 0.5
+    relaxed: bool = False
+    model_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    epoch: int | None = None
+    step: int | None = None
+    digest: str | None = None
+
+    def __post_init__(self):
+        from naisnet_jax.parametrize import check_eps
+        from naisnet_jax.projection import check_eta
+
+        def fail(field, expected):
+            raise CheckpointError(f"checkpoint metadata {field}={getattr(self, field)!r}: expected {expected}.")
+
+        def positive_int(x):
+            return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x > 0
+
+        for field in ("model", "dataset"):
+            if not isinstance(getattr(self, field), str) or not getattr(self, field):
+                fail(field, "a non-empty string")
+        if not positive_int(self.num_classes):
+            fail("num_classes", "a positive integer")
+        try:
+            shape = tuple(self.input_shape)
+        except TypeError:
+            fail("input_shape", "a sequence of positive integers")
+        if not shape or not all(positive_int(d) for d in shape):
+            fail("input_shape", "a non-empty sequence of positive integers")
+        object.__setattr__(self, "input_shape", tuple(int(d) for d in shape))
+        for field, positive in (("channel_mean", False), ("channel_std", True)):
+            try:
+                values = tuple(float(v) for v in getattr(self, field))
+            except (TypeError, ValueError):
+                fail(field, "a sequence of numbers, one per input channel")
+            if len(values) != self.input_shape[-1] or not all(math.isfinite(v) and (v > 0 or not positive)
+                                                              for v in values):
+                fail(field, f"{self.input_shape[-1]} finite numbers (one per input channel)"
+                            + (", all positive" if positive else ""))
+            object.__setattr__(self, field, values)
+        for field in ("eps", "h", "eta"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+                fail(field, "a number")
+            object.__setattr__(self, field, float(value))
+        try:
+            check_eps(self.eps)
+            check_eta(self.eta, self.eps)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint metadata: {e}") from None
+        if not 0.0 < self.h <= 1.0:
+            fail("h", "a step size in (0, 1]")
+        if not isinstance(self.relaxed, (bool, np.bool_)):
+            fail("relaxed", "a bool")
+        for field in ("model_kwargs", "config"):  # ConfigDicts become plain dicts
+            if hasattr(getattr(self, field), "to_dict"):
+                object.__setattr__(self, field, getattr(self, field).to_dict())
+        if not isinstance(self.model_kwargs, Mapping) or not all(isinstance(k, str) for k in self.model_kwargs):
+            fail("model_kwargs", "a mapping of keyword arguments")
+        repeated = sorted(set(self.model_kwargs) & set(_STORED_ONCE))
+        if repeated:
+            fail("model_kwargs", f"no {repeated} (stored once, as top-level fields)")
+        if not isinstance(self.config, Mapping):
+            fail("config", "a mapping")
+        for field in ("epoch", "step"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+                                          and value >= 0):
+                fail(field, "a non-negative integer or None")
+        if self.digest is not None and not isinstance(self.digest, str):
+            fail("digest", "a hex string or None")
+        object.__setattr__(self, "model_kwargs", _json_ready(self.model_kwargs))
+        object.__setattr__(self, "config", _json_ready(self.config))
+        try:
+            json.dumps(self.to_json(), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint metadata is not JSON: {e}") from None
+
+    # ------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_config(cls, config, dataset, mean, std, *, epoch: int | None = None) -> "CheckpointMetadata":
+        """The metadata of a run of ``config`` on ``dataset`` (an object with ``num_classes``
+        and ``train_images``) normalised with per-channel ``mean`` and ``std``.
+
+        ``model_kwargs`` are the config's plus ``adaptive_tol`` / ``max_steps`` where the
+        model takes them; ``eps``, ``eta``, ``h``, ``relaxed`` come from the config's
+        top-level fields. The one entry point for the trainer and the sweep engine.
+        """
+        from naisnet_jax import models
+
+        kwargs = dict(_json_ready(config.model_kwargs))
+        if config.model in models.MODELS:
+            accepted = {f.name for f in dataclasses.fields(models.MODELS[config.model].func)}
+            for field in _FROM_CONFIG:
+                if field in accepted and config.get(field) is not None:
+                    kwargs[field] = config[field]
+        return cls(
+            model=config.model, model_kwargs=kwargs, num_classes=int(dataset.num_classes),
+            input_shape=tuple(int(d) for d in dataset.train_images.shape[1:]), dataset=config.dataset,
+            channel_mean=tuple(float(v) for v in np.ravel(mean)), channel_std=tuple(float(v) for v in np.ravel(std)),
+            eps=config.eps, eta=config.eta, h=config.h, relaxed=bool(config.relaxed), config=config,
+            epoch=epoch,
+        )
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "CheckpointMetadata":
+        """Validated metadata from its JSON dict (as :func:`restore` returns it).
+
+        Reads both versions: 2 (this one) and 1 (``model_kwargs`` repeating
+        ``eps`` / ``eta`` / ``h``, which must then agree with the top-level fields).
+        Keys written by :func:`save` around the metadata (``format``...) are ignored.
+        """
+        if not isinstance(data, Mapping):
+            raise CheckpointError(f"checkpoint metadata must be a JSON object; got {type(data).__name__}.")
+        version = data.get("metadata_version", 1)
+        if version not in (1, METADATA_VERSION):
+            raise CheckpointError(f"checkpoint metadata_version={version!r}; this code reads 1 and {METADATA_VERSION}.")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise CheckpointError(f"the checkpoint's metadata lacks {missing}; it was not written by naisnet-jax.")
+        values = {k: data[k] for k in fields if k in data}
+        kwargs = dict(values.get("model_kwargs") or {})
+        for field in _STORED_ONCE:  # version 1 repeated these in model_kwargs
+            if field in kwargs:
+                top = values.get(field, kwargs[field])
+                if not isinstance(kwargs[field], (int, float)) or not math.isclose(float(kwargs[field]), float(top),
+                                                                                   rel_tol=1e-12, abs_tol=0):
+                    raise CheckpointError(
+                        f"the metadata's {field}={top!r} disagrees with model_kwargs {field}={kwargs[field]!r}; "
+                        f"the checkpoint does not say which one the network ran with."
+                    )
+                values.setdefault(field, kwargs.pop(field))
+                kwargs.pop(field, None)
+        values["model_kwargs"] = kwargs
+        try:
+            return cls(**values)
+        except TypeError as e:
+            raise CheckpointError(f"checkpoint metadata: {e}") from None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON dict written next to the arrays (``metadata_version`` 2)."""
+        out = {f.name: _json_ready(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out["metadata_version"] = METADATA_VERSION
+        return out
+
+    def replace(self, **changes) -> "CheckpointMetadata":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ model
+
+    def model_spec(self) -> tuple[str, dict[str, Any]]:
+        """``(model, keyword arguments)`` that rebuild the network: ``model_kwargs`` plus
+        ``eps`` / ``eta`` / ``h`` where the model takes them."""
+        from naisnet_jax import models
+
+        kwargs = dict(self.model_kwargs)
+        if self.model in models.MODELS:
+            accepted = {f.name for f in dataclasses.fields(models.MODELS[self.model].func)}
+            kwargs.update({k: getattr(self, k) for k in _STORED_ONCE if k in accepted})
+        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+        return self.model, kwargs
+
+    def build_model(self):
+        """The Flax module this checkpoint's arrays belong to (:class:`CheckpointError` if
+        this version cannot build it)."""
+        from naisnet_jax import models
+
+        name, kwargs = self.model_spec()
+        try:
+            return models.get_model(name, num_classes=self.num_classes, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"the checkpoint's metadata does not describe a model this version can build "
+                f"(model={name!r}, {kwargs}): {e}"
+            ) from e
 
 
 def _ocp():
@@ -76,17 +305,22 @@ def manager(directory: str, *, max_to_keep: int = 3, create: bool = True):
     )
 
 
-def save(mngr, step: int, state: Any, metadata: dict) -> None:
-    """Save ``state`` (array tree) and ``metadata`` (JSON-able dict) at ``step``.
+def save(mngr, step: int, state: Any, metadata: CheckpointMetadata) -> None:
+    """Save ``state`` (array tree) and its :class:`CheckpointMetadata` at ``step``.
 
-    Blocks until the write is committed, so a crash after ``save`` returns
-    never loses this checkpoint.
+    The stored metadata gets ``step`` and the ``digest`` of ``state``. Blocks
+    until the write is committed, so a crash after ``save`` returns never
+    loses this checkpoint.
     """
     ocp = _ocp()
+    if not isinstance(metadata, CheckpointMetadata):
+        raise TypeError(
+            f"metadata must be a CheckpointMetadata (e.g. CheckpointMetadata.from_config(config, dataset, mean, "
+            f"std)); got {type(metadata).__name__}"
+        )
     state = jax.device_get(state)
-    meta = dict(metadata)
-    meta.update(format=FORMAT, format_version=FORMAT_VERSION, step=int(step), digest=tree_digest(state))
-    json.dumps(meta)  # fail here, before writing, if metadata is not JSON
+    meta = metadata.replace(step=int(step), digest=tree_digest(state)).to_json()
+    meta.update(format=FORMAT, format_version=FORMAT_VERSION)
     mngr.save(
         int(step),
         args=ocp.args.Composite(

@@ -47,10 +47,13 @@ def check_eps(eps: float) -> float:
         value = float(eps)
     except (TypeError, ValueError):
         raise ValueError(f"eps={eps!r} is not a number; expected one in [{EPS_MIN:g}, 0.5).") from None
-    if not (EPS_MIN <= value < 0.5):
-        hint = (f" (below the float32 floor EPS_MIN={EPS_MIN:g}: the margin would be lost in rounding)"
-                if 0.0 < value < EPS_MIN else "")
-        raise ValueError(f"eps={eps!r} is outside [{EPS_MIN:g}, 0.5){hint}.")
+    if not (0.0 < value < 0.5):
+        raise ValueError(f"eps={eps!r} is outside (0, 0.5).")
+    if value < EPS_MIN:
+        raise ValueError(
+            f"eps={eps!r} is below the float32 floor EPS_MIN={EPS_MIN:g} (the margin it gives would be "
+            f"lost in float32 rounding); use eps in [{EPS_MIN:g}, 0.5)."
+        )
     return eps
 
 

@@ -291,8 +291,12 @@ def _restore_into(state: TrainState, tree: dict) -> TrainState:
 
 def _check_same_model(meta: dict, config, directory) -> None:
     """Resuming with another model would fail as a shape mismatch; say what differs."""
-    theirs = (meta.get("model"), meta.get("model_kwargs"))
+    try:
+        theirs = ckpt.CheckpointMetadata.from_json(meta).model_spec()
+    except ckpt.CheckpointError:
+        theirs = (meta.get("model"), meta.get("model_kwargs"))
     ours = (config.model, json.loads(json.dumps(model_kwargs(config))))
+    theirs = (theirs[0], json.loads(json.dumps(theirs[1])))
     if theirs != ours:
         raise ValueError(
             f"{directory} holds checkpoints of model {theirs[0]} with {theirs[1]}, but config.model="
@@ -366,17 +370,7 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
     evaluate = make_evaluate(mean, std, config.eval_batch_size)
     base_key = jax.random.PRNGKey(config.seed + 1)
     schedule = learning_rate_schedule(config, steps_per_epoch)
-    metadata = {
-        "model": config.model,
-        "model_kwargs": model_kwargs(config),
-        "num_classes": ds.num_classes,
-        "input_shape": list(ds.train_images.shape[1:]),
-        "dataset": config.dataset,
-        "channel_mean": [float(v) for v in mean],
-        "channel_std": [float(v) for v in std],
-        "eps": config.eps, "eta": config.eta, "h": config.h, "relaxed": config.relaxed,
-        "config": config.to_dict(),
-    }
+    metadata = ckpt.CheckpointMetadata.from_config(config, ds, mean, std)
 
     done = _read_metrics(metrics_path) if start_epoch > 1 else []
     last = done[-1] if done else {}
@@ -425,7 +419,7 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
         # never a checkpoint whose epoch has no record.
         _write_metrics(metrics_path, _read_metrics(metrics_path) + [record])
         if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
-            ckpt.save(mngr, int(state.step), _checkpoint_tree(state), dict(metadata, epoch=epoch))
+            ckpt.save(mngr, int(state.step), _checkpoint_tree(state), metadata.replace(epoch=epoch))
         progress.write(
             f"epoch {epoch}: train loss {record['train_loss']:.4f} acc {record['train_accuracy']:.4f} | "
             f"test loss {record['test_loss']:.4f} acc {record['test_accuracy']:.4f} | "
