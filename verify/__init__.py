@@ -1,42 +1,53 @@
 """The stability verifier, importable as ``naisnet_jax.verify``.
 
-Numerics (float64, or float32 at highest matmul precision; never TF32):
-spectral radii of dense matrices and of matrix-free operators (Arnoldi through
-plain calls of a linear function), Gershgorin discs and infinity-norm bounds
-read off convolution kernels, exact spectra of periodic convolutions by FFT.
+``audit_model(model, variables, inputs=...)`` audits a Flax model in memory and
+``audit(checkpoint_dir)`` a checkpoint; both return a typed :class:`Certificate`
+whose figures say whether they are proven, computed, estimated or measured.
+"Certified" means Condition 1 is proven for the float32 operators the model
+runs with. Numerics run in float64 (matmuls at highest precision, never TF32)
+on the device, batched over blocks of one shape; only small Hessenberg and
+dense eigenproblems go to the host. Building blocks: spectral radii of dense
+matrices and of matrix-free operators (Arnoldi, an estimate with a residual),
+Gershgorin discs and infinity-norm bounds read off convolution kernels, exact
+spectra of periodic convolutions by FFT.
 """
 
 from .bounds import conv_inf_norm_bound, dense_gershgorin, gershgorin
+from .certificate import (
+    SCHEMA,
+    BaselineParameters,
+    BlockReport,
+    Certificate,
+    ConvParameters,
+    DenseParameters,
+    Equilibrium,
+    Spectrum,
+    Trajectory,
+    Verdict,
+    figure_status,
+)
+from .certify import AuditOptions, ModelApplyError, audit, audit_model
 from .operators import conv_matrix, conv_operator, dense_operator, jacobian_operator, operator_matrix
 from .spectral import (
     ArnoldiResult,
     SpectralResult,
     arnoldi_eigs,
+    arnoldi_eigs_batch,
     fft_conv_spectrum,
     power_norm_bound,
+    power_norm_estimate,
     spectral_radius,
     spectral_radius_info,
+    stack_operators,
 )
 
 __all__ = [
-    "ArnoldiResult",
-    "SpectralResult",
-    "arnoldi_eigs",
-    "conv_inf_norm_bound",
-    "conv_matrix",
-    "conv_operator",
-    "dense_gershgorin",
-    "dense_operator",
-    "fft_conv_spectrum",
-    "gershgorin",
-    "jacobian_operator",
-    "operator_matrix",
-    "power_norm_bound",
-    "spectral_radius",
-    "spectral_radius_info",
+    "ArnoldiResult", "AuditOptions", "BaselineParameters", "BlockReport", "Certificate", "ConvParameters",
+    "DenseParameters", "Equilibrium", "ModelApplyError", "SCHEMA", "SpectralResult", "Spectrum", "Trajectory",
+    "Verdict", "arnoldi_eigs", "arnoldi_eigs_batch", "audit", "audit_and_report", "audit_model",
+    "conv_inf_norm_bound", "conv_matrix", "conv_operator", "dense_gershgorin", "dense_operator",
+    "fft_conv_spectrum", "figure_status", "gershgorin", "jacobian_operator", "operator_matrix",
+    "power_norm_bound", "power_norm_estimate", "spectral_radius", "spectral_radius_info", "stack_operators",
 ]
 
-from .certify import SCHEMA, AuditOptions, audit  # noqa: E402
 from .cli import audit_and_report  # noqa: E402
-
-__all__ += ["SCHEMA", "AuditOptions", "audit", "audit_and_report"]

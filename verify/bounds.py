@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from naisnet_jax.stability import conv_block_figures
+from naisnet_jax.stability import conv_block_figures, kernel_gershgorin
 
 Array = jax.Array
 
@@ -43,15 +43,6 @@ def _check_state_kernel(kernel) -> None:
         )
 
 
-def _discs(kernel):
-    k, c = kernel.shape[-4], kernel.shape[-1]
-    p = (k - 1) // 2
-    centres = jnp.diagonal(kernel[..., p, p, :, :], axis1=-2, axis2=-1)
-    centre_taps = jnp.zeros((k, k, c, c), dtype=bool).at[p, p].set(jnp.eye(c, dtype=bool))
-    radii = jnp.where(centre_taps, 0, jnp.abs(kernel)).sum(axis=(-4, -3, -2))
-    return centres, radii
-
-
 def gershgorin(kernel) -> tuple[Array, Array]:
     """Gershgorin discs `(centres, radii)` of a conv state operator, from its kernel alone.
 
@@ -63,7 +54,7 @@ def gershgorin(kernel) -> tuple[Array, Array]:
     """
     kernel = jnp.asarray(kernel)
     _check_state_kernel(kernel)
-    return _discs(kernel)
+    return kernel_gershgorin(kernel)
 
 
 def conv_inf_norm_bound(kernel, h: float = 1.0) -> float:

@@ -5,8 +5,11 @@
 - dense: `numpy.linalg.eigvals` in float64 on the host; exact up to rounding (the reference).
 - Arnoldi: matrix-free, for operators too large to write down. Only the operator's action
   `v -> A v` is used; the basis and the matvecs stay on the device, the small Hessenberg
-  eigenproblem is solved on the host in float64. Krylov-Schur style thick restarts.
-- power: power iteration on `A^* A`, which estimates `||A||_2`, not `rho(A)`.
+  eigenproblem is solved on the host in float64. Krylov-Schur style thick restarts; many
+  operators of one shape run side by side (`arnoldi_eigs_batch`). An ESTIMATE with a residual,
+  never a proof.
+- power: power iteration on `A^* A`, an estimate of `||A||_2` from below (not a bound, and
+  not `rho(A)`).
 - FFT: the exact spectrum of a convolution on the torus (periodic padding) only.
 
 Operators are linear functions on flat vectors (see `operators.py`); the caller must make sure
@@ -22,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jax.tree_util import Partial
 
 from .operators import _check_conv_kernel, as_operator, dense_operator, operator_matrix
 
@@ -73,7 +78,6 @@ def _project_out(V: Array, w: Array, mask: Array) -> tuple[Array, Array]:
     return w - jnp.matmul(c, V, precision=_HIGHEST), c
 
 
-@jax.jit
 def _arnoldi_extend(op, V: Array, H: Array, start: Array, key: Array) -> tuple[Array, Array]:
     """Grow an Arnoldi/Krylov-Schur decomposition from `start` basis vectors to `m`.
 
@@ -121,25 +125,48 @@ def _arnoldi_extend(op, V: Array, H: Array, start: Array, key: Array) -> tuple[A
     return lax.fori_loop(start, m, body, (V, H))
 
 
-@jax.jit
+# Every function below acts on a batch of independent decompositions (leading axis B): one
+# operator per row of the batch, e.g. the 18 blocks of a stage. Under vmap the loop above runs
+# until the last member is done; finished members are frozen (their `start` equals m).
+_extend_batch = jax.jit(jax.vmap(_arnoldi_extend))
+
+
 def _combine_rows(coeffs: Array, V: Array) -> Array:
     """`coeffs @ V`: rows are linear combinations of the basis rows."""
     return jnp.matmul(coeffs.astype(V.dtype), V, precision=_HIGHEST)
 
 
-@jax.jit
-def _restart_basis(V: Array, Q: Array, r: Array) -> Array:
-    """New basis rows `[V_m Q_r ; v_{m+1} ; 0 ...]` with `Q` zero-padded to `m` columns."""
+_combine_batch = jax.jit(jax.vmap(_combine_rows))
+
+
+def _restart_basis(V: Array, Q: Array, r: Array, keep_residual: Array) -> Array:
+    """New basis rows `[V_m Q_r ; v_{m+1} ; 0 ...]` with `Q` zero-padded to `m` columns
+    (`keep_residual=False`: without `v_{m+1}`, an explicit restart from `V_m Q_1`)."""
     m = Q.shape[0]
     kept = jnp.matmul(Q.T.astype(V.dtype), V[:m], precision=_HIGHEST)  # rows >= r are zero
     new = jnp.zeros_like(V).at[:m].set(kept)
-    return new.at[r].set(V[m])
+    explicit = new.at[0].set(kept[0] / jnp.linalg.norm(kept[0]))
+    return jnp.where(keep_residual, new.at[r].set(V[m]), explicit)
+
+
+_restart_batch = jax.jit(jax.vmap(_restart_basis))
 
 
 def _apply_complex(op, x: Array, real_basis: bool) -> Array:
     if real_basis and jnp.iscomplexobj(x):
         return op(jnp.real(x)) + 1j * op(jnp.imag(x))
     return op(x)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _residual_batch(op, x: Array, theta: Array, real_basis: bool) -> Array:
+    """`||A x_b - theta_b x_b|| / ||x_b||` for every member of the batch (on the device)."""
+
+    def one(op, x, theta):
+        ax = _apply_complex(op, x, real_basis)
+        return jnp.linalg.norm(ax - theta * x) / jnp.linalg.norm(x)
+
+    return jax.vmap(one)(op, x, theta)
 
 
 def _invariant_basis(theta, Y, nkeep: int, real_basis: bool) -> np.ndarray:
@@ -165,6 +192,175 @@ def _invariant_basis(theta, Y, nkeep: int, real_basis: bool) -> np.ndarray:
     U, s, _ = np.linalg.svd(B, full_matrices=False)
     rank = int(np.sum(s > 1e-10 * s[0]))
     return U[:, :rank]
+
+
+def _ritz(Hn: np.ndarray, m: int, k: int, tol: float):
+    """Ritz values / vectors of one H_m by decreasing modulus, their residual estimates, and
+    whether the `k` wanted ones meet `tol` (small dense eigenproblem, host, float64)."""
+    Hm, beta = Hn[:m, :m], abs(Hn[m, m - 1])
+    if not np.all(np.isfinite(Hn)):
+        raise ValueError("the operator produced non-finite values; no spectral radius")
+    theta, Y = np.linalg.eig(Hm)
+    order = np.argsort(-np.abs(theta), kind="stable")
+    theta, Y = theta[order], Y[:, order]
+    estimates = beta * np.abs(Y[m - 1, :])
+    floor = np.finfo(np.float64).eps * max(np.linalg.norm(Hm), np.finfo(np.float64).tiny)
+    converged = bool(np.all(estimates[:k] <= tol * np.maximum(np.abs(theta[:k]), floor)))
+    return theta, Y, estimates, converged, floor
+
+
+def _restart_plan(Hn: np.ndarray, theta, Y, m: int, k: int, real_basis: bool, floor: float):
+    """Host side of one restart: `(Qpad, r, keep_residual, H_new, start)`.
+
+    Thick restart (Krylov-Schur) on the invariant subspace of the `max(k, m // 2)` leading Ritz
+    values when it is invariant to working accuracy; otherwise an explicit restart from the
+    dominant Ritz vector (its real and imaginary parts summed for a real basis).
+    """
+    Hm = Hn[:m, :m]
+    keep = max(k, m // 2)
+    Q = _invariant_basis(theta, Y, keep, real_basis)
+    while Q.shape[1] > m - 1 and keep > 1:  # leave room for at least one new vector
+        keep -= 1
+        Q = _invariant_basis(theta, Y, keep, real_basis)
+    T = Q.conj().T @ Hm @ Q
+    drift = np.linalg.norm(Hm @ Q - Q @ T)
+    r = Q.shape[1]
+    Qpad = np.zeros((m, m), Hn.dtype)
+    Hnew = np.zeros((m + 1, m), Hn.dtype)
+    if r <= m - 1 and drift <= 1e-8 * max(np.linalg.norm(Hm), floor):
+        # A (V_m Q) = (V_m Q) T + v_{m+1} (h_{m+1,m} e_m^T Q).
+        Qpad[:, :r] = Q.real if real_basis else Q
+        Hnew[:r, :r] = T.real if real_basis else T
+        row = Hn[m, m - 1] * Q[m - 1, :]
+        Hnew[r, :r] = row.real if real_basis else row
+        return Qpad, r, True, Hnew, r
+    y = Y[:, 0]
+    coeffs = (y.real + y.imag) if real_basis else y
+    Qpad[:, 0] = coeffs / np.linalg.norm(coeffs)
+    return Qpad, 0, False, Hnew, 0
+
+
+def arnoldi_eigs_batch(
+    ops,
+    n: int,
+    *,
+    k: int = 1,
+    krylov_dim: int | None = None,
+    tol: float | None = None,
+    max_restarts: int = 500,
+    keys: Array | None = None,
+    v0: Array | None = None,
+    dtype=None,
+) -> list[ArnoldiResult]:
+    """`arnoldi_eigs` for a batch of operators of one structure, side by side on the device.
+
+    `ops` is a linear operator pytree (a `jax.tree_util.Partial`, as `operators.py` builds)
+    whose array leaves carry a leading batch axis `B`: operator `b` is `ops` with every leaf
+    indexed at `b` (stack same-shaped operators with `stack_operators`). The bases `(B, m+1, n)`
+    and every matvec stay on the device (one vmapped program per restart for the whole batch);
+    only the `B` small Hessenberg eigenproblems go to the host. Members stop restarting as they
+    converge. `keys` is `(B, 2)` (default: `PRNGKey(0)` for every member); `v0` `(B, n)`.
+    Returns one `ArnoldiResult` per member, as `arnoldi_eigs` would.
+    """
+    leaves = jax.tree_util.tree_leaves(ops)
+    if not leaves:
+        raise ValueError("ops must be an operator pytree with batched array leaves (see stack_operators)")
+    B = int(jnp.shape(leaves[0])[0])
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"n must be a positive vector length; got {n}")
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, n={n}]; got {k}")
+    m = min(n, krylov_dim if krylov_dim is not None else max(2 * k + 2, 64))
+    if m < min(n, k + 2):
+        raise ValueError(f"krylov_dim must be at least k + 2 = {k + 2} (or n); got {krylov_dim}")
+    if keys is None:
+        keys = jnp.broadcast_to(jax.random.PRNGKey(0), (B, 2))
+    keys = jnp.asarray(keys)
+    in_dtype = jnp.dtype(dtype) if dtype is not None else (
+        jnp.asarray(v0).dtype if v0 is not None else jnp.zeros((), float).dtype
+    )
+    one = jax.tree.map(lambda x: x[0], ops)
+    out = jax.eval_shape(one, jax.ShapeDtypeStruct((n,), in_dtype))
+    if out.shape != (n,):
+        raise ValueError(f"matvec must map shape ({n},) to ({n},); it returns {out.shape}")
+    basis_dtype = jnp.result_type(in_dtype, out.dtype)
+    real_basis = not jnp.issubdtype(basis_dtype, jnp.complexfloating)
+    host_dtype = np.float64 if real_basis else np.complex128
+    if tol is None:
+        tol = max(1e-10, 100 * float(jnp.finfo(basis_dtype).eps))
+    if not tol > 0:
+        raise ValueError(f"tol must be positive; got {tol}")
+
+    split = jax.vmap(jax.random.split)(keys)
+    keys, start_keys = split[:, 0], split[:, 1]
+    if v0 is None:
+        v0 = jax.vmap(lambda key: jax.random.normal(key, (n,), basis_dtype))(start_keys)
+    v0 = jnp.asarray(v0, basis_dtype).reshape(B, n)
+    norms = jnp.linalg.norm(v0, axis=1)
+    if not bool(jnp.all(norms > 0)):
+        raise ValueError("v0 must be a nonzero vector")
+    V = jnp.zeros((B, m + 1, n), basis_dtype).at[:, 0].set(v0 / norms[:, None])
+    H = jnp.zeros((B, m + 1, m), basis_dtype)
+    start = np.zeros(B, np.int64)
+    matvecs = np.zeros(B, np.int64)
+    restarts = np.zeros(B, np.int64)
+    done = np.zeros(B, bool)
+    converged = np.zeros(B, bool)
+    final = [None] * B
+    identity = np.eye(m, dtype=host_dtype)
+
+    for restart in range(max_restarts + 1):
+        V, H = _extend_batch(ops, V, H, jnp.asarray(start), jax.vmap(jax.random.fold_in, (0, None))(keys, restart))
+        matvecs += np.where(done, 0, m - start)
+        Hn = np.asarray(H, dtype=host_dtype)
+        plans = []
+        for b in range(B):
+            if done[b]:
+                plans.append((identity, m, True, None, m))
+                continue
+            theta, Y, estimates, ok, floor = _ritz(Hn[b], m, k, tol)
+            final[b] = (theta, Y, estimates)
+            restarts[b] = restart
+            if ok or restart == max_restarts:
+                done[b], converged[b] = True, ok
+                plans.append((identity, m, True, None, m))
+            else:
+                plans.append(_restart_plan(Hn[b], theta, Y, m, k, real_basis, floor))
+        if done.all():
+            break
+        Q = jnp.asarray(np.stack([p[0] for p in plans]))
+        V = _restart_batch(V, Q, jnp.asarray([p[1] for p in plans]), jnp.asarray([p[2] for p in plans]))
+        H = jnp.asarray(np.stack([Hn[b] if p[3] is None else p[3] for b, p in enumerate(plans)]), basis_dtype)
+        start = np.array([p[4] for p in plans])
+
+    complex_dtype = jnp.result_type(basis_dtype, 1j)
+    coeffs = jnp.asarray(np.stack([f[1][:, :k].T for f in final]), complex_dtype)
+    vectors = _combine_batch(coeffs, V[:, :m].astype(complex_dtype))
+    theta0 = jnp.asarray(np.array([f[0][0] for f in final]), complex_dtype)
+    residuals = np.asarray(_residual_batch(ops, vectors[:, 0], theta0, real_basis))
+    results = []
+    for b, (theta, Y, estimates) in enumerate(final):
+        extra = 2 if (real_basis and theta[0].imag != 0) else 1
+        results.append(ArnoldiResult(
+            eigenvalues=theta[:k],
+            eigenvectors=vectors[b],
+            residual_estimates=estimates[:k],
+            residual=float(residuals[b]),
+            matvecs=int(matvecs[b]) + extra,
+            restarts=int(restarts[b]),
+            converged=bool(converged[b]),
+        ))
+    return results
+
+
+def stack_operators(ops) -> object:
+    """One operator pytree whose leaves stack those of `ops` (same structure and shapes) on a
+    new leading axis: the batch `arnoldi_eigs_batch` takes."""
+    ops = list(ops)
+    if not ops:
+        raise ValueError("stack_operators needs at least one operator")
+    return jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *ops)
 
 
 def arnoldi_eigs(
@@ -195,111 +391,28 @@ def arnoldi_eigs(
     `dtype` is the basis dtype (default: JAX's default float, float64 under x64; complex if the
     operator returns complex values); `tol` defaults to `max(1e-10, 100 eps)` of that dtype
     (1e-10 in float64, about 1e-5 in float32). The random start vector comes from `key` (default
-    `PRNGKey(0)`) unless `v0` is given.
+    `PRNGKey(0)`) unless `v0` is given. (`arnoldi_eigs_batch` runs many operators at once.)
 
-    The result is an eigenvalue with a small residual; that it is the one of largest modulus is
-    not proved (a start vector nearly orthogonal to the dominant eigenvector, or a tight cluster
-    of moduli with a small Krylov space, can make it converge to a smaller one first). With
-    `krylov_dim < 32` we saw this happen on a 16384-dimensional conv Jacobian; 64 was reliable.
+    The result is an ESTIMATE: an eigenvalue with a small residual (a backward error), not a
+    proof that it is the one of largest modulus (a start vector nearly orthogonal to the
+    dominant eigenvector, or a tight cluster of moduli with a small Krylov space, can make it
+    converge to a smaller one first). With `krylov_dim < 32` we saw this happen on a
+    16384-dimensional conv Jacobian; 64 was reliable.
     """
     op = as_operator(matvec)
-    n = int(n)
-    if n < 1:
-        raise ValueError(f"n must be a positive vector length; got {n}")
-    if not 1 <= k <= n:
-        raise ValueError(f"k must be in [1, n={n}]; got {k}")
-    m = min(n, krylov_dim if krylov_dim is not None else max(2 * k + 2, 64))
-    if m < min(n, k + 2):
-        raise ValueError(f"krylov_dim must be at least k + 2 = {k + 2} (or n); got {krylov_dim}")
     key = jax.random.PRNGKey(0) if key is None else key
-
-    in_dtype = jnp.dtype(dtype) if dtype is not None else (
-        jnp.asarray(v0).dtype if v0 is not None else jnp.zeros((), float).dtype
+    batch = jax.tree.map(lambda x: jnp.asarray(x)[None], op)
+    if not jax.tree_util.tree_leaves(batch):  # an operator holding no arrays: give it one
+        batch = Partial(_leafless, op, jnp.zeros((1,)))
+    (res,) = arnoldi_eigs_batch(
+        batch, n, k=k, krylov_dim=krylov_dim, tol=tol, max_restarts=max_restarts, keys=key[None],
+        v0=None if v0 is None else jnp.asarray(v0).reshape(1, -1), dtype=dtype,
     )
-    out = jax.eval_shape(op, jax.ShapeDtypeStruct((n,), in_dtype))
-    if out.shape != (n,):
-        raise ValueError(f"matvec must map shape ({n},) to ({n},); it returns {out.shape}")
-    basis_dtype = jnp.result_type(in_dtype, out.dtype)
-    real_basis = not jnp.issubdtype(basis_dtype, jnp.complexfloating)
-    if tol is None:
-        tol = max(1e-10, 100 * float(jnp.finfo(basis_dtype).eps))
-    if not tol > 0:
-        raise ValueError(f"tol must be positive; got {tol}")
+    return res
 
-    key, start_key = jax.random.split(key)
-    if v0 is None:
-        v0 = jax.random.normal(start_key, (n,), basis_dtype)
-    v0 = jnp.asarray(v0, basis_dtype).reshape(n)
-    norm0 = float(jnp.linalg.norm(v0))
-    if not norm0 > 0:
-        raise ValueError("v0 must be a nonzero vector")
-    V = jnp.zeros((m + 1, n), basis_dtype).at[0].set(v0 / norm0)
-    H = jnp.zeros((m + 1, m), basis_dtype)
-    start, matvecs, converged = 0, 0, False
-    nkeep = max(k, m // 2)
 
-    for restart in range(max_restarts + 1):
-        V, H = _arnoldi_extend(op, V, H, jnp.asarray(start), jax.random.fold_in(key, restart))
-        matvecs += m - start
-        Hn = np.asarray(H, dtype=np.complex128 if not real_basis else np.float64)
-        Hm, beta = Hn[:m, :m], abs(Hn[m, m - 1])
-        if not np.all(np.isfinite(Hn)):
-            raise ValueError("the operator produced non-finite values; no spectral radius")
-        theta, Y = np.linalg.eig(Hm)
-        order = np.argsort(-np.abs(theta), kind="stable")
-        theta, Y = theta[order], Y[:, order]
-        estimates = beta * np.abs(Y[m - 1, :])
-        floor = np.finfo(np.float64).eps * max(np.linalg.norm(Hm), np.finfo(np.float64).tiny)
-        if np.all(estimates[:k] <= tol * np.maximum(np.abs(theta[:k]), floor)):
-            converged = True
-            break
-        if restart == max_restarts:
-            break
-
-        keep = nkeep
-        Q = _invariant_basis(theta, Y, keep, real_basis)
-        while Q.shape[1] > m - 1 and keep > 1:  # leave room for at least one new vector
-            keep -= 1
-            Q = _invariant_basis(theta, Y, keep, real_basis)
-        T = Q.conj().T @ Hm @ Q
-        drift = np.linalg.norm(Hm @ Q - Q @ T)
-        r = Q.shape[1]
-        if r <= m - 1 and drift <= 1e-8 * max(np.linalg.norm(Hm), floor):
-            # Thick restart: A (V_m Q) = (V_m Q) T + v_{m+1} (h_{m+1,m} e_m^T Q).
-            Qpad = np.zeros((m, m), Q.dtype)
-            Qpad[:, :r] = Q
-            V = _restart_basis(V, jnp.asarray(Qpad), jnp.asarray(r))
-            Hnew = np.zeros((m + 1, m), Hn.dtype)
-            Hnew[:r, :r] = T.real if real_basis else T
-            row = Hn[m, m - 1] * Q[m - 1, :]
-            Hnew[r, :r] = row.real if real_basis else row
-            H = jnp.asarray(Hnew, basis_dtype)
-            start = r
-        else:
-            # The kept block is not invariant to working accuracy: restart explicitly from the
-            # dominant Ritz vector (its real and imaginary parts summed for a real basis).
-            y = Y[:, 0]
-            coeffs = (y.real + y.imag) if real_basis else y
-            u = _combine_rows(jnp.asarray(coeffs[None, :]), V[:m])[0]
-            V = jnp.zeros_like(V).at[0].set(u / jnp.linalg.norm(u))
-            H = jnp.zeros_like(H)
-            start = 0
-
-    complex_basis = V[:m].astype(jnp.result_type(basis_dtype, 1j))
-    vectors = _combine_rows(jnp.asarray(Y[:, :k].T), complex_basis)
-    x = vectors[0]
-    ax = _apply_complex(op, x, real_basis)
-    matvecs += 2 if (real_basis and theta[0].imag != 0) else 1
-    residual = float(jnp.linalg.norm(ax - theta[0] * x) / jnp.linalg.norm(x))
-    return ArnoldiResult(
-        eigenvalues=theta[:k],
-        eigenvectors=vectors,
-        residual_estimates=estimates[:k],
-        residual=residual,
-        matvecs=matvecs,
-        restarts=restart,
-        converged=converged,
-    )
+def _leafless(op, _dummy, v):
+    return op(v)
 
 
 # ----------------------------------------------------------------------------- dense
@@ -307,11 +420,17 @@ def arnoldi_eigs(
 
 def _dense_result(A: np.ndarray, iterations: int) -> SpectralResult:
     """Radius from `numpy.linalg.eigvals` (float64), residual from two inverse-iteration steps."""
+    return _dense_spectrum(A, iterations)[0]
+
+
+def _dense_spectrum(A: np.ndarray, iterations: int) -> tuple[SpectralResult, np.ndarray]:
+    """`_dense_result` and every eigenvalue (one eigen-decomposition)."""
     A = np.asarray(A)
     A = A.astype(np.complex128 if np.iscomplexobj(A) else np.float64)
     if not np.all(np.isfinite(A)):
         raise ValueError("the matrix has non-finite entries; no spectral radius")
     lam = np.linalg.eigvals(A)
+    all_eigenvalues = lam
     i = int(np.argmax(np.abs(lam)))
     eigenvalue = complex(lam[i])
     n = A.shape[0]
@@ -332,7 +451,7 @@ def _dense_result(A: np.ndarray, iterations: int) -> SpectralResult:
         lam, vecs = np.linalg.eig(A)
         x = vecs[:, int(np.argmin(np.abs(lam - eigenvalue)))]
         residual = float(np.linalg.norm(A @ x - eigenvalue * x) / np.linalg.norm(x))
-    return SpectralResult(abs(eigenvalue), eigenvalue, residual, iterations, "dense", True)
+    return SpectralResult(abs(eigenvalue), eigenvalue, residual, iterations, "dense", True), all_eigenvalues
 
 
 def _is_matrix(op) -> bool:
@@ -443,7 +562,7 @@ def _power_loop(op, v0: Array, tol: Array, max_iters: Array):
     return mu, i
 
 
-def power_norm_bound(
+def power_norm_estimate(
     matvec: Callable[[Array], Array],
     n: int,
     *,
@@ -452,16 +571,18 @@ def power_norm_bound(
     key: Array | None = None,
     dtype=None,
 ) -> float:
-    """Estimate of the operator 2-norm `||A||_2 = sigma_max(A)` by power iteration on `A^* A`.
+    """ESTIMATE (from below) of the operator 2-norm `||A||_2 = sigma_max(A)`, by power iteration
+    on `A^* A`. Not a bound.
 
     Iterates `v <- A^* A v / ||A^* A v||` (`A^*` through `jax.vjp`, so `matvec` must be linear
     and differentiable) and returns `||A v||` once it changes by less than `tol` relative.
+    Every iterate is `||A v|| <= ||A||_2` for a unit `v`, so the value approaches the norm from
+    below: it can be short of it (slowly converging when the two largest singular values are
+    close), and it is an upper bound on `rho(A)` only up to that shortfall.
 
-    This is a norm, not a spectral radius: `rho(A) <= ||A||_2`, with equality for normal `A`
-    only; for the non-normal operators of conv blocks it can be far above `rho`, so a value
-    >= 1 proves nothing about instability. Also note the estimate approaches `||A||_2` from
-    below, so it is an upper bound on `rho(A)` only up to its convergence error (slow when the
-    two largest singular values are close).
+    A norm is not a spectral radius: `rho(A) <= ||A||_2`, with equality for normal `A` only; for
+    the non-normal operators of conv blocks it can be far above `rho`, so a value >= 1 proves
+    nothing about instability.
     """
     op = as_operator(matvec)
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.zeros((), float).dtype
@@ -469,6 +590,16 @@ def power_norm_bound(
     v0 = jax.random.normal(key, (int(n),), dtype)
     mu, _ = _power_loop(op, v0, jnp.asarray(tol), jnp.asarray(max_iters))
     return float(mu)
+
+
+def power_norm_bound(*args, **kwargs) -> float:
+    """Deprecated name of :func:`power_norm_estimate` (it returns an estimate from below, not a
+    bound)."""
+    import warnings
+
+    warnings.warn("power_norm_bound is renamed power_norm_estimate: it returns an estimate of "
+                  "||A||_2 from below, not a bound", DeprecationWarning, stacklevel=2)
+    return power_norm_estimate(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- FFT

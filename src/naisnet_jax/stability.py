@@ -45,18 +45,29 @@ def dense_block_figures(R, *, eps: float, h: float) -> dict:
     }
 
 
-def kernel_gershgorin(kernel) -> tuple[np.ndarray, np.ndarray]:
-    """Per output channel: centre tap of its own filter, and the absolute sum
-    of every other tap of every input channel feeding it (float64).
+def kernel_gershgorin(kernel):
+    """Per output channel: the centre tap of its own filter, and the absolute sum
+    of every other tap of every input channel feeding it (the Gershgorin discs of
+    the conv operator; the one copy of this arithmetic, used by the trainer's
+    figures and by the verifier).
 
-    ``kernel`` is HWIO ``(..., k, k, C, C)``; returns two ``(..., C)`` arrays.
+    ``kernel`` is HWIO ``(..., k, k, C, C)``; returns two ``(..., C)`` arrays. A
+    JAX array stays in JAX (and its dtype, so it jits and vmaps); anything else
+    is computed in float64 numpy.
     """
-    kernel = _as64(kernel)
+    import jax
+
+    if isinstance(kernel, jax.Array):
+        import jax.numpy as xp
+    else:
+        xp, kernel = np, _as64(kernel)
     k, c = kernel.shape[-4], kernel.shape[-1]
     p = (k - 1) // 2
-    centres = np.diagonal(kernel[..., p, p, :, :], axis1=-2, axis2=-1)
-    radii = np.abs(kernel).sum(axis=(-4, -3, -2)) - np.abs(centres)
-    return centres.copy(), radii
+    centres = xp.diagonal(kernel[..., p, p, :, :], axis1=-2, axis2=-1)
+    is_centre = np.zeros((k, k, c, c), bool)
+    is_centre[p, p] = np.eye(c, dtype=bool)
+    radii = xp.where(is_centre, 0, xp.abs(kernel)).sum(axis=(-4, -3, -2))
+    return centres + 0, radii
 
 
 def effective_state_kernel(kernel, delta=None) -> np.ndarray:

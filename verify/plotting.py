@@ -1,0 +1,63 @@
+"""Figures of the certificate (matplotlib imported here only, no backend chosen)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def plot_block(block, ax=None):
+    """Spectrum of ``I + h A`` of one block against its proven bound and the unit circle.
+
+    Gershgorin discs are drawn as outlines (no fill), eigenvalues as crosses, the proven bound
+    (``rho`` bound for dense blocks, ``||I + h A||_inf`` bound for conv blocks) as a dashed
+    circle. With ``ax`` the overview goes there; without, a new figure holds the overview and a
+    zoom on the region near ``z = 1`` where stability is decided. Returns the Figure.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Circle
+
+    sp = block.spectrum
+    if sp is None:
+        raise ValueError(f"block {block.name!r} has no spectrum to draw ({block.parameter})")
+    if ax is None:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4.8))
+    else:
+        fig, axes = ax.figure, [ax]
+    eig = np.asarray(sp.eigenvalues, dtype=complex)
+    centres, radii = np.asarray(sp.disc_centres, float), np.asarray(sp.disc_radii, float)
+    t = np.linspace(0, 2 * np.pi, 4000)
+    # one outline per distinct disc (hundreds of identical discs draw as one)
+    discs = np.unique(np.round(np.stack([centres, radii], axis=1), 12), axis=0) if len(centres) else []
+    for a in axes:
+        for i, (c, r) in enumerate(discs):
+            a.add_patch(Circle((c, 0.0), r, fill=False, lw=0.6, color="C0", alpha=0.7,
+                               label="Gershgorin discs" if i == 0 else None))
+        a.plot(np.cos(t), np.sin(t), "k-", lw=0.9, label="unit circle")
+        if sp.bound is not None and np.isfinite(sp.bound):
+            a.plot(sp.bound * np.cos(t), sp.bound * np.sin(t), "--", color="C2", lw=1.0,
+                   label=f"proven bound {sp.bound:.6g} ({sp.bound_label})")
+        if len(eig):
+            a.plot(eig.real, eig.imag, "x", color="C3", ms=5, mew=1.0,
+                   label="eigenvalues" if sp.all_eigenvalues else "dominant eigenvalue(s), estimate")
+        a.axhline(0, color="k", lw=0.3)
+        a.set_aspect("equal")
+        a.set(xlabel="Re", ylabel="Im")
+    reach = [1.0]
+    if len(discs):
+        reach += list(np.abs(discs[:, 0]) + discs[:, 1])
+    if len(eig):
+        reach.append(float(np.max(np.abs(eig))))
+    lim = 1.1 * max(reach)
+    axes[0].set(xlim=(-lim, lim), ylim=(-lim, lim))
+    axes[0].legend(loc="lower left", fontsize=7)
+    if len(axes) > 1:
+        # zoom: from the largest eigenvalue / bound to the unit circle
+        marks = [1.0] + ([sp.bound] if sp.bound is not None and np.isfinite(sp.bound) else [])
+        marks += [float(np.max(np.abs(eig)))] if len(eig) else []
+        d = max(1.0 - min(marks), max(marks) - 1.0, 1e-6)
+        axes[1].set(xlim=(1 - 4 * d, 1 + 1.5 * d), ylim=(-2.75 * d, 2.75 * d), title="zoom near z = 1")
+    status = block.verdict.value
+    fig.suptitle(f"{block.name} ({block.kind}): spectrum of I + hA - {status}")
+    if ax is None:
+        fig.tight_layout()
+    return fig
