@@ -1,10 +1,19 @@
 """Audit of dense NAIS blocks ``A = -R^T R - eps I``, batched over blocks of one shape.
 
-Proof (Condition 1 for the float32 ``A`` the model runs): ``A`` is exactly
-symmetric, and a verified eigenvalue enclosure of ``M = -A`` (float64) gives
-``lam_min(M) >= l > 0`` and ``lam_max(M) <= mu`` with ``h mu < 2``: then for
-slopes in ``[sigma, 1]`` every eigenvalue of ``I + h diag(s) A`` is real in
-``[1 - h mu, 1 - h sigma l]``. Computed: the spectrum of ``A`` by the
+Proof (Condition 1 for the float32 ``A`` the model runs). Split ``A = S + K``
+into its symmetric and skew parts (exact in float64; ``K`` is zero or a few
+ulps: float32 ``R^T R`` need not be exactly symmetric). A verified eigenvalue
+enclosure of ``-S`` gives ``l <= lam_min``, ``lam_max <= mu``, and
+``kappa >= ||K||_2``. For slopes ``D = diag(s) > 0``, ``D A`` is similar to
+``D^1/2 A D^1/2``; an eigenvalue ``lam`` of it with unit eigenvector ``x`` is
+``x* D^1/2 A D^1/2 x``, so with ``y = D^1/2 x``, ``t = |y|^2 in [sigma, 1]``:
+``Re lam = y^T S y = -a t``, ``a in [l, mu]``, ``|Im lam| <= kappa t``, and
+``|1 + h lam|^2 = 1 - 2 h a t + h^2 t^2 (a^2 + b^2) < 1`` for every ``t`` in
+``(0, 1]`` iff ``h (a^2 + kappa^2) < 2 a`` - convex in ``a``, so checked at
+``a = l`` and ``a = mu``. That is Condition 1 for every ``sigma > 0``; the radius
+over slopes in ``[sigma, 1]`` is at most
+``sqrt(max((1 - h sigma l)^2, (1 - h mu)^2) + h^2 kappa^2)``. (With ``K = 0``:
+the real interval ``[1 - h mu, 1 - h sigma l]`` of the paper's Lemma.) Computed: the spectrum of ``A`` by the
 symmetric eigen-solver. Measured: Jacobians, gains and equilibria along the
 sampled inputs (float64 forward pass).
 """
@@ -109,7 +118,9 @@ def parameters(blocks: list[Block], options) -> dict[int, tuple[DenseParameters,
         A = stack(A32)  # (G, S, n, n): float64 holding the float32 values
         R = stack([_steps(b.p32.factor) for b in members])
         symmetric = [bool(np.array_equal(a, np.swapaxes(a, -1, -2))) for a in A32]
-        M = -(A + jnp.swapaxes(A, -1, -2)) / 2  # = -A when symmetric
+        M = -(A + jnp.swapaxes(A, -1, -2)) / 2  # -S: exact in float64 for float32 entries
+        skew = np.asarray(jnp.sqrt(jnp.sum(((A - jnp.swapaxes(A, -1, -2)) / 2) ** 2, axis=(-2, -1))))
+        skew = skew * (1 + gamma(n * n + 4))  # >= ||K||_F >= ||K||_2, per (block, step)
         lower, upper, lam = jax.device_get(enclosure(M.reshape(-1, n, n)))
         lower, upper, lam = lower.reshape(len(members), S), upper.reshape(len(members), S), lam.reshape(len(members), S, n)
         frob, frob_up, Gabs = jax.device_get(_frobenius(R))
@@ -124,20 +135,24 @@ def parameters(blocks: list[Block], options) -> dict[int, tuple[DenseParameters,
             h, eps = float32_h(p.h), float(p.eps)
             relu = p.activation == "relu"
             delta = 2 * (1 - eps) if options.relaxed else 1 - 2 * eps
-            lo, hi = float(np.min(lower[i])), float(np.max(upper[i]))
+            lo, hi, kappa = float(np.min(lower[i])), float(np.max(upper[i])), float(np.max(skew[i]))
             sym = symmetric[i]
 
-            def bound(lo, hi, sigma):  # proven: sup of rho over eigenvalues in [sigma lo, hi]
-                if not (sym and lo > 0 and np.isfinite(hi)):
+            def bound(lo, hi, sigma, kappa=kappa):  # proven: sup of rho for slopes in [sigma, 1]
+                if not (lo > 0 and np.isfinite(hi)):
                     return float("inf")
-                value = max(abs(1 - h * hi), abs(1 - h * sigma * lo))
-                return float(value + 4 * U64 * (1 + h * hi))
+                value = np.sqrt(max((1 - h * sigma * lo) ** 2, (1 - h * hi) ** 2) + (h * kappa) ** 2)
+                return float(value * (1 + 8 * U64) + 4 * U64)
+
+            def condition1(lo, hi, kappa):  # h (a^2 + kappa^2) < 2 a at a = lo and a = hi
+                ok = lambda a: h * (a * a + kappa * kappa) * (1 + 8 * U64) < 2 * a  # noqa: E731
+                return bool(lo > 0 and np.isfinite(hi) and ok(lo) and ok(hi))
 
             rho_bound = bound(lo, hi, 1.0)
             rho_bar = rho_bound if relu else max(bound(lo, hi, options.sigma_min), rho_bound)
-            proven = bool(sym and lo > 0 and h * hi * (1 + 4 * U64) < 2)
-            e = float(np.max(spread[i]))
-            robust = bool(proven and lo - e > 0 and h * (hi + e) * (1 + 4 * U64) < 2)
+            proven = condition1(lo, hi, kappa)
+            e = float(np.max(spread[i]))  # another float32 evaluation of A: within e (norm), skew too
+            robust = bool(proven and condition1(lo - e, hi + e, kappa + e))
             lam_A = -lam[i]  # eigenvalues of A per step (ascending in M)
             rho = float(np.max(np.abs(1 + h * lam_A)))
             J0 = np.eye(n) + h * np.asarray(A[i, 0])
@@ -147,7 +162,7 @@ def parameters(blocks: list[Block], options) -> dict[int, tuple[DenseParameters,
             params = DenseParameters(
                 condition=f"||R^T R||_F <= delta = {'2(1 - eps)' if options.relaxed else '1 - 2 eps'} = {delta:.6g}",
                 delta=float(delta), frobenius_RtR=float(np.max(frob[i])),
-                condition_holds=bool(np.all(frob_up[i] <= delta)), symmetric=sym,
+                condition_holds=bool(np.all(frob_up[i] <= delta)), symmetric=sym, skew_norm_bound=kappa,
                 eig_M_lower=lo if np.isfinite(lo) else None, eig_M_upper=hi if np.isfinite(hi) else None,
                 rho_I_plus_hA_bound=rho_bound, rho_bar_bound=rho_bar, condition1_proven=proven,
                 device_independent=robust, eig_A=(float(lam_A.min()), float(lam_A.max())),

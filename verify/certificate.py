@@ -61,17 +61,19 @@ class Verdict(str, enum.Enum):
 class DenseParameters:
     """Parameter-level figures of a dense block ``A = -R^T R - eps I`` (worst over untied steps).
 
-    Condition 1 (Theorem 1's hypothesis) for the float32 ``A``: it is symmetric, so
-    ``S^1/2 A S^1/2`` is, and for slopes ``S = diag(s)``, ``s in [sigma, 1]``, every eigenvalue of
-    ``J = I + h S A`` is real in ``[1 - h lam_max(M), 1 - h sigma lam_min(M)]``, ``M = -A``: its radius
-    is below 1 for every ``sigma > 0`` iff ``lam_min(M) > 0`` and ``h lam_max(M) < 2``.
+    Condition 1 (Theorem 1's hypothesis) for the float32 ``A``: with ``M = -(A + A^T) / 2`` and
+    ``kappa >= ||(A - A^T) / 2||_2``, ``J = I + h diag(s) A`` has radius below 1 for every slope in
+    ``(0, 1]`` when ``h (a^2 + kappa^2) < 2 a`` at ``a = lam_min(M)`` and ``a = lam_max(M)`` (for a
+    symmetric ``A``: ``lam_min(M) > 0`` and ``h lam_max(M) < 2``); see ``verify/_dense.py``.
     """
 
     condition: str = _fig("setting", "Algorithm 1's inequality")
     delta: float = _fig("setting", "Algorithm 1's bound on ||R^T R||_F")
     frobenius_RtR: float = _fig("computed", "||R^T R||_F of the stored float32 R, float64")
     condition_holds: bool = _fig("proven", "||R^T R||_F <= delta in exact arithmetic (no slack)")
-    symmetric: bool = _fig("proven", "the float32 A the model runs is exactly symmetric")
+    symmetric: bool = _fig("computed", "the float32 A the model runs is exactly symmetric (float32 R^T R "
+                                       "need not be; the proof allows a skew part)")
+    skew_norm_bound: float = _fig("proven", "upper bound on ||(A - A^T) / 2||_2 of the float32 A")
     eig_M_lower: Optional[float] = _fig("proven", "lower bound on the smallest eigenvalue of M = -A (float32 A)")
     eig_M_upper: Optional[float] = _fig("proven", "upper bound on the largest eigenvalue of M = -A (float32 A)")
     rho_I_plus_hA_bound: Optional[float] = _fig("proven", "upper bound on rho(I + h A) for the float32 A")

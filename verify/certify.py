@@ -5,10 +5,13 @@ mutable, so every block announces itself (:mod:`naisnet_jax.probe`), groups
 the blocks by kind and shape, hands each group to its audit (``_dense``,
 ``_conv``, ``_baseline``: batched on the device in float64) and decides.
 
-Two forward passes: one with the variables as given (the float32 operators the
-model runs: ``A = -R^T R - eps I`` as ``fc_state_matrix`` forms it, the kernel
-with its float32 centre taps), one in float64 on the inputs for the
-trajectory figures.
+One forward pass, with the variables as given (float32) and the inputs in
+float64: the blocks form their operators from the float32 parameters exactly as
+in training (``A = -R^T R - eps I`` by ``fc_state_matrix``, the kernel with its
+float32 centre taps) and then run the trajectory in float64 arithmetic, since
+JAX promotes float32 parameters against float64 states. So the proofs see the
+float32 operators the model runs, and the trajectory figures are float64
+evaluations of the same operators.
 
 A block is **certified** when Condition 1 (Theorem 1's hypothesis) is *proven*
 for the float32 operator it runs with, ``0 < h <= 1``, and no estimate or
@@ -135,11 +138,6 @@ def _apply(model, kwargs):
         return jax.jit(lambda variables, x: model.apply(variables, x, mutable=[AUDIT_COLLECTION], **kwargs))
 
 
-def _as_f64(tree):
-    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float64) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
-                        else jnp.asarray(x), tree)
-
-
 # ------------------------------------------------------------------ the audit
 
 
@@ -168,25 +166,21 @@ def _audit(model, variables, inputs, options: AuditOptions, source: Source, data
         return time.perf_counter()
 
     t = time.perf_counter()
-    if inputs is not None:
-        inputs = np.asarray(inputs)
-        first = inputs[:1]
-    elif options.input_shape is not None:
-        first = np.zeros((1,) + tuple(options.input_shape), np.float32)
+    use_data = inputs is not None and options.data != "none"
+    if use_data:
+        x = np.asarray(inputs, np.float64)
+    elif options.input_shape is not None or inputs is not None:
+        shape = np.shape(inputs)[1:] if inputs is not None else tuple(options.input_shape)
+        x = np.zeros((1,) + tuple(shape), np.float64)
     else:
         raise ValueError("audit_model needs inputs (a batch of real inputs) or options.input_shape "
                          "(the shape of one input, for the parameter-level audit only)")
-    use_data = inputs is not None and options.data != "none"
-    found32 = _probes(model, variables, jnp.asarray(first, jnp.float32), options.apply_kwargs)
-    jax.block_until_ready(found32)
-    t = lap("discover (float32 operators)", t)
-    found64 = {}
-    if use_data:
-        found64 = dict(_probes(model, _as_f64(variables), jnp.asarray(inputs, jnp.float64), options.apply_kwargs))
-        jax.block_until_ready(found64)
-        t = lap("forward pass (float64)", t)
+    found = _probes(model, variables, jnp.asarray(x, jnp.float64), options.apply_kwargs)
+    jax.block_until_ready(found)
+    t = lap("forward pass (float32 operators, float64 states)", t)
     key = jax.random.PRNGKey(options.seed)
-    blocks = [Block(i, name, p, found64.get(name), jax.random.fold_in(key, i)) for i, (name, p) in enumerate(found32)]
+    blocks = [Block(i, name, p, p if use_data else None, jax.random.fold_in(key, i))
+              for i, (name, p) in enumerate(found)]
     by_kind = {kind: [b for b in blocks if b.kind == kind] for kind in ("dense", "conv", "dense-baseline", "conv-baseline")}
 
     reports: dict[int, BlockReport] = {}
@@ -259,9 +253,8 @@ def _decide(b: Block, par, traj) -> tuple[Verdict, str]:
     reasons, notes = [], []
     if not par.condition1_proven:
         if b.kind == "dense":
-            why = ("the float32 A is not exactly symmetric" if not par.symmetric else
-                   f"proven eigenvalues of -A in [{par.eig_M_lower}, {par.eig_M_upper}] do not give "
-                   f"0 < lam_min and h lam_max < 2")
+            why = (f"proven eigenvalues of -(A + A^T)/2 in [{par.eig_M_lower}, {par.eig_M_upper}] and skew part "
+                   f"<= {par.skew_norm_bound:.3g} do not give h (a^2 + kappa^2) < 2a at both ends")
             reasons.append(f"Condition 1 not proven for the float32 operator ({why}; rho(I + hA) bound "
                            f"{par.rho_I_plus_hA_bound:.9g})")
         else:

@@ -18,7 +18,6 @@ axes (untied weights: one set per step) are projected step by step.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -166,12 +165,14 @@ def project_fc(R: Array, *, eps: float, relaxed: bool = False) -> Array:
     if R.ndim < 2:
         raise ValueError(f"R must have shape (..., r, n); got shape {R.shape}.")
     _check_finite("R", R)
-    return _project_fc(jnp.asarray(R), delta)
+    R = jnp.asarray(R)
+    return _project_fc(R, jnp.asarray(_round_down(delta, R.dtype), R.dtype))
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _project_fc(R: Array, delta: float) -> Array:
-    """Body of :func:`project_fc` (one compiled program, also when called eagerly)."""
+@jax.jit
+def _project_fc(R: Array, delta_low: Array) -> Array:
+    """Body of :func:`project_fc` (one compiled program per shape, also when called eagerly);
+    ``delta_low`` is the largest float ``<= delta``."""
     dtype = R.dtype
     r, n = R.shape[-2:]
     tiny = float(jnp.finfo(dtype).tiny)
@@ -190,7 +191,6 @@ def _project_fc(R: Array, delta: float) -> Array:
     c_sum = 1 + _gamma(depth + 8, dtype)
     upper = (jnp.sqrt(sq) + 2 * _gamma(r + 2, dtype) * jnp.sqrt(sq_abs)) * c_sum + (r + 1) * n * n * tiny
     upper = upper[..., None, None]
-    delta_low = _round_down(delta, dtype)
     # ||R^T R||_F = 4^e ||U^T U||_F <= delta  <=>  ||U^T U||_F <= delta 4^-e
     feasible = upper <= _scale_pow2(jnp.full_like(upper, delta_low), -2 * e)
     # U s with s^2 upper (1 + slack) = delta_low: exact ||(U s)^T (U s)||_F <= delta even after
@@ -238,16 +238,19 @@ def project_conv(
         )
     _check_finite("kernel", kernel)
     _check_finite("delta", delta)
-    return _project_conv(jnp.asarray(kernel), jnp.asarray(delta), float(eps), float(eta))
+    kernel, delta = jnp.asarray(kernel), jnp.asarray(delta)
+    dtype = kernel.dtype
+    return _project_conv(kernel, delta, jnp.asarray(_round_down(1.0 - eps, dtype), dtype),
+                         jnp.asarray(_round_down(1.0 - eta, dtype), dtype))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _project_conv(kernel: Array, delta: Array, eps: float, eta: float) -> tuple[Array, Array]:
-    """Body of :func:`project_conv` (one compiled program, also when called eagerly)."""
+@jax.jit
+def _project_conv(kernel: Array, delta: Array, one_minus_eps: Array, one_minus_eta: Array) -> tuple[Array, Array]:
+    """Body of :func:`project_conv` (one compiled program per shape, also when called eagerly);
+    ``one_minus_*`` are the largest floats ``<= 1 - eps``, ``<= 1 - eta``."""
     dtype = kernel.dtype
     u, tiny = _unit_roundoff(dtype), float(jnp.finfo(dtype).tiny)
-    bound = _round_down(1.0 - eta, dtype)
-    delta = jnp.clip(delta, -bound, bound).astype(dtype)
+    delta = jnp.clip(delta, -one_minus_eta, one_minus_eta).astype(dtype)
     mask = centre_mask(kernel.shape, dtype)
     others = kernel * (1 - mask)  # exact: the centre taps become 0
     k, c = kernel.shape[-4], kernel.shape[-1]
@@ -258,7 +261,7 @@ def _project_conv(kernel: Array, delta: Array, eps: float, eta: float) -> tuple[
     radius, depth = _pairwise_sum(_scale_pow2(rows, -e[..., None]))
     upper = radius * (1 + _gamma(depth + 4, dtype)) + m * tiny  # >= exact radius / 2^e
     # budget = 1 - eps - |delta| (exact) >= fl(round_down(1 - eps) - |delta|) - 4u
-    budget = jnp.maximum((_round_down(1.0 - eps, dtype) - jnp.abs(delta)) - 4 * u, 0).astype(dtype)
+    budget = jnp.maximum((one_minus_eps - jnp.abs(delta)) - 4 * u, 0).astype(dtype)
     feasible = upper <= _scale_pow2(budget, -e)
     scale = budget / (upper * (1 + _gamma(2 * depth + 8, dtype)))  # applies to the rescaled taps
     expand = lambda x: x[..., None, None, None, :]  # noqa: E731 - (..., C) -> tap axes
