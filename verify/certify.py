@@ -157,13 +157,19 @@ def audit_model(model, variables, *, inputs=None, options: AuditOptions | None =
                       "in-memory inputs" if inputs is not None else "none")
 
 
-def _audit(model, variables, inputs, options: AuditOptions, source: Source, data_source: str) -> Certificate:
-    t_start = time.perf_counter()
+def _audit(model, variables, inputs, options: AuditOptions, source: Source, data_source: str,
+           hyper: Hyperparameters | None = None) -> Certificate:
+    t_start, c_start = time.perf_counter(), time.process_time()
     timings: dict[str, float] = {}
+    cpu = {"c": c_start}
 
     def lap(phase, t0):
-        timings[phase] = timings.get(phase, 0.0) + time.perf_counter() - t0
-        return time.perf_counter()
+        """Wall seconds of ``phase`` and, as ``phase + " (cpu)"``, this process's CPU seconds."""
+        now, c = time.perf_counter(), time.process_time()
+        timings[phase] = timings.get(phase, 0.0) + now - t0
+        timings[phase + " (cpu)"] = timings.get(phase + " (cpu)", 0.0) + c - cpu["c"]
+        cpu["c"] = c
+        return now
 
     t = time.perf_counter()
     use_data = inputs is not None and options.data != "none"
@@ -220,7 +226,7 @@ def _audit(model, variables, inputs, options: AuditOptions, source: Source, data
         failed = [r.name for r in ordered if not r.certified]
         reason = "every block certified stable" if not failed else f"not certified: {', '.join(failed)}"
     first_nais = next((b.p32 for b in blocks if b.kind in ("dense", "conv")), blocks[0].p32 if blocks else None)
-    hyper = None if first_nais is None else Hyperparameters(
+    hyper = hyper if hyper is not None or first_nais is None else Hyperparameters(
         eps=first_nais.eps, eta=first_nais.eta, h=first_nais.h, relaxed=options.relaxed,
         activation=first_nais.activation)
     finite = lambda xs: [x for x in xs if x is not None and np.isfinite(x)]  # noqa: E731
@@ -234,6 +240,7 @@ def _audit(model, variables, inputs, options: AuditOptions, source: Source, data
         rho_J_trajectory_max=max(traj) if traj else None,
     )
     timings["total"] = time.perf_counter() - t_start
+    timings["total (cpu)"] = time.process_time() - c_start
     return Certificate(
         certified=certified, reason=reason, blocks=ordered, summary=summary, hyperparameters=hyper,
         source=source, data=DataInfo(source=data_source if use_data else "none",
@@ -338,8 +345,10 @@ def audit(checkpoint_dir: str, options: AuditOptions | None = None, *, step: int
         source = Source(kind="checkpoint", model=meta.model, path=str(checkpoint_dir), step=meta.step,
                         epoch=meta.epoch, model_kwargs=dict(meta.model_kwargs), dataset=meta.dataset,
                         digest=meta.digest)
+        hyper = Hyperparameters(eps=meta.eps, eta=meta.eta, h=float(getattr(model, "h", meta.h)),
+                                relaxed=meta.relaxed, activation=str(getattr(model, "activation", "relu")))
         try:
-            cert = _audit(model, variables, inputs, options, source, data_source)
+            cert = _audit(model, variables, inputs, options, source, data_source, hyper)
         except ModelApplyError as e:
             raise ckpt.CheckpointError(
                 f"the checkpoint's arrays do not fit the model its metadata describes "
