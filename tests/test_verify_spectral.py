@@ -195,18 +195,18 @@ def test_arnoldi_top_k_and_breakdown():
 # ----------------------------------------------------------------------------- power
 
 
-def test_power_norm_bound_is_two_norm():
+def test_power_norm_estimate_is_two_norm():
     rng = np.random.default_rng(7)
     for n in (20, 50):
         for _ in range(5):
             A = nonnormal(rng, n)
-            est = S.power_norm_bound(O.dense_operator(A), n)
+            est = S.power_norm_estimate(O.dense_operator(A), n)
             two = np.linalg.norm(A, 2)
             np.testing.assert_allclose(est, two, rtol=1e-6)
             assert est >= rho(A)
     K = random_kernel(rng, 2, 3, off_sum=1.0)
     M = loop_conv_matrix(K, 6, 6)
-    est = S.power_norm_bound(O.conv_operator(K, (6, 6)), 72)
+    est = S.power_norm_estimate(O.conv_operator(K, (6, 6)), 72)
     np.testing.assert_allclose(est, np.linalg.norm(M, 2), rtol=1e-6)
     assert est >= rho(M)
 
@@ -334,4 +334,4 @@ def test_arnoldi_large_conv_operator_residual():
     info = S.spectral_radius_info(op, n=n)
     assert info.method == "arnoldi" and info.converged
     assert info.residual <= 1e-8 * info.radius
-    assert info.radius <= S.power_norm_bound(op, n) * (1 + 1e-9)
+    assert info.radius <= S.power_norm_estimate(op, n) * (1 + 1e-9)

@@ -47,3 +47,17 @@ def host_f64(x) -> np.ndarray:
 def float32_h(h: float) -> float:
     """The step size a float32 forward pass multiplies by: ``float32(h)``."""
     return float(np.float32(h))
+
+
+@contextlib.contextmanager
+def single_threaded_blas():
+    """numpy's BLAS on one thread for the small host eigenproblems of the audit (64 x 64
+    Hessenbergs): threads only add overhead there, and on a busy machine they thrash. Uses
+    threadpoolctl when it is installed; otherwise changes nothing."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield

@@ -28,6 +28,7 @@ from jax import lax
 
 from jax.tree_util import Partial
 
+from ._numerics import single_threaded_blas
 from .operators import _check_conv_kernel, as_operator, dense_operator, operator_matrix
 
 Array = jax.Array
@@ -73,62 +74,70 @@ class ArnoldiResult(NamedTuple):
 
 
 def _project_out(V: Array, w: Array, mask: Array) -> tuple[Array, Array]:
-    """One classical Gram-Schmidt pass of `w` against the rows of `V` selected by `mask`."""
-    c = jnp.where(mask, jnp.matmul(jnp.conj(V), w, precision=_HIGHEST), 0)
-    return w - jnp.matmul(c, V, precision=_HIGHEST), c
+    """One classical Gram-Schmidt pass of each `w_b` against the rows of `V_b` selected by
+    `mask` (batched: `V` is `(B, m+1, n)`, `w` `(B, n)`)."""
+    c = jnp.where(mask[None], jnp.einsum("bmn,bn->bm", jnp.conj(V), w, precision=_HIGHEST), 0)
+    return w - jnp.einsum("bm,bmn->bn", c, V, precision=_HIGHEST), c
 
 
-def _arnoldi_extend(op, V: Array, H: Array, start: Array, key: Array) -> tuple[Array, Array]:
-    """Grow an Arnoldi/Krylov-Schur decomposition from `start` basis vectors to `m`.
+@jax.jit
+def _extend_batch(ops, V: Array, H: Array, start: Array, keys: Array) -> tuple[Array, Array]:
+    """Grow every member's Arnoldi/Krylov-Schur decomposition from `start_b` vectors to `m`.
 
-    Plain-Python meaning: for j in range(start, m): w = A v_j; orthogonalise w against
-    v_0..v_j (two classical Gram-Schmidt passes, a third when the second removed more than
-    30% of w); H[:j+1, j] = coefficients, H[j+1, j] = ||w||, v_{j+1} = w / ||w||. On breakdown
-    (||w|| <= 1000 eps ||A v_j||, i.e. span(v_0..v_j) is invariant) H[j+1, j] = 0 exactly and
-    v_{j+1} is a fresh random vector orthogonal to the basis, so the Ritz values found so far
-    are exact and the search goes on in the complement.
+    Plain-Python meaning, per member b: for j in range(start_b, m): w = A_b v_j; orthogonalise w
+    against v_0..v_j (two classical Gram-Schmidt passes, a third when the second removed more
+    than 30% of w); H[:j+1, j] = coefficients, H[j+1, j] = ||w||, v_{j+1} = w / ||w||. On
+    breakdown (||w|| <= 1000 eps ||A v_j||, i.e. span(v_0..v_j) is invariant) H[j+1, j] = 0
+    exactly and v_{j+1} is a fresh random vector orthogonal to the basis, so the Ritz values
+    found so far are exact and the search goes on in the complement.
+
+    One loop over j for the whole batch (from the smallest `start_b`; members with
+    `j < start_b` keep their vectors), so the loop counter and the branch decisions are
+    scalars: a member that needs a third pass or a random direction gets it with the others
+    masked, not every member every step.
     """
-    m = H.shape[1]
+    B, m = H.shape[0], H.shape[-1]
     rows = jnp.arange(m + 1)
     dtype = V.dtype
     real = jnp.finfo(dtype).dtype
     eps = jnp.finfo(dtype).eps
+    apply = jax.vmap(lambda op, v: op(v))
 
     def body(j, carry):
         V, H = carry
+        active = j >= start  # (B,)
         mask = rows <= j
-        w0 = op(V[j]).astype(dtype)
+        w0 = apply(ops, V[:, j]).astype(dtype)
         w1, c1 = _project_out(V, w0, mask)
         w2, c2 = _project_out(V, w1, mask)
-        n1 = jnp.linalg.norm(w1)
-        n2 = jnp.linalg.norm(w2)
+        n1 = jnp.linalg.norm(w1, axis=1)
+        n2 = jnp.linalg.norm(w2, axis=1)
+        third = n2 < 0.7 * n1
 
         def third_pass(args):
             w, c = args
             w3, c3 = _project_out(V, w, mask)
-            return w3, c + c3
+            return jnp.where(third[:, None], w3, w), jnp.where(third[:, None], c + c3, c)
 
-        w, c = lax.cond(n2 < 0.7 * n1, third_pass, lambda args: args, (w2, c1 + c2))
-        beta = jnp.linalg.norm(w)
-        broke = beta <= 1000 * eps * jnp.linalg.norm(w0)
+        w, c = lax.cond(jnp.any(third & active), third_pass, lambda args: args, (w2, c1 + c2))
+        beta = jnp.linalg.norm(w, axis=1)
+        broke = beta <= 1000 * eps * jnp.linalg.norm(w0, axis=1)
 
-        def random_direction(_):
-            r = jax.random.normal(jax.random.fold_in(key, j), w.shape, dtype)
+        def random_direction(w):
+            r = jax.vmap(lambda key: jax.random.normal(jax.random.fold_in(key, j), w.shape[1:], dtype))(keys)
             r, _ = _project_out(V, r, mask)
             r, _ = _project_out(V, r, mask)
-            return r / jnp.maximum(jnp.linalg.norm(r), jnp.finfo(real).tiny)
+            r = r / jnp.maximum(jnp.linalg.norm(r, axis=1), jnp.finfo(real).tiny)[:, None]
+            return jnp.where(broke[:, None], r, w / jnp.where(broke, 1, beta)[:, None])
 
-        v_next = lax.cond(broke, random_direction, lambda _: w / beta, None)
-        column = c.at[j + 1].set(jnp.where(broke, 0, beta).astype(dtype))
-        return V.at[j + 1].set(v_next), H.at[:, j].set(column)
+        v_next = lax.cond(jnp.any(broke & active), random_direction,
+                          lambda w: w / jnp.where(broke, 1, beta)[:, None], w)
+        column = c.at[:, j + 1].set(jnp.where(broke, 0, beta).astype(dtype))
+        V = V.at[:, j + 1].set(jnp.where(active[:, None], v_next, V[:, j + 1]))
+        H = H.at[:, :, j].set(jnp.where(active[:, None], column, H[:, :, j]))
+        return V, H
 
-    return lax.fori_loop(start, m, body, (V, H))
-
-
-# Every function below acts on a batch of independent decompositions (leading axis B): one
-# operator per row of the batch, e.g. the 18 blocks of a stage. Under vmap the loop above runs
-# until the last member is done; finished members are frozen (their `start` equals m).
-_extend_batch = jax.jit(jax.vmap(_arnoldi_extend))
+    return lax.fori_loop(jnp.min(start), m, body, (V, H))
 
 
 def _combine_rows(coeffs: Array, V: Array) -> Array:
@@ -302,6 +311,33 @@ def arnoldi_eigs_batch(
         raise ValueError("v0 must be a nonzero vector")
     V = jnp.zeros((B, m + 1, n), basis_dtype).at[:, 0].set(v0 / norms[:, None])
     H = jnp.zeros((B, m + 1, m), basis_dtype)
+    with single_threaded_blas():
+        V, H, final, matvecs, restarts, converged = _restarted_loop(
+            ops, V, H, keys, m, k, tol, max_restarts, real_basis, host_dtype, basis_dtype)
+
+    complex_dtype = jnp.result_type(basis_dtype, 1j)
+    coeffs = jnp.asarray(np.stack([f[1][:, :k].T for f in final]), complex_dtype)
+    vectors = _combine_batch(coeffs, V[:, :m].astype(complex_dtype))
+    theta0 = jnp.asarray(np.array([f[0][0] for f in final]), complex_dtype)
+    residuals = np.asarray(_residual_batch(ops, vectors[:, 0], theta0, real_basis))
+    results = []
+    for b, (theta, Y, estimates) in enumerate(final):
+        extra = 2 if (real_basis and theta[0].imag != 0) else 1
+        results.append(ArnoldiResult(
+            eigenvalues=theta[:k],
+            eigenvectors=vectors[b],
+            residual_estimates=estimates[:k],
+            residual=float(residuals[b]),
+            matvecs=int(matvecs[b]) + extra,
+            restarts=int(restarts[b]),
+            converged=bool(converged[b]),
+        ))
+    return results
+
+
+def _restarted_loop(ops, V, H, keys, m, k, tol, max_restarts, real_basis, host_dtype, basis_dtype):
+    """The restart loop of `arnoldi_eigs_batch`: device extensions, host Ritz problems."""
+    B = V.shape[0]
     start = np.zeros(B, np.int64)
     matvecs = np.zeros(B, np.int64)
     restarts = np.zeros(B, np.int64)
@@ -309,7 +345,6 @@ def arnoldi_eigs_batch(
     converged = np.zeros(B, bool)
     final = [None] * B
     identity = np.eye(m, dtype=host_dtype)
-
     for restart in range(max_restarts + 1):
         V, H = _extend_batch(ops, V, H, jnp.asarray(start), jax.vmap(jax.random.fold_in, (0, None))(keys, restart))
         matvecs += np.where(done, 0, m - start)
@@ -334,24 +369,7 @@ def arnoldi_eigs_batch(
         H = jnp.asarray(np.stack([Hn[b] if p[3] is None else p[3] for b, p in enumerate(plans)]), basis_dtype)
         start = np.array([p[4] for p in plans])
 
-    complex_dtype = jnp.result_type(basis_dtype, 1j)
-    coeffs = jnp.asarray(np.stack([f[1][:, :k].T for f in final]), complex_dtype)
-    vectors = _combine_batch(coeffs, V[:, :m].astype(complex_dtype))
-    theta0 = jnp.asarray(np.array([f[0][0] for f in final]), complex_dtype)
-    residuals = np.asarray(_residual_batch(ops, vectors[:, 0], theta0, real_basis))
-    results = []
-    for b, (theta, Y, estimates) in enumerate(final):
-        extra = 2 if (real_basis and theta[0].imag != 0) else 1
-        results.append(ArnoldiResult(
-            eigenvalues=theta[:k],
-            eigenvectors=vectors[b],
-            residual_estimates=estimates[:k],
-            residual=float(residuals[b]),
-            matvecs=int(matvecs[b]) + extra,
-            restarts=int(restarts[b]),
-            converged=bool(converged[b]),
-        ))
-    return results
+    return V, H, final, matvecs, restarts, converged
 
 
 def stack_operators(ops) -> object:
