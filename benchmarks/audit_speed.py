@@ -12,7 +12,8 @@ unbatched verifier did (one Arnoldi run per block, Gershgorin sums in numpy, one
 trajectory per block): largest relative difference per figure, target 1e-8.
 
     python benchmarks/audit_speed.py --out=DIR            # the full CIFAR shape
-    python benchmarks/audit_speed.py --out=DIR --tiny     # seconds-long smoke test (CPU)
+    python benchmarks/audit_speed.py --out=DIR --tiny     # a minute-long smoke test (CPU)
+    python benchmarks/audit_speed.py --out=DIR --size=cifar_2x3   # real block shapes, 6 blocks
 
 Writes DIR/audit_speed.json and .md (the table), DIR/audit_speed.png (phases), the certificates,
 and resumes: finished steps (checkpoint, timed runs, reference) are kept and skipped.
@@ -30,6 +31,8 @@ import time
 SIZES = {
     "cifar": dict(stage_sizes=(18, 18, 18), filters=(16, 32, 64), steps=10, image=32, samples=16),
     "tiny": dict(stage_sizes=(2, 2, 2), filters=(4, 4, 8), steps=2, image=32, samples=4),
+    # the real block shapes, 2 blocks a stage: per-block costs on a CPU in minutes
+    "cifar_2x3": dict(stage_sizes=(2, 2, 2), filters=(16, 32, 64), steps=10, image=32, samples=16),
 }
 MODES = {"parameters": {"data": "none"}, "full": {"data": "random"}}
 
@@ -195,7 +198,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-reference", action="store_true", help="skip the float64 reference check")
     parser.add_argument("--worker", choices=list(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--reference-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--size", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--size", default=None, choices=list(SIZES),
+                        help="model size (default cifar; --tiny is --size=tiny)")
     args = parser.parse_args(argv)
     args.size = args.size or ("tiny" if args.tiny else "cifar")
     os.makedirs(args.out, exist_ok=True)
