@@ -7,7 +7,6 @@ a proven bound is never below the true value, and what is certified is stable.
 from __future__ import annotations
 
 import math
-import types
 
 import jax
 import jax.numpy as jnp

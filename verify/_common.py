@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Hashable, Iterable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,19 +39,11 @@ def stack(arrays) -> jax.Array:
     return jnp.stack([jnp.asarray(a, jnp.float64) for a in arrays])
 
 
-def shape_of(x) -> tuple | None:
-    return None if x is None else tuple(np.shape(x))
-
-
 def gain(h: float, b_norm: float, rho: float | None) -> float | None:
     """The paper's input-output gain ``h ||B|| / (1 - rho)`` (inf when ``rho >= 1``)."""
     if rho is None or b_norm is None:
         return None
     return float(h * b_norm / (1 - rho)) if rho < 1 else float("inf")
-
-
-def opt_float(x) -> float | None:
-    return None if x is None else float(x)
 
 
 def perturbation(u_shape: tuple, seed: int) -> np.ndarray:

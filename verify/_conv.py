@@ -19,7 +19,7 @@ import numpy as np
 from naisnet_jax.cell import ACTIVATIONS, activation_slope, conv_same
 from naisnet_jax.stability import kernel_gershgorin
 
-from ._common import Block, gain, group, perturbation, stack
+from ._common import Block, gain, group, perturbation
 from ._numerics import U64, float32_h, gamma
 from .certificate import ConvParameters, Equilibrium, Spectrum, Trajectory
 from .operators import conv_operator, jacobian_operator, operator_matrix
@@ -57,23 +57,25 @@ def worst_row_bound(kernels: np.ndarray, h: float, sigma: float) -> float:
     return float(max(row_bound(kernels, h, sigma)[0], row_bound(kernels, h, 1.0)[0]))
 
 
-@jax.jit
 def _proof(kernels, deltas, h, eps, eta, sigma, relu, learn_delta):
-    """Algorithm 2's condition and Condition 1, per block; all inputs batched on axis 0."""
+    """Algorithm 2's condition and Condition 1, per block; all inputs batched on axis 0.
+
+    Elementwise sums over the parameters (float64, numpy: no compilation for what costs
+    microseconds); the device does the operator work."""
     centres, radii = kernel_gershgorin(kernels)
     k, C = kernels.shape[-4], kernels.shape[-1]
     flat = lambda x: x.reshape(x.shape[0], -1)  # noqa: E731
     radii_up = radii * (1 + gamma(k * k * C + 2))
-    budget = 1 - eps[:, None, None] - jnp.abs(deltas)  # float64, within 2u of exact
-    condition = jnp.all(flat(radii_up <= budget - 4 * U64), axis=1)
-    delta_ok = jnp.all(flat(jnp.abs(deltas) <= (1 - eta)[:, None, None]), axis=1)
-    condition = condition & jnp.where(learn_delta, delta_ok, True)
-    inf_bound = row_bound(kernels, h, jnp.ones_like(h))
-    rho_bar = jnp.where(relu, inf_bound, jnp.maximum(row_bound(kernels, h, sigma), inf_bound))
+    budget = 1 - eps[:, None, None] - np.abs(deltas)  # float64, within 2u of exact
+    condition = np.all(flat(radii_up <= budget - 4 * U64), axis=1)
+    delta_ok = np.all(flat(np.abs(deltas) <= (1 - eta)[:, None, None]), axis=1)
+    condition = condition & np.where(learn_delta, delta_ok, True)
+    inf_bound = row_bound(kernels, h, np.ones_like(h))
+    rho_bar = np.where(relu, inf_bound, np.maximum(row_bound(kernels, h, sigma), inf_bound))
     return {
-        "centre_min": jnp.min(flat(centres), 1), "centre_max": jnp.max(flat(centres), 1),
-        "radius_max": jnp.max(flat(radii), 1), "budget_min": jnp.min(flat(budget), 1),
-        "ratio": jnp.max(flat(radii / budget), 1), "condition": condition,
+        "centre_min": np.min(flat(centres), 1), "centre_max": np.max(flat(centres), 1),
+        "radius_max": np.max(flat(radii), 1), "budget_min": np.min(flat(budget), 1),
+        "ratio": np.max(flat(radii / budget), 1), "condition": condition,
         "inf_bound": inf_bound, "rho_bar": rho_bar,
     }
 
@@ -91,16 +93,15 @@ def parameters(blocks: list[Block], options) -> dict[int, tuple[ConvParameters, 
     out = {}
     for members in group(blocks, lambda b: (_steps(b.p32.operator).shape, _hw(b))):
         p0 = members[0].p32
-        kernels = stack([_steps(b.p32.operator) for b in members])  # (G, S, k, k, C, C)
-        deltas = stack([np.reshape(b.p32.factor, (-1, kernels.shape[-1])) for b in members])
-        arr = lambda f: jnp.asarray([f(b.p32) for b in members], jnp.float64)  # noqa: E731
+        kernels = np.stack([np.asarray(_steps(b.p32.operator), np.float64) for b in members])  # (G, S, k, k, C, C)
+        deltas = np.stack([np.reshape(np.asarray(b.p32.factor, np.float64), (-1, kernels.shape[-1])) for b in members])
+        arr = lambda f: np.asarray([f(b.p32) for b in members], np.float64)  # noqa: E731
         h = arr(lambda p: float32_h(p.h))
-        proof = jax.device_get(_proof(
-            kernels, deltas, h, arr(lambda p: p.eps), arr(lambda p: p.eta),
-            jnp.full(h.shape, options.sigma_min), jnp.asarray([b.p32.activation == "relu" for b in members]),
-            jnp.asarray([b.p32.learn_delta for b in members])))
+        proof = _proof(kernels, deltas, h, arr(lambda p: p.eps), arr(lambda p: p.eta),
+                       np.full(h.shape, options.sigma_min), np.asarray([b.p32.activation == "relu" for b in members]),
+                       np.asarray([b.p32.learn_delta for b in members]))
         radii = _radius_estimates(members, kernels, h, options) if options.estimate_conv_radius else {}
-        centres, disc_r = kernel_gershgorin(np.asarray(kernels[:, 0]))
+        centres, disc_r = kernel_gershgorin(kernels[:, 0])
         for i, b in enumerate(members):
             hw = _hw(b)
             est = radii.get(b.index)
@@ -148,9 +149,10 @@ def _radius_estimates(members, kernels, h, options) -> dict[int, dict]:
     S, C = kernels.shape[1], kernels.shape[-1]
     n = hw[0] * hw[1] * C
     ops, owners, keys = [], [], []
+    ones = np.ones(n)
     for i, b in enumerate(members):
         for s in range(S):
-            ops.append(jacobian_operator(conv_operator(kernels[i, s], hw + (C,)), jnp.ones(n), h[i]))
+            ops.append(jacobian_operator(conv_operator(kernels[i, s], hw + (C,)), ones, float(h[i])))
             owners.append(b.index)
             keys.append(jax.random.fold_in(b.key, s))
     results = []

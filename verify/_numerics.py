@@ -40,10 +40,6 @@ def x64_scope():
         yield
 
 
-def host_f64(x) -> np.ndarray:
-    return np.asarray(x, dtype=np.float64)
-
-
 def float32_h(h: float) -> float:
     """The step size a float32 forward pass multiplies by: ``float32(h)``."""
     return float(np.float32(h))

@@ -31,7 +31,7 @@ import html
 import json
 import math
 import typing
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 import numpy as np
 

@@ -80,7 +80,6 @@ def _project_out(V: Array, w: Array, mask: Array) -> tuple[Array, Array]:
     return w - jnp.einsum("bm,bmn->bn", c, V, precision=_HIGHEST), c
 
 
-@jax.jit
 def _extend_batch(ops, V: Array, H: Array, start: Array, keys: Array) -> tuple[Array, Array]:
     """Grow every member's Arnoldi/Krylov-Schur decomposition from `start_b` vectors to `m`.
 
@@ -145,7 +144,7 @@ def _combine_rows(coeffs: Array, V: Array) -> Array:
     return jnp.matmul(coeffs.astype(V.dtype), V, precision=_HIGHEST)
 
 
-_combine_batch = jax.jit(jax.vmap(_combine_rows))
+_combine_batch = jax.vmap(_combine_rows)
 
 
 def _restart_basis(V: Array, Q: Array, r: Array, keep_residual: Array) -> Array:
@@ -158,7 +157,12 @@ def _restart_basis(V: Array, Q: Array, r: Array, keep_residual: Array) -> Array:
     return jnp.where(keep_residual, new.at[r].set(V[m]), explicit)
 
 
-_restart_batch = jax.jit(jax.vmap(_restart_basis))
+@jax.jit
+def _restart_extend_batch(ops, V, H, Q, r, keep_residual, start, keys):
+    """One restart (`V <- [V_m Q_r ; v_{m+1}]`, identity for members that just started or are
+    done) then the extension to `m` vectors: one program per shape for the whole loop."""
+    V = jax.vmap(_restart_basis)(V, Q, r, keep_residual)
+    return _extend_batch(ops, V, H, start, keys)
 
 
 def _apply_complex(op, x: Array, real_basis: bool) -> Array:
@@ -167,15 +171,17 @@ def _apply_complex(op, x: Array, real_basis: bool) -> Array:
     return op(x)
 
 
-@functools.partial(jax.jit, static_argnums=3)
-def _residual_batch(op, x: Array, theta: Array, real_basis: bool) -> Array:
-    """`||A x_b - theta_b x_b|| / ||x_b||` for every member of the batch (on the device)."""
+@functools.partial(jax.jit, static_argnums=4)
+def _ritz_vectors_batch(op, V: Array, coeffs: Array, theta: Array, real_basis: bool) -> tuple[Array, Array]:
+    """Ritz vectors `coeffs_b @ V_b` and the residual `||A x_b - theta_b x_b|| / ||x_b||` of each
+    member's dominant one (on the device)."""
+    vectors = _combine_batch(coeffs, V)
 
     def one(op, x, theta):
         ax = _apply_complex(op, x, real_basis)
         return jnp.linalg.norm(ax - theta * x) / jnp.linalg.norm(x)
 
-    return jax.vmap(one)(op, x, theta)
+    return vectors, jax.vmap(one)(op, vectors[:, 0], theta)
 
 
 def _invariant_basis(theta, Y, nkeep: int, real_basis: bool) -> np.ndarray:
@@ -317,9 +323,9 @@ def arnoldi_eigs_batch(
 
     complex_dtype = jnp.result_type(basis_dtype, 1j)
     coeffs = jnp.asarray(np.stack([f[1][:, :k].T for f in final]), complex_dtype)
-    vectors = _combine_batch(coeffs, V[:, :m].astype(complex_dtype))
     theta0 = jnp.asarray(np.array([f[0][0] for f in final]), complex_dtype)
-    residuals = np.asarray(_residual_batch(ops, vectors[:, 0], theta0, real_basis))
+    vectors, residuals = _ritz_vectors_batch(ops, V[:, :m].astype(complex_dtype), coeffs, theta0, real_basis)
+    residuals = np.asarray(residuals)
     results = []
     for b, (theta, Y, estimates) in enumerate(final):
         extra = 2 if (real_basis and theta[0].imag != 0) else 1
@@ -345,8 +351,10 @@ def _restarted_loop(ops, V, H, keys, m, k, tol, max_restarts, real_basis, host_d
     converged = np.zeros(B, bool)
     final = [None] * B
     identity = np.eye(m, dtype=host_dtype)
+    plan = (np.broadcast_to(identity, (B, m, m)), np.full(B, m), np.ones(B, bool))  # no restart yet
     for restart in range(max_restarts + 1):
-        V, H = _extend_batch(ops, V, H, jnp.asarray(start), jax.vmap(jax.random.fold_in, (0, None))(keys, restart))
+        V, H = _restart_extend_batch(ops, V, H, *(jnp.asarray(x) for x in plan), jnp.asarray(start),
+                                     jax.vmap(jax.random.fold_in, (0, None))(keys, restart))
         matvecs += np.where(done, 0, m - start)
         Hn = np.asarray(H, dtype=host_dtype)
         plans = []
@@ -364,8 +372,7 @@ def _restarted_loop(ops, V, H, keys, m, k, tol, max_restarts, real_basis, host_d
                 plans.append(_restart_plan(Hn[b], theta, Y, m, k, real_basis, floor))
         if done.all():
             break
-        Q = jnp.asarray(np.stack([p[0] for p in plans]))
-        V = _restart_batch(V, Q, jnp.asarray([p[1] for p in plans]), jnp.asarray([p[2] for p in plans]))
+        plan = (np.stack([p[0] for p in plans]), np.array([p[1] for p in plans]), np.array([p[2] for p in plans]))
         H = jnp.asarray(np.stack([Hn[b] if p[3] is None else p[3] for b, p in enumerate(plans)]), basis_dtype)
         start = np.array([p[4] for p in plans])
 

@@ -71,15 +71,15 @@ def kernel_gershgorin(kernel):
 
 
 def effective_state_kernel(kernel, delta=None) -> np.ndarray:
-    """The kernel the forward pass uses: centre taps ``-1 - delta`` (``delta = 0``
-    when the block has none), in float64 numpy."""
-    kernel = _as64(kernel).copy()
-    k, c = kernel.shape[-4], kernel.shape[-1]
-    p = (k - 1) // 2
-    delta = np.zeros(kernel.shape[:-4] + (c,)) if delta is None else _as64(delta)
-    idx = np.arange(c)
-    kernel[..., p, p, idx, idx] = -1.0 - delta
-    return kernel
+    """The kernel the forward pass uses, as float64 numpy: :func:`conv_state_kernel` (centre
+    taps ``-1 - delta``, ``delta = 0`` when the block has none) in the parameters' dtype."""
+    import jax.numpy as jnp
+
+    from naisnet_jax.parametrize import conv_state_kernel
+
+    kernel = jnp.asarray(kernel)
+    delta = jnp.zeros(kernel.shape[:-4] + kernel.shape[-1:], kernel.dtype) if delta is None else jnp.asarray(delta)
+    return _as64(conv_state_kernel(kernel, delta.astype(kernel.dtype)))
 
 
 def conv_block_figures(kernel, *, h: float) -> dict:
