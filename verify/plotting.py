@@ -48,16 +48,23 @@ def plot_block(block, ax=None):
     if len(eig):
         reach.append(float(np.max(np.abs(eig))))
     lim = 1.1 * max(reach)
-    axes[0].set(xlim=(-lim, lim), ylim=(-lim, lim))
-    axes[0].legend(loc="lower left", fontsize=7)
+    axes[0].set(xlim=(-lim, lim), ylim=(-lim, lim), title="spectrum and Gershgorin discs of I + hA")
     if len(axes) > 1:
-        # zoom: from the largest eigenvalue / bound to the unit circle
-        marks = [1.0] + ([sp.bound] if sp.bound is not None and np.isfinite(sp.bound) else [])
-        marks += [float(np.max(np.abs(eig)))] if len(eig) else []
-        d = max(1.0 - min(marks), max(marks) - 1.0, 1e-6)
-        axes[1].set(xlim=(1 - 4 * d, 1 + 1.5 * d), ylim=(-2.75 * d, 2.75 * d), title="zoom near z = 1")
+        # zoom on the margin: the proven bound against the unit circle, in the direction of the
+        # dominant eigenvalue (z = 1 when there is none)
+        theta = float(np.angle(eig[np.argmax(np.abs(eig))])) if len(eig) else 0.0
+        bound = sp.bound if sp.bound is not None and np.isfinite(sp.bound) else None
+        inner = bound if bound is not None else (float(np.max(np.abs(eig))) if len(eig) else 0.9)
+        d = max(abs(1.0 - inner), 1e-9)
+        centre = (1.0 - d / 2) * np.exp(1j * theta)
+        half = 1.5 * d
+        axes[1].set(xlim=(centre.real - half, centre.real + half), ylim=(centre.imag - half, centre.imag + half),
+                    title="zoom: proven bound vs unit circle")
+        axes[1].ticklabel_format(useOffset=False)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=7, frameon=False)
     status = block.verdict.value
     fig.suptitle(f"{block.name} ({block.kind}): spectrum of I + hA - {status}")
     if ax is None:
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
