@@ -10,7 +10,10 @@ A NAIS block maps its input ``u`` to the state ``x_K`` of
 
 with ``A = -R.T R - eps I`` (dense; drive ``u @ B.T + b``) or a convolution
 with centre taps ``-1 - delta`` (conv; drive ``conv(U, D) + E``). The drive is
-computed once per block. State parameters carry the names that
+computed once per block. ``initial_state="input"`` starts a block at ``x_0 = u``
+instead of the paper's ``x_0 = 0`` (see :func:`initial_state_x0`); a block with
+one step and ``x_0 = 0`` warns with :class:`StateUnusedWarning`, since
+``x_1 = h act(drive)`` never uses its state matrix. State parameters carry the names that
 :func:`naisnet_jax.projection.project_params` looks for (``"R"``,
 ``"state_kernel"``, ``"delta"``), so Algorithms 1 and 2 find every block.
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -101,6 +105,53 @@ def _check_dense_attrs(m) -> None:
         steps=m.steps, h=m.h, eps=m.eps, activation=m.activation, untied=m.untied,
         adaptive_tol=m.adaptive_tol, max_steps=m.max_steps,
     )
+
+
+INITIAL_STATES = ("zero", "input")
+
+
+class StateUnusedWarning(UserWarning):
+    """A NAIS block with one step and ``x_0 = 0`` has a state matrix that never acts."""
+
+
+def _check_initial_state(initial_state: Any, steps: int | None = None) -> None:
+    """Validates ``initial_state``; a block (``steps`` given: the most steps it unrolls) warns
+    when ``steps == 1`` with ``x_0 = 0``."""
+    if initial_state not in INITIAL_STATES:
+        raise ValueError(
+            f"initial_state={initial_state!r} must be one of {INITIAL_STATES}: 'zero' is the "
+            f"paper's x_0 = 0, 'input' starts the block at its input u."
+        )
+    if steps == 1 and initial_state == "zero":
+        warnings.warn(
+            "a NAIS block with steps=1 and initial_state='zero' computes x_1 = h act(drive): its "
+            "state matrix / kernel never acts and gets an exactly zero gradient, so the block is "
+            "a plain layer. Use initial_state='input' (x_0 = u) or steps > 1 to use it.",
+            StateUnusedWarning,
+            stacklevel=3,
+        )
+
+
+def _unrolled_steps(block) -> int:
+    """The most steps a block takes: ``max_steps`` when adaptive, else ``steps``."""
+    return block.steps if block.adaptive_tol is None else block.max_steps
+
+
+def initial_state_x0(u: Array, state_shape: tuple, dtype, initial_state: str, block: str) -> Array:
+    """``x_0`` of a block: zeros of ``state_shape``, or ``u`` itself for ``"input"``.
+
+    ``"input"`` needs ``u.shape == state_shape`` (same width, and for a conv block stride 1);
+    otherwise ``ValueError`` naming both shapes.
+    """
+    if initial_state == "zero":
+        return jnp.zeros(state_shape, dtype)
+    if tuple(u.shape) != tuple(state_shape):
+        raise ValueError(
+            f"{block} with initial_state='input' starts at x_0 = u, but its input u has shape "
+            f"{tuple(u.shape)} and its state {tuple(state_shape)}; use initial_state='zero' or "
+            f"an input of the state's shape (equal width, stride 1)."
+        )
+    return u.astype(dtype)
 
 
 def _check_stages(stage_sizes: Sequence[int], filters: Sequence[int]) -> None:
@@ -183,7 +234,8 @@ def _block_output(x, depth, states, return_aux):
 
 
 class NaisDenseBlock(nn.Module):
-    """Fully connected NAIS block: ``x_{k+1} = x_k + h act(x_k A^T + u B^T + b)``, ``x_0 = 0``.
+    """Fully connected NAIS block: ``x_{k+1} = x_k + h act(x_k A^T + u B^T + b)``, ``x_0 = 0``
+    (or ``x_0 = u`` with ``initial_state="input"``, which needs ``m = n``).
 
     ``A = -R^T R - eps I`` with ``R`` of shape ``(r, n)``, ``r = rank or n``.
     Parameters: ``"R"`` ``(r, n)`` and ``"input"`` (Dense ``m -> n``: kernel
@@ -195,6 +247,7 @@ class NaisDenseBlock(nn.Module):
 
     features: int
     steps: int = 30
+    initial_state: str = "zero"
     h: float = 1.0
     eps: float = 0.01
     activation: str = "tanh"
@@ -205,6 +258,7 @@ class NaisDenseBlock(nn.Module):
 
     def __post_init__(self):
         _check_dense_attrs(self)
+        _check_initial_state(self.initial_state, _unrolled_steps(self))
         super().__post_init__()
 
     @nn.compact
@@ -216,7 +270,9 @@ class NaisDenseBlock(nn.Module):
         R = self.param("R", _fc_init(self.eps), per_step + (self.rank or n, n), PARAM_DTYPE)
         A = fc_state_matrix(R, self.eps)
         drive = nn.Dense(n * K if self.untied else n, name="input")(u)
-        x0 = jnp.zeros((u.shape[0], n), jnp.result_type(drive, A))
+        x0 = initial_state_x0(
+            u, (u.shape[0], n), jnp.result_type(drive, A), self.initial_state, "NaisDenseBlock"
+        )
         step = functools.partial(fc_step, h=self.h, activation=self.activation)
         if self.untied:
             drives = jnp.moveaxis(drive.reshape(u.shape[0], K, n), 1, 0)  # (K, batch, n)
@@ -233,8 +289,9 @@ class NaisDenseBlock(nn.Module):
 class NaisConvBlock(nn.Module):
     """Convolutional NAIS block: ``X_{k+1} = X_k + h act(conv(X_k, C) + conv(U, D) + E)``.
 
-    ``X_0 = 0``. The state convolution has stride 1, SAME padding and an odd ``k x k``
-    filter whose centre taps are ``-1 - delta_c`` (``delta = 0`` unless
+    ``X_0 = 0``, or ``X_0 = U`` with ``initial_state="input"`` (needs ``strides == 1``
+    and ``U`` of ``features`` channels). The state convolution has stride 1, SAME
+    padding and an odd ``k x k`` filter whose centre taps are ``-1 - delta_c`` (``delta = 0`` unless
     ``learn_delta``). The input convolution ``D`` (``"input"``) has
     ``strides``, so a stride-2 block halves the resolution. Parameters:
     ``"state_kernel"`` ``(k, k, C, C)``, ``"delta"`` ``(C,)`` if
@@ -249,6 +306,7 @@ class NaisConvBlock(nn.Module):
 
     features: int
     steps: int = 10
+    initial_state: str = "zero"
     h: float = 1.0
     eps: float = 0.01
     eta: float = 0.5
@@ -270,6 +328,12 @@ class NaisConvBlock(nn.Module):
             untied=self.untied, adaptive_tol=self.adaptive_tol, max_steps=self.max_steps,
         )
         check_eta(self.eta, self.eps)
+        _check_initial_state(self.initial_state, _unrolled_steps(self))
+        if self.initial_state == "input" and self.strides != 1:
+            raise ValueError(
+                f"initial_state='input' with strides={self.strides}: x_0 = U needs the input at "
+                f"the state's resolution (strides=1); use initial_state='zero'."
+            )
         super().__post_init__()
 
     @nn.compact
@@ -299,7 +363,9 @@ class NaisConvBlock(nn.Module):
         batch, height, width = drive.shape[:3]
         dtype = jnp.result_type(drive, kernel)  # lax.conv needs equal dtypes
         drive, kernel = drive.astype(dtype), kernel.astype(dtype)
-        x0 = jnp.zeros((batch, height, width, C), dtype)
+        x0 = initial_state_x0(
+            u, (batch, height, width, C), dtype, self.initial_state, "NaisConvBlock"
+        )
         step = functools.partial(conv_step, h=self.h, activation=self.activation)
         if self.untied:
             drives = jnp.moveaxis(drive.reshape(batch, height, width, K, C), 3, 0)
@@ -320,11 +386,13 @@ class NaisNetFC(nn.Module):
     """The paper's MNIST net: flatten, one NaisDenseBlock (``"block"``), Dense classifier.
 
     Parameters: ``"block"`` (see :class:`NaisDenseBlock`) and ``"classifier"``.
+    ``initial_state="input"`` (``x_0 = u``) needs ``features`` equal to the flattened input size.
     """
 
     num_classes: int = 10
     features: int = 128
     steps: int = 30
+    initial_state: str = "zero"
     h: float = 1.0
     eps: float = 0.01
     activation: str = "tanh"
@@ -336,6 +404,7 @@ class NaisNetFC(nn.Module):
     def __post_init__(self):
         _check_positive_int("num_classes", self.num_classes)
         _check_dense_attrs(self)
+        _check_initial_state(self.initial_state)  # the block warns when it is built
         super().__post_init__()
 
     @nn.compact
@@ -343,6 +412,7 @@ class NaisNetFC(nn.Module):
         u = x.reshape(x.shape[0], -1)
         block = NaisDenseBlock(
             self.features, steps=self.steps, h=self.h, eps=self.eps,
+            initial_state=self.initial_state,
             activation=self.activation, untied=self.untied, rank=self.rank,
             adaptive_tol=self.adaptive_tol, max_steps=self.max_steps, name="block",
         )
@@ -370,12 +440,19 @@ class NaisNetConv(nn.Module):
     changes (stem, stage boundaries), never inside the state dynamics, so every
     block keeps its stability guarantee. Then global average pooling and
     ``"classifier"``.
+
+    ``initial_state="input"`` starts every block whose input has its state's
+    shape at ``x_0 = u``: all blocks except the first of each later stage,
+    whose stride-2 input changes resolution and width (those start at
+    ``x_0 = 0``). The first block of stage 0 starts at the stem's output, which
+    has ``filters[0]`` channels at full resolution.
     """
 
     num_classes: int = 10
     stage_sizes: Sequence[int] = (18, 18, 18)
     filters: Sequence[int] = (16, 32, 64)
     steps: int = 10
+    initial_state: str = "zero"
     h: float = 1.0
     eps: float = 0.01
     eta: float = 0.5
@@ -395,6 +472,7 @@ class NaisNetConv(nn.Module):
             untied=self.untied, adaptive_tol=self.adaptive_tol, max_steps=self.max_steps,
         )
         check_eta(self.eta, self.eps)
+        _check_initial_state(self.initial_state)  # the blocks warn when they are built
         super().__post_init__()
 
     @nn.compact
@@ -407,6 +485,7 @@ class NaisNetConv(nn.Module):
                 change = i > 0 and j == 0
                 block = NaisConvBlock(
                     width, steps=self.steps, h=self.h, eps=self.eps, eta=self.eta,
+                    initial_state="zero" if change else self.initial_state,
                     kernel_size=self.kernel_size, strides=2 if change else 1,
                     activation=self.activation, learn_delta=self.learn_delta,
                     untied=self.untied, normalize_drive=change,
