@@ -235,9 +235,10 @@ def make_evaluate(mean, std, batch_size: int) -> Callable:
     return evaluate
 
 
-def per_step_loss(state: TrainState, data, mean, std, batch_size: int = 1000) -> np.ndarray:
-    """Mean cross-entropy of ``x(i)`` through the classifier at every unroll step ``i``
-    (FC models: ``aux["step_logits"]``), over every example of ``data``."""
+def make_per_step_loss(mean, std, batch_size: int = 1000) -> Callable:
+    """``(state, data) -> (K,)``: mean cross-entropy of ``x(i)`` through the classifier at
+    every unroll step ``i`` (FC models: ``aux["step_logits"]``), over every example of
+    ``data``. Traceable, so a sweep can ``jax.vmap`` it over seeds."""
 
     @jax.jit
     def run(state, data):
@@ -253,7 +254,13 @@ def per_step_loss(state: TrainState, data, mean, std, batch_size: int = 1000) ->
         _, sums = jax.lax.scan(body, None, (idx, mask))
         return jnp.sum(sums, axis=0) / jnp.sum(mask)
 
-    return np.asarray(run(state, data))
+    return run
+
+
+def per_step_loss(state: TrainState, data, mean, std, batch_size: int = 1000) -> np.ndarray:
+    """Mean cross-entropy of ``x(i)`` through the classifier at every unroll step ``i``
+    (FC models: ``aux["step_logits"]``), over every example of ``data``."""
+    return np.asarray(make_per_step_loss(mean, std, batch_size)(state, data))
 
 
 # --------------------------------------------------------------------------- loop
@@ -269,6 +276,22 @@ def create_train_state(config, model, input_shape, steps_per_epoch: int) -> Trai
         tx=make_optimizer(config, steps_per_epoch),
         batch_stats=variables.get("batch_stats"),
     )
+
+
+def checkpoint_metadata(config, ds, mean, std) -> dict:
+    """What a single-run checkpoint says it holds (the verifier rebuilds the model from it);
+    the caller adds ``epoch``."""
+    return {
+        "model": config.model,
+        "model_kwargs": model_kwargs(config),
+        "num_classes": ds.num_classes,
+        "input_shape": list(ds.train_images.shape[1:]),
+        "dataset": config.dataset,
+        "channel_mean": [float(v) for v in mean],
+        "channel_std": [float(v) for v in std],
+        "eps": config.eps, "eta": config.eta, "h": config.h, "relaxed": config.relaxed,
+        "config": config.to_dict(),
+    }
 
 
 def _checkpoint_tree(state: TrainState) -> dict:
@@ -366,17 +389,7 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
     evaluate = make_evaluate(mean, std, config.eval_batch_size)
     base_key = jax.random.PRNGKey(config.seed + 1)
     schedule = learning_rate_schedule(config, steps_per_epoch)
-    metadata = {
-        "model": config.model,
-        "model_kwargs": model_kwargs(config),
-        "num_classes": ds.num_classes,
-        "input_shape": list(ds.train_images.shape[1:]),
-        "dataset": config.dataset,
-        "channel_mean": [float(v) for v in mean],
-        "channel_std": [float(v) for v in std],
-        "eps": config.eps, "eta": config.eta, "h": config.h, "relaxed": config.relaxed,
-        "config": config.to_dict(),
-    }
+    metadata = checkpoint_metadata(config, ds, mean, std)
 
     done = _read_metrics(metrics_path) if start_epoch > 1 else []
     last = done[-1] if done else {}

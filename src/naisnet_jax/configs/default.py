@@ -35,6 +35,7 @@ def get_config():
     config.eval_batch_size = 1000
     config.num_epochs = 150
     config.seed = 0
+    config.num_seeds = 1  # naisnet_jax.sweep trains seeds seed, seed + 1, ..., side by side
     # bookkeeping
     config.checkpoint_every_epochs = 1
     config.keep_checkpoints = 3
