@@ -30,6 +30,10 @@ and returns ``logits`` or ``(logits, aux)``; ``aux`` holds
 With ``adaptive_tol`` set, ``K`` above is ``max_steps`` and states after a
 pattern stops are frozen copies. BatchNorm statistics live in the
 ``"batch_stats"`` collection (``mutable=["batch_stats"]`` when ``train=True``).
+
+Performance options of the NAIS blocks and nets (``PERF_OPTIONS``) change speed,
+memory or compile time, never the maths: ``scan_unroll`` is ``lax.scan``'s
+``unroll`` for the block's K steps (an int, or ``True`` for all of them).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import jax.numpy as jnp
 from naisnet_jax.cell import ACTIVATIONS, check_activation, check_step_size, conv_step, fc_step
 from naisnet_jax.parametrize import check_eps, conv_state_kernel, fc_state_matrix
 from naisnet_jax.projection import check_eta, project_conv, project_fc
-from naisnet_jax.unroll import unroll, unroll_adaptive, unroll_adaptive_bounded
+from naisnet_jax.unroll import check_scan_unroll, unroll, unroll_adaptive, unroll_adaptive_bounded
 
 Array = jax.Array
 BN_MOMENTUM = 0.9
@@ -166,6 +170,21 @@ def _check_stages(stage_sizes: Sequence[int], filters: Sequence[int]) -> None:
         _check_positive_int("filters entry", width)
 
 
+# ------------------------------------------------------ performance options
+
+# Options that change speed or memory, never the maths (``dtype`` changes the
+# rounding only). NAIS nets pass them to their blocks unchanged.
+PERF_OPTIONS = ("scan_unroll",)
+
+
+def _check_perf(m) -> None:
+    check_scan_unroll(m.scan_unroll)
+
+
+def _perf_kwargs(m) -> dict:
+    return {name: getattr(m, name) for name in PERF_OPTIONS}
+
+
 # ----------------------------------------------------------- initialisation
 
 
@@ -200,7 +219,7 @@ def _batch_norm(train: bool, name: str) -> nn.BatchNorm:
 # ------------------------------------------------------------------ unrolling
 
 
-def _unroll_block(step, x0, *, steps, xs, adaptive_tol, max_steps, train, trajectory):
+def _unroll_block(step, x0, *, steps, xs, adaptive_tol, max_steps, train, trajectory, scan_unroll=1):
     """Fixed or adaptive unroll; returns ``(x_K, depth, states or None)``.
 
     Adaptive: training uses the masked scan (differentiable), evaluation the
@@ -209,12 +228,13 @@ def _unroll_block(step, x0, *, steps, xs, adaptive_tol, max_steps, train, trajec
     """
     batch = x0.shape[0]
     if adaptive_tol is None:
-        out = unroll(step, x0, steps=steps, trajectory=trajectory, xs=xs)
+        out = unroll(step, x0, steps=steps, trajectory=trajectory, xs=xs, scan_unroll=scan_unroll)
         x, states = out if trajectory else (out, None)
         return x, jnp.full((batch,), steps, jnp.int32), states
     if train or trajectory:
         out = unroll_adaptive_bounded(
-            step, x0, tol=adaptive_tol, max_steps=max_steps, trajectory=trajectory
+            step, x0, tol=adaptive_tol, max_steps=max_steps, trajectory=trajectory,
+            scan_unroll=scan_unroll,
         )
         return out if trajectory else (*out, None)
     x, depth = unroll_adaptive(step, x0, tol=adaptive_tol, max_steps=max_steps)
@@ -255,10 +275,12 @@ class NaisDenseBlock(nn.Module):
     rank: int | None = None
     adaptive_tol: float | None = None
     max_steps: int = 100
+    scan_unroll: int | bool = 1
 
     def __post_init__(self):
         _check_dense_attrs(self)
         _check_initial_state(self.initial_state, _unrolled_steps(self))
+        _check_perf(self)
         super().__post_init__()
 
     @nn.compact
@@ -282,6 +304,7 @@ class NaisDenseBlock(nn.Module):
         x, depth, states = _unroll_block(
             step, x0, steps=K, xs=xs, adaptive_tol=self.adaptive_tol,
             max_steps=self.max_steps, train=train, trajectory=return_aux,
+            scan_unroll=self.scan_unroll,
         )
         return _block_output(x, depth, states, return_aux)
 
@@ -318,6 +341,7 @@ class NaisConvBlock(nn.Module):
     normalize_drive: bool = False
     adaptive_tol: float | None = None
     max_steps: int = 100
+    scan_unroll: int | bool = 1
 
     def __post_init__(self):
         _check_positive_int("features", self.features)
@@ -334,6 +358,7 @@ class NaisConvBlock(nn.Module):
                 f"initial_state='input' with strides={self.strides}: x_0 = U needs the input at "
                 f"the state's resolution (strides=1); use initial_state='zero'."
             )
+        _check_perf(self)
         super().__post_init__()
 
     @nn.compact
@@ -375,6 +400,7 @@ class NaisConvBlock(nn.Module):
         x, depth, states = _unroll_block(
             step, x0, steps=K, xs=xs, adaptive_tol=self.adaptive_tol,
             max_steps=self.max_steps, train=train, trajectory=return_aux,
+            scan_unroll=self.scan_unroll,
         )
         return _block_output(x, depth, states, return_aux)
 
@@ -400,11 +426,13 @@ class NaisNetFC(nn.Module):
     rank: int | None = None
     adaptive_tol: float | None = None
     max_steps: int = 100
+    scan_unroll: int | bool = 1
 
     def __post_init__(self):
         _check_positive_int("num_classes", self.num_classes)
         _check_dense_attrs(self)
         _check_initial_state(self.initial_state)  # the block warns when it is built
+        _check_perf(self)
         super().__post_init__()
 
     @nn.compact
@@ -415,6 +443,7 @@ class NaisNetFC(nn.Module):
             initial_state=self.initial_state,
             activation=self.activation, untied=self.untied, rank=self.rank,
             adaptive_tol=self.adaptive_tol, max_steps=self.max_steps, name="block",
+            **_perf_kwargs(self),
         )
         classifier = nn.Dense(self.num_classes, name="classifier")
         if not return_aux:
@@ -462,6 +491,7 @@ class NaisNetConv(nn.Module):
     untied: bool = False
     adaptive_tol: float | None = None
     max_steps: int = 100
+    scan_unroll: int | bool = 1
 
     def __post_init__(self):
         _check_positive_int("num_classes", self.num_classes)
@@ -473,6 +503,7 @@ class NaisNetConv(nn.Module):
         )
         check_eta(self.eta, self.eps)
         _check_initial_state(self.initial_state)  # the blocks warn when they are built
+        _check_perf(self)
         super().__post_init__()
 
     @nn.compact
@@ -490,7 +521,7 @@ class NaisNetConv(nn.Module):
                     activation=self.activation, learn_delta=self.learn_delta,
                     untied=self.untied, normalize_drive=change,
                     adaptive_tol=self.adaptive_tol, max_steps=self.max_steps,
-                    name=f"stage{i}_block{j}",
+                    name=f"stage{i}_block{j}", **_perf_kwargs(self),
                 )
                 if return_aux:
                     x, aux = block(x, train=train, return_aux=True)

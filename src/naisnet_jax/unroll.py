@@ -22,6 +22,19 @@ def _check_positive_int(name: str, value: Any) -> int:
     return value
 
 
+def check_scan_unroll(scan_unroll: Any) -> int | bool:
+    """``lax.scan``'s ``unroll``: a positive int (steps per loop iteration) or a bool
+    (``True`` unrolls the whole loop, ``False`` is 1)."""
+    if isinstance(scan_unroll, bool):
+        return scan_unroll
+    if not isinstance(scan_unroll, int) or scan_unroll < 1:
+        raise ValueError(
+            f"scan_unroll={scan_unroll!r} must be a positive integer (steps per loop "
+            f"iteration) or a bool (True unrolls every step)."
+        )
+    return scan_unroll
+
+
 def _check_tol(tol: Any) -> float:
     if not isinstance(tol, (int, float)) or not (tol > 0):
         raise ValueError(f"tol={tol!r} must be a positive number.")
@@ -35,6 +48,7 @@ def unroll(
     steps: int,
     trajectory: bool = False,
     xs: Any = None,
+    scan_unroll: int | bool = 1,
 ):
     """Apply ``step`` ``steps`` times with ``lax.scan``.
 
@@ -49,8 +63,12 @@ def unroll(
     ``xs`` (a pytree with leading axis ``steps``) carries per-step parameters
     for untied weights. With ``trajectory=True`` also returns the states
     ``x_1 .. x_K`` stacked on a new leading axis, shape ``(steps, *x0.shape)``.
+    ``scan_unroll`` is ``lax.scan``'s ``unroll`` (steps per compiled loop
+    iteration; ``True``: all of them); it changes speed and compile time, not
+    the result.
     """
     _check_positive_int("steps", steps)
+    check_scan_unroll(scan_unroll)
     if xs is not None:
         lengths = {leaf.shape[0] for leaf in jax.tree_util.tree_leaves(xs)}
         if lengths != {steps}:
@@ -63,7 +81,7 @@ def unroll(
         x = step(x) if xs is None else step(x, p)
         return x, (x if trajectory else None)
 
-    x, traj = lax.scan(body, x0, xs, length=steps)
+    x, traj = lax.scan(body, x0, xs, length=steps, unroll=scan_unroll)
     return (x, traj) if trajectory else x
 
 
@@ -161,6 +179,7 @@ def unroll_adaptive_bounded(
     tol: float,
     max_steps: int,
     trajectory: bool = False,
+    scan_unroll: int | bool = 1,
 ):
     """Differentiable form of :func:`unroll_adaptive`: a masked scan of ``max_steps``.
 
@@ -169,10 +188,12 @@ def unroll_adaptive_bounded(
     patterns once they have stopped, so reverse-mode gradients flow (the
     stopping decision itself is piecewise constant and gets no gradient).
     Returns ``(x, depth)``, or ``(x, depth, xs)`` with ``trajectory=True``,
-    where ``xs[k]`` is the (frozen) state after step ``k + 1``.
+    where ``xs[k]`` is the (frozen) state after step ``k + 1``. ``scan_unroll``
+    as in :func:`unroll`.
     """
     tol = _check_tol(tol)
     _check_positive_int("max_steps", max_steps)
+    check_scan_unroll(scan_unroll)
     batch = x0.shape[0]
 
     def body(carry, _):
@@ -185,5 +206,5 @@ def unroll_adaptive_bounded(
         return (x, active, depth), (x if trajectory else None)
 
     init = (x0, jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.int32))
-    (x, _, depth), traj = lax.scan(body, init, None, length=max_steps)
+    (x, _, depth), traj = lax.scan(body, init, None, length=max_steps, unroll=scan_unroll)
     return (x, depth, traj) if trajectory else (x, depth)
