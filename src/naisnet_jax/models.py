@@ -547,8 +547,11 @@ class ResNetFC(nn.Module):
       otherwise a leading ``depth`` axis, one set per layer.
     - ``nonautonomous`` (NA): ``x_0 = 0`` and ``u`` drives every layer through
       ``"input"`` (Dense: kernel ``B^T``, bias ``b``; ``depth n`` outputs if not
-      shared); else ``x_0 = u E^T + e`` (``"embed"``), a bias ``"b"``, and ``u``
-      is never seen again.
+      shared); else ``x_0 = act(u E^T + e)`` (``"embed"``: the input layer of an
+      ordinary MLP), a bias ``"b"``, and ``u`` is never seen again. (A linear
+      ``x_0`` would hand the classifier an unbounded linear path from ``u``: at
+      the paper's learning rate 0.1 that path diverged in every seed of
+      ResNet-SH, ResNet-BN and ResNet-SH-BN on MNIST.)
     - ``batch_norm`` (BN): BatchNorm ``"bn{k}"`` on layer ``k``'s
       pre-activation, one per layer even when shared (the statistics change
       with depth).
@@ -598,8 +601,9 @@ class ResNetFC(nn.Module):
             x = jnp.zeros((batch, n), jnp.result_type(drive, W))
         else:
             drive = self.param("b", nn.initializers.zeros, per_layer + (n,), PARAM_DTYPE)
-            x = nn.Dense(n, name="embed")(u)
         act = ACTIVATIONS[self.activation]
+        if not self.nonautonomous:
+            x = act(nn.Dense(n, name="embed")(u))
         states = []
         for k in range(L):
             W_k, d_k = (W, drive) if self.shared else (W[k], drive[k])
