@@ -25,6 +25,8 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
+from experiments.sweep_report import as_array, curve, pm, read_summary, stat_row, write_summary
+
 # Paper label -> MODELS name; the switches are read off the label.
 LABELS = {
     "NAIS-Net": "naisnet_mnist",
@@ -77,14 +79,6 @@ def make_config(model: str, *, dataset: str, seeds: int, epochs: int | None, h: 
     if h is not None:
         config.h = h
     return config
-
-
-def fingerprint(config) -> dict:
-    """What a finished model's summary must share with this call to be reused."""
-    keys = ("model", "model_kwargs", "dataset", "limit_train", "limit_test", "h", "eps", "learning_rate",
-            "momentum", "batch_size", "num_epochs", "seed", "num_seeds", "weight_decay", "lr_boundaries_epochs")
-    d = config.to_dict()
-    return json.loads(json.dumps({k: d.get(k) for k in keys}))
 
 
 # --------------------------------------------------------------------------- one model
@@ -148,8 +142,7 @@ def summarise(label: str, result, config, seconds: float) -> dict:
     ok = [r for r in result.runs if not r.diverged]
     row = {"label": label, "model": config.model, **switches(label)}
     for field in ("test_accuracy", "train_accuracy", "generalisation_gap", "test_loss"):
-        mean, std, n = result.stats(field)
-        row[field] = {"mean": mean, "std": std, "n": n, "per_seed": [getattr(r, field) for r in result.runs]}
+        row[field] = stat_row(result, field)
     row["seeds"] = list(result.seeds)
     row["diverged"] = result.num_diverged
     row["diverged_epochs"] = {str(r.seed): r.diverged_epoch for r in result.runs if r.diverged}
@@ -164,8 +157,8 @@ def summarise(label: str, result, config, seconds: float) -> dict:
         row["per_layer_loss"] = {"mean": curves.mean(0).tolist(), "std": curves.std(0).tolist(),
                                  "per_seed": curves.tolist()}
         row["monotonicity"] = monotonicity(curves)
-    row["test_accuracy_curve"] = _curve(result.history, "test_accuracy")
-    row["train_accuracy_curve"] = _curve(result.history, "train_accuracy")
+    row["test_accuracy_curve"] = curve(result.history, "test_accuracy")
+    row["train_accuracy_curve"] = curve(result.history, "train_accuracy")
     row["epochs"] = result.epoch
     row["seconds"] = seconds
     row["epoch_seconds_median"] = float(np.median([r["epoch_seconds"] for r in result.history])) if result.history else None
@@ -173,29 +166,15 @@ def summarise(label: str, result, config, seconds: float) -> dict:
     return row
 
 
-def _curve(history, field) -> dict:
-    """Mean and std over non-diverged seeds, per epoch."""
-    epochs = sorted({r["epoch"] for r in history})
-    mean, std = [], []
-    for e in epochs:
-        v = [r[field] for r in history if r["epoch"] == e and r["diverged_epoch"] is None and r[field] is not None]
-        mean.append(float(np.mean(v)) if v else None)
-        std.append(float(np.std(v)) if v else None)
-    return {"epochs": epochs, "mean": mean, "std": std}
-
-
 def run_model(label: str, config, workdir: str, audit_options) -> dict:
     from naisnet_jax import sweep
 
     model_dir = os.path.join(workdir, config.model)
     summary_path = os.path.join(model_dir, "summary.json")
-    fp = fingerprint(config)
-    if os.path.exists(summary_path):
-        with open(summary_path) as f:
-            saved = json.load(f)
-        if saved.get("fingerprint") == fp:
-            print(f"== {label}: finished earlier, read from {summary_path}", flush=True)
-            return saved["row"]
+    row = read_summary(summary_path, config)
+    if row is not None:
+        print(f"== {label}: finished earlier, read from {summary_path}", flush=True)
+        return row
     print(f"== {label} ({config.model}): {config.num_seeds} seeds x {config.num_epochs} epochs on "
           f"{config.dataset}", flush=True)
     t0 = time.time()
@@ -203,19 +182,11 @@ def run_model(label: str, config, workdir: str, audit_options) -> dict:
     row = summarise(label, result, config, time.time() - t0)
     if label == "NAIS-Net":
         row["neuron_trajectory"] = neuron_trajectories(result)
-    with open(summary_path + ".tmp", "w") as f:
-        json.dump({"fingerprint": fp, "row": row}, f, allow_nan=True)
-    os.replace(summary_path + ".tmp", summary_path)
+    write_summary(summary_path, config, row)
     return row
 
 
 # --------------------------------------------------------------------------- outputs
-
-
-def _pm(stat, scale=100.0, digits=2) -> str:
-    if stat["n"] == 0:
-        return "-"
-    return f"{scale * stat['mean']:.{digits}f} ± {scale * stat['std']:.{digits}f}"
 
 
 def table(rows: list[dict], *, paper: dict | None) -> str:
@@ -232,8 +203,8 @@ def table(rows: list[dict], *, paper: dict | None) -> str:
         mono = r.get("monotonicity")
         lines.append(
             f"| {r['label']} | {tick(r['SH'])} | {tick(r['NA'])} | {tick(r['BN'])} | {tick(r['Stable'])} | "
-            f"{_pm(r['test_accuracy'])} | {paper_acc} | {_pm(r['train_accuracy'])} | "
-            f"{_pm(r['generalisation_gap'])} | {r['diverged']}/{n_seeds} | {cert} | "
+            f"{pm(r['test_accuracy'])} | {paper_acc} | {pm(r['train_accuracy'])} | "
+            f"{pm(r['generalisation_gap'])} | {r['diverged']}/{n_seeds} | {cert} | "
             + (f"{pl['mean'][0]:.3f} | {pl['mean'][-1]:.3f} | {mono['monotone_seeds']}/{len(pl['per_seed'])} | "
                f"{mono['mean_curve_rises']} ({mono['largest_rise']:.2g}) |" if pl else "- | - | - | - |")
         )
@@ -316,8 +287,7 @@ def plot(rows, workdir) -> None:
     for i, r in enumerate(rows):
         c = r["test_accuracy_curve"]
         ep = np.asarray(c["epochs"])
-        mean = np.asarray([np.nan if v is None else v for v in c["mean"]])
-        std = np.asarray([np.nan if v is None else v for v in c["std"]])
+        mean, std = as_array(c["mean"]), as_array(c["std"])
         color = "k" if r["label"] == "NAIS-Net" else f"C{i % 10}"
         ax.plot(ep, mean, color=color, lw=2 if color == "k" else 1, label=r["label"])
         ax.fill_between(ep, mean - std, mean + std, color=color, alpha=0.15, lw=0)
@@ -337,8 +307,8 @@ def short_table(rows, paper) -> str:
         cert = f"{r['certified_seeds']}/{n}" if r["has_nais_block"] else "n/a"
         mono = r.get("monotonicity")
         mono = f"{mono['monotone_seeds']}/{len(r['per_layer_loss']['per_seed'])}" if mono else "-"
-        lines.append(f"{r['label']:<18} {_pm(r['test_accuracy']):>16} {paper_acc:>7} "
-                     f"{_pm(r['generalisation_gap']):>14} {r['diverged']:>4} {cert:>6} {mono:>5}")
+        lines.append(f"{r['label']:<18} {pm(r['test_accuracy']):>16} {paper_acc:>7} "
+                     f"{pm(r['generalisation_gap']):>14} {r['diverged']:>4} {cert:>6} {mono:>5}")
     return "\n".join(lines)
 
 

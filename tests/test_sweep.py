@@ -2,8 +2,9 @@
 divergence, export, audit and the per-layer loss.
 
 Every sweep here is a tiny model (a handful of units, a few steps or layers) on 256 digits, 4
-SGD steps per epoch in chunks of 3 and 1 (so the per-chunk keys of the single run matter), with
-augmentation on for the NAIS-Net so that the per-step augmentation keys matter too.
+SGD steps per epoch in two chunks of 2 (so the per-chunk keys of the single run matter; a
+remainder chunk is checked by the step-keys test), with augmentation on for the NAIS-Net so that
+the per-step augmentation keys matter too.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def get_config(model="naisnet_mnist", **overrides):
     config.limit_test = 100
     config.batch_size = 64
     config.eval_batch_size = 64
-    config.steps_per_chunk = 3
+    config.steps_per_chunk = 2  # one compiled chunk in the single runs
     config.num_epochs = 2
     config.checkpoint_every_epochs = 1
     config.progress = False
@@ -123,7 +124,7 @@ def test_seed_i_of_the_sweep_is_the_single_run_of_seed_i(nais):
 @pytest.fixture(scope="module")
 def bn_sweep(tmp_path_factory):
     root = tmp_path_factory.mktemp("bn")
-    config = get_config("resnet_sh_bn", steps_per_chunk=4)
+    config = get_config("resnet_sh_bn")
     return config, root, sweep.train_sweep(config, str(root / "sweep"), seeds=SEEDS, audit=False, verbose=False)
 
 
@@ -184,13 +185,15 @@ def test_every_seed_is_exported_as_an_auditable_single_run(nais):
     assert result.all_certified is True and result.num_diverged == 0
 
 
-def test_per_step_loss_of_each_seed_is_the_single_runs(nais):
+def test_per_step_loss_of_a_seed_is_the_single_runs(nais):
+    """Seed 2's per-layer loss (vmapped over seeds) against ``train.per_step_loss`` of its single
+    run (one seed only: each reference call compiles)."""
     _, _, result, singles, _ = nais
-    for i, seed in enumerate(SEEDS):
-        s = singles[seed]
-        expected = train.per_step_loss(s["state"], s["test_data"], s["mean"], s["std"], batch_size=64)
-        assert result.runs[i].per_step_loss.shape == (3,)
-        np.testing.assert_allclose(result.runs[i].per_step_loss, expected, rtol=1e-6)
+    s = singles[SEEDS[2]]
+    expected = train.per_step_loss(s["state"], s["test_data"], s["mean"], s["std"], batch_size=64)
+    assert all(r.per_step_loss.shape == (3,) for r in result.runs)
+    np.testing.assert_allclose(result.runs[2].per_step_loss, expected, rtol=1e-6)
+    assert not np.allclose(result.runs[0].per_step_loss, expected, rtol=1e-6)
 
 
 def test_stats_are_over_seeds(nais):

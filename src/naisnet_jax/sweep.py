@@ -234,12 +234,51 @@ def _seed_config(config, seed: int):
     return c
 
 
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+    """The model, optimiser and jitted programs of one configuration (shared by sweeps of it)."""
+
+    model: Any
+    tx: Any
+    epoch: Callable
+    per_step_loss: Callable
+
+
+_PROGRAMS: dict[str, _Programs] = {}
+_PROGRAMS_KEPT = 2
+
+
+def _programs(config, ds, steps_per_epoch: int, mean, std) -> _Programs:
+    """One set of programs per configuration and process, so that a resumed or repeated sweep
+    of the same configuration reuses the compiled epoch (jit caches on the function object and
+    on the state's static fields, ``apply_fn`` and ``tx``). The key is the whole config but the
+    seeds and the bookkeeping, plus the data's shape and statistics."""
+    d = config.to_dict()
+    for k in ("seed", "num_seeds", "num_epochs", "progress", "checkpoint_every_epochs", "keep_checkpoints"):
+        d.pop(k, None)
+    key = json.dumps([d, ds.num_classes, list(ds.train_images.shape), list(ds.test_images.shape),
+                      steps_per_epoch, np.asarray(mean).tolist(), np.asarray(std).tolist()], sort_keys=True, default=str)
+    if key not in _PROGRAMS:
+        while len(_PROGRAMS) >= _PROGRAMS_KEPT:
+            _PROGRAMS.pop(next(iter(_PROGRAMS)))
+        _PROGRAMS[key] = _Programs(
+            model=train.build_model(config, ds.num_classes),
+            tx=train.make_optimizer(config, steps_per_epoch),
+            epoch=make_sweep_epoch(mean, std, augment=bool(config.augment), batch_size=config.batch_size,
+                                   steps_per_chunk=config.steps_per_chunk, eval_batch_size=config.eval_batch_size),
+            per_step_loss=jax.jit(jax.vmap(train.make_per_step_loss(mean, std, config.eval_batch_size),
+                                           in_axes=(0, None))),
+        )
+    return _PROGRAMS[key]
+
+
 @dataclasses.dataclass
 class _Setup:
     ds: data_lib.Dataset
     model: Any
     steps_per_epoch: int
     state: train.TrainState  # stacked
+    programs: _Programs
     mean: np.ndarray
     std: np.ndarray
     train_data: data_lib.DeviceData
@@ -257,15 +296,17 @@ def _setup(config, seeds: tuple[int, ...]) -> _Setup:
     if config.batch_size > n_train:
         raise ValueError(f"config.batch_size={config.batch_size} exceeds the {n_train} training examples.")
     steps_per_epoch = n_train // config.batch_size
-    model = train.build_model(config, ds.num_classes)
+    mean, std = data_lib.channel_stats(ds.train_images)
+    programs = _programs(config, ds, steps_per_epoch, mean, std)
+    model = programs.model
     # Each seed initialised exactly as its single run (same eager ops), then stacked.
     states = [train.create_train_state(_seed_config(config, s), model, ds.train_images.shape[1:], steps_per_epoch)
               for s in seeds]
     if count_projected_blocks(states[0].params) == 0 and config.model.startswith("naisnet"):
         raise ValueError(f"{config.model} has no NAIS block parameters to project; check models.py.")
-    mean, std = data_lib.channel_stats(ds.train_images)
+    state = stack_states(states).replace(tx=programs.tx)  # the cached programs' static fields
     return _Setup(
-        ds=ds, model=model, steps_per_epoch=steps_per_epoch, state=stack_states(states),
+        ds=ds, model=model, steps_per_epoch=steps_per_epoch, state=state, programs=programs,
         mean=mean, std=std,
         train_data=data_lib.put_on_device(ds.train_images, ds.train_labels),
         test_data=data_lib.put_on_device(ds.test_images, ds.test_labels),
@@ -400,10 +441,7 @@ def train_sweep(
     elif os.path.exists(metrics_path):
         os.remove(metrics_path)
 
-    epoch_fn = make_sweep_epoch(
-        s.mean, s.std, augment=bool(config.augment), batch_size=config.batch_size,
-        steps_per_chunk=config.steps_per_chunk, eval_batch_size=config.eval_batch_size,
-    )
+    epoch_fn = s.programs.epoch
     schedule = train.learning_rate_schedule(config, s.steps_per_epoch)
     has_nais = count_projected_blocks(jax.tree.map(lambda x: x[0], state.params)) > 0
     history = train._read_metrics(metrics_path) if start_epoch > 1 else []
@@ -456,8 +494,7 @@ def train_sweep(
     if finished:
         losses = None
         if per_step_loss and _has_step_logits(s.model, state, s.ds.image_shape):
-            losses = np.asarray(jax.vmap(train.make_per_step_loss(s.mean, s.std, config.eval_batch_size),
-                                         in_axes=(0, None))(state, s.test_data))
+            losses = np.asarray(s.programs.per_step_loss(state, s.test_data))
         host_tree = jax.device_get(train._checkpoint_tree(state))
     for i, seed in enumerate(seeds):
         r = last.get(seed)
