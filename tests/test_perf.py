@@ -240,3 +240,90 @@ def test_bad_perf_options_are_refused(bad, match):
     if set(bad) == {"dtype"}:
         with pytest.raises(ValueError, match=match):
             M.ResNetConvTiny(**bad)
+
+
+# ------------------------------------------------------------- adaptive depth
+
+
+def _adaptive_system(batch=20, n=5, seed=8):
+    """A projected dense block whose patterns stop at many different depths."""
+    rng = np.random.default_rng(seed)
+    A, _ = _fc_system(rng, n=n)
+    drive = rng.standard_normal((batch, n)) * np.geomspace(0.01, 6, batch)[:, None]
+    return A, rng.permutation(drive)
+
+
+def _per_pattern_loop(A, drive, x0, tol, max_steps):
+    """The documented plain-Python meaning, one pattern at a time, in numpy."""
+    xs, depths = [], []
+    for i in range(drive.shape[0]):
+        x, depth = x0[i], 0
+        for _ in range(max_steps):
+            x_new = x + np.tanh(x @ A.T + drive[i])
+            depth += 1
+            done = np.linalg.norm(x_new - x) < tol
+            x = x_new
+            if done:
+                break
+        xs.append(x)
+        depths.append(depth)
+    return np.stack(xs), np.array(depths)
+
+
+@pytest.mark.parametrize("check_every, compact", [(4, False), (3, True), (1, True)])
+def test_unroll_adaptive_check_every_and_compact_match_per_pattern_loop(check_every, compact):
+    A, drive = _adaptive_system()
+    x0 = np.random.default_rng(9).standard_normal(drive.shape) * 0.1
+    ref_x, ref_depth = _per_pattern_loop(A, drive, x0, 1e-2, 60)
+    assert len(set(ref_depth.tolist())) > 8 and ref_depth.max() == 60  # many depths, some capped
+    step = lambda x, d: nj.fc_step(x, d, jnp.asarray(A))  # noqa: E731
+    run = jax.jit(lambda x0, d: nj.unroll_adaptive(step, x0, inputs=d, tol=1e-2, max_steps=60,
+                                                   check_every=check_every, compact=compact))
+    x, depth = run(jnp.asarray(x0), jnp.asarray(drive))
+    np.testing.assert_array_equal(depth, ref_depth)
+    np.testing.assert_allclose(x, ref_x, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("slots, check_every", [(6, 1), (7, 5)])
+def test_unroll_adaptive_stream_matches_per_pattern_loop(slots, check_every):
+    A, drive = _adaptive_system(batch=23)
+    x0 = np.zeros_like(drive)
+    ref_x, ref_depth = _per_pattern_loop(A, drive, x0, 1e-2, 60)
+    step = lambda x, d: nj.fc_step(x, d, jnp.asarray(A))  # noqa: E731
+    run = jax.jit(lambda d: nj.unroll_adaptive_stream(step, jnp.zeros(d.shape), d, tol=1e-2, max_steps=60,
+                                                      slots=slots, check_every=check_every))
+    x, depth = run(jnp.asarray(drive))
+    np.testing.assert_array_equal(depth, ref_depth)
+    np.testing.assert_allclose(x, ref_x, rtol=0, atol=1e-12)
+
+
+def test_models_adaptive_check_every_and_compact_same_outputs():
+    """The eval path (while loops) of the dense and conv blocks, fast options against default."""
+    x_fc = np.random.default_rng(10).standard_normal((12, 7)) * np.geomspace(0.05, 5, 12)[:, None]
+    x_conv = np.random.default_rng(11).standard_normal((6, 5, 5, 3)) * np.geomspace(0.1, 5, 6)[:, None, None, None]
+    cases = [
+        (functools.partial(M.NaisNetFC, num_classes=3, features=5, eps=0.05, adaptive_tol=1e-2,
+                           max_steps=50), x_fc),
+        (functools.partial(M.NaisConvBlock, 3, eps=0.05, adaptive_tol=1e-2, max_steps=30), x_conv),
+    ]
+    for ctor, x in cases:
+        variables = _init(ctor(), x)
+        ref = jax.jit(ctor().apply)(variables, x)
+        out = jax.jit(ctor(check_every=4, compact=True).apply)(variables, x)
+        np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12)
+
+
+def test_bad_adaptive_arguments_are_refused():
+    step = lambda x: x  # noqa: E731
+    with pytest.raises(ValueError, match="check_every=0"):
+        nj.unroll_adaptive(step, jnp.zeros((2, 3)), tol=0.1, max_steps=3, check_every=0)
+    with pytest.raises(ValueError, match="inputs=..."):
+        nj.unroll_adaptive(step, jnp.zeros((2, 3)), tol=0.1, max_steps=3, compact=True)
+    with pytest.raises(ValueError, match="disagree with the 2 patterns"):
+        nj.unroll_adaptive(lambda x, d: x + d, jnp.zeros((2, 3)), tol=0.1, max_steps=3,
+                           inputs=jnp.zeros((3, 3)))
+    with pytest.raises(ValueError, match="slots=0"):
+        nj.unroll_adaptive_stream(lambda x, d: x + d, jnp.zeros((2, 3)), jnp.zeros((2, 3)),
+                                  tol=0.1, max_steps=3, slots=0)
+    with pytest.raises(ValueError, match="check_every=0"):
+        M.NaisNetFC(adaptive_tol=0.1, check_every=0)

@@ -17,7 +17,12 @@ from naisnet_jax.projection import (
     project_params,
     stability_projection,
 )
-from naisnet_jax.unroll import unroll, unroll_adaptive, unroll_adaptive_bounded
+from naisnet_jax.unroll import (
+    unroll,
+    unroll_adaptive,
+    unroll_adaptive_bounded,
+    unroll_adaptive_stream,
+)
 
 __version__ = "0.1.0"
 
@@ -40,5 +45,6 @@ __all__ = [
     "unroll",
     "unroll_adaptive",
     "unroll_adaptive_bounded",
+    "unroll_adaptive_stream",
     "unroll_tied",
 ]

@@ -40,6 +40,10 @@ memory or compile time, never the maths:
   computes the state weight's gradient with one operation over the K states
   stacked on the batch axis (:mod:`naisnet_jax.block_vjp`), keeping the states
   (``"stacked"``) or recomputing them (``"stacked_recompute"``);
+- ``check_every``, ``compact``: adaptive depth at inference (``adaptive_tol``
+  set, ``train=False``) tests for convergence once per ``check_every`` steps and,
+  with ``compact``, moves the running patterns into smaller buffers (see
+  :func:`naisnet_jax.unroll.unroll_adaptive`); depths and states are unchanged;
 - ``dtype``: the compute dtype (``"bfloat16"``, ...; ``None`` keeps the inputs'
   dtype). Parameters stay float32, pooling and the classifier compute in
   float32; the projections and the verifier never see the compute dtype.
@@ -136,7 +140,7 @@ def _check_stages(stage_sizes: Sequence[int], filters: Sequence[int]) -> None:
 
 # Options that change speed or memory, never the maths (``dtype`` changes the
 # rounding only). NAIS nets pass them to their blocks unchanged.
-PERF_OPTIONS = ("scan_unroll", "remat", "block_vjp", "dtype")
+PERF_OPTIONS = ("scan_unroll", "remat", "block_vjp", "dtype", "check_every", "compact")
 REMAT = ("none", "block", "step")
 BLOCK_VJP = {"autodiff": None, "stacked": "store", "stacked_recompute": "recompute"}
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -157,6 +161,9 @@ def _compute_dtype(dtype):
 def _check_perf(m) -> None:
     check_scan_unroll(m.scan_unroll)
     _check_dtype(m.dtype)
+    _check_positive_int("check_every", m.check_every)
+    if not isinstance(m.compact, bool):
+        raise ValueError(f"compact={m.compact!r} must be a bool.")
     if m.remat not in REMAT:
         raise ValueError(f"remat={m.remat!r} must be one of {REMAT}.")
     if m.block_vjp not in BLOCK_VJP:
@@ -215,7 +222,8 @@ def _batch_norm(train: bool, name: str, dtype=None) -> nn.BatchNorm:
 
 
 def _unroll_block(step, x0, *, steps, xs, adaptive_tol, max_steps, train, trajectory,
-                  scan_unroll=1, remat="none", block_vjp="autodiff", tied=None):
+                  scan_unroll=1, remat="none", block_vjp="autodiff", tied=None,
+                  check_every=1, compact=False):
     """Fixed or adaptive unroll; returns ``(x_K, depth, states or None)``.
 
     Adaptive: training uses the masked scan (differentiable), evaluation the
@@ -249,7 +257,15 @@ def _unroll_block(step, x0, *, steps, xs, adaptive_tol, max_steps, train, trajec
         )
         out = jax.checkpoint(run)(x0) if remat == "block" else run(x0)
         return out if trajectory else (*out, None)
-    x, depth = unroll_adaptive(step, x0, tol=adaptive_tol, max_steps=max_steps)
+    if check_every == 1 and not compact:
+        x, depth = unroll_adaptive(step, x0, tol=adaptive_tol, max_steps=max_steps)
+        return x, depth, None
+    op, drive, W, h, activation = tied  # the drive is per pattern: compaction moves it along
+    act = ACTIVATIONS[activation]
+    x, depth = unroll_adaptive(
+        lambda x, d: x + h * act(op(x, W) + d), x0, inputs=jnp.broadcast_to(drive, x0.shape),
+        tol=adaptive_tol, max_steps=max_steps, check_every=check_every, compact=compact,
+    )
     return x, depth, None
 
 
@@ -289,6 +305,8 @@ class NaisDenseBlock(nn.Module):
     remat: str = "none"
     block_vjp: str = "autodiff"
     dtype: str | None = None
+    check_every: int = 1
+    compact: bool = False
 
     def __post_init__(self):
         _check_dense_attrs(self)
@@ -318,6 +336,7 @@ class NaisDenseBlock(nn.Module):
             max_steps=self.max_steps, train=train, trajectory=return_aux,
             scan_unroll=self.scan_unroll, remat=self.remat, block_vjp=self.block_vjp,
             tied=(dense_op, drive, A, self.h, self.activation),
+            check_every=self.check_every, compact=self.compact,
         )
         return _block_output(x, depth, states, return_aux)
 
@@ -356,6 +375,8 @@ class NaisConvBlock(nn.Module):
     remat: str = "none"
     block_vjp: str = "autodiff"
     dtype: str | None = None
+    check_every: int = 1
+    compact: bool = False
 
     def __post_init__(self):
         _check_positive_int("features", self.features)
@@ -409,6 +430,7 @@ class NaisConvBlock(nn.Module):
             max_steps=self.max_steps, train=train, trajectory=return_aux,
             scan_unroll=self.scan_unroll, remat=self.remat, block_vjp=self.block_vjp,
             tied=(conv_op, drive, kernel, self.h, self.activation),
+            check_every=self.check_every, compact=self.compact,
         )
         return _block_output(x, depth, states, return_aux)
 
@@ -436,6 +458,8 @@ class NaisNetFC(nn.Module):
     remat: str = "none"
     block_vjp: str = "autodiff"
     dtype: str | None = None
+    check_every: int = 1
+    compact: bool = False
 
     def __post_init__(self):
         _check_positive_int("num_classes", self.num_classes)
@@ -495,6 +519,8 @@ class NaisNetConv(nn.Module):
     remat: str = "none"
     block_vjp: str = "autodiff"
     dtype: str | None = None
+    check_every: int = 1
+    compact: bool = False
 
     def __post_init__(self):
         _check_positive_int("num_classes", self.num_classes)
