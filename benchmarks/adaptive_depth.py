@@ -180,7 +180,7 @@ def trained(*, width, max_steps, batch, repeats, epochs):
         _, aux = jax.jit(functools.partial(m.apply, return_aux=True))({"params": params}, x)
         return float(jnp.mean(aux["depth"]))
 
-    tol = _bisect_tol(mean_depth, max_steps / 2, iters=30)
+    tol = _bisect_tol(mean_depth, max_steps / 2, iters=12)  # each probe compiles the model
     depth = mean_depth(tol)
     fixed_s = _time(jax.jit(model(steps=max_steps).apply), {"params": params}, x, repeats=repeats)
     info = {"case": "trained", "tol": tol, "mean_depth": depth, "max_steps": max_steps,
