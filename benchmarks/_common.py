@@ -183,17 +183,25 @@ def run_variants(
     env_for: Callable[[str], dict] = lambda name: {},
     timeout_for: Callable[[str], float] = lambda name: 600.0,
     fresh: bool = False,
+    budget: float | None = None,
 ) -> list[dict]:
     """Run ``script --one=NAME --out=OUT *child_args`` for each name in its own process.
 
     A variant's row is the JSON file the child writes to ``OUT/variants/NAME.json``;
     an existing file is reused (resume) unless ``fresh``. A child that fails or runs
-    past its timeout leaves a row ``{"name", "error"}`` and the others go on.
+    past its timeout leaves a row ``{"name", "error"}`` and the others go on. With
+    ``budget`` (seconds), no child outlives it: later ones are left for a rerun (a
+    device command has a 10-minute limit; the same command resumes where this stopped).
     """
     vdir = os.path.join(out, "variants")
     os.makedirs(vdir, exist_ok=True)
     rows = []
+    deadline = None if budget is None else time.time() + budget
     for name in names:
+        if deadline is not None and deadline - time.time() < 30:
+            rows.append({"name": name, "error": "not run yet (time budget): rerun the same command"})
+            print(f"[{name}] left for a rerun (time budget)", flush=True)
+            continue
         path = os.path.join(vdir, f"{name}.json")
         if os.path.exists(path) and not fresh:
             with open(path) as f:
@@ -208,15 +216,18 @@ def run_variants(
         cmd = [sys.executable, script, f"--one={name}", f"--out={out}", *child_args]
         print(f"[{name}] running{' with ' + str(extra) if extra else ''}", flush=True)
         t0 = time.time()
+        timeout = timeout_for(name)
+        if deadline is not None:
+            timeout = min(timeout, deadline - time.time())
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_for(name))
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
             failed = proc.returncode != 0 or not os.path.exists(path)
             reason = f"exit code {proc.returncode}"
         except subprocess.TimeoutExpired as e:
             text = (e.stdout or b"") + (e.stderr or b"")
             text = text.decode(errors="replace") if isinstance(text, bytes) else text
-            tail, failed, reason = text.strip().splitlines()[-12:], True, f"timeout {timeout_for(name):.0f} s"
+            tail, failed, reason = text.strip().splitlines()[-12:], True, f"timeout {timeout:.0f} s"
         if failed:
             row = {"name": name, "error": reason, "log_tail": tail, "wall_s": time.time() - t0}
             with open(path + ".err", "w") as f:

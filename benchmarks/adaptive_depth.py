@@ -215,6 +215,8 @@ def main(argv=None):
     parser.add_argument("--flags", default=",".join(FLAG_SETS), help="XLA flag sets, one process each")
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--budget", type=float, default=540,
+                        help="seconds for the whole run (a rerun resumes); 0: no limit")
     parser.add_argument("--fresh", action="store_true")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -225,7 +227,7 @@ def main(argv=None):
         return
     names = args.flags.split(",")
     results = _common.run_variants(
-        os.path.abspath(__file__), names, args.out, fresh=args.fresh,
+        os.path.abspath(__file__), names, args.out, budget=args.budget or None, fresh=args.fresh,
         child_args=[f"--repeats={args.repeats}"] + (["--smoke"] if args.smoke else []),
         env_for=lambda n: {"XLA_FLAGS": FLAG_SETS[n]} if FLAG_SETS[n] else {},
         timeout_for=lambda n: args.timeout)

@@ -73,6 +73,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=2, help="processes per unroll=1 row (min is kept)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--smoke", action="store_true", help="batch 8, K up to 100")
+    parser.add_argument("--budget", type=float, default=540,
+                        help="seconds for the whole run (a rerun resumes); 0: no limit")
     parser.add_argument("--fresh", action="store_true")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -88,6 +90,7 @@ def main(argv=None):
     if args.smoke:
         names = [n for n in names if "_K1000_" not in n and "_r0" in n]
     rows = _common.run_variants(os.path.abspath(__file__), names, args.out, fresh=args.fresh,
+                                budget=args.budget or None,
                                 child_args=[f"--batch={batch}"] + (["--smoke"] if args.smoke else []),
                                 timeout_for=lambda n: args.timeout)
     ok = [r for r in rows if "error" not in r]

@@ -106,14 +106,17 @@ def _predict_largest(row: dict) -> int | None:
     return int((limit - fixed) / per_image) if per_image > 0 else None
 
 
-def search_largest(script, out, remat, guess, *, probes, smoke, timeout) -> dict:
+def search_largest(script, out, remat, guess, *, probes, smoke, timeout, deadline) -> dict:
     """Bisection on the batch, one process per probe; returns the bracket found."""
     lo, hi, tried = 0, None, []
     b = max(8, guess // 8 * 8)
     for _ in range(probes):
         name = f"probe_K10_{remat}_b{b}"
+        budget = None if deadline is None else deadline - time.time()
         rows = _common.run_variants(script, [name], out, child_args=["--smoke"] if smoke else [],
-                                    timeout_for=lambda n: timeout)
+                                    timeout_for=lambda n: timeout, budget=budget)
+        if "time budget" in rows[0].get("error", ""):
+            break
         fits = rows[0].get("fits", False)  # a crash counts as "does not fit"
         tried.append((b, fits))
         if fits:
@@ -137,6 +140,8 @@ def main(argv=None):
     parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--budget", type=float, default=540,
+                        help="seconds for the whole run (a rerun resumes); 0: no limit")
     parser.add_argument("--fresh", action="store_true")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -155,10 +160,11 @@ def main(argv=None):
         _common.write_row(args.out, args.one, row)
         return
     script = os.path.abspath(__file__)
+    deadline = time.time() + args.budget if args.budget else None
     names = args.variants.split(",") if args.variants else _variant_names()
     if args.smoke:
         names = [n for n in names if _parse(n)[0] <= 10]
-    rows = _common.run_variants(script, names, args.out, child_args=[f"--batch={batch}"] +
+    rows = _common.run_variants(script, names, args.out, budget=args.budget or None, child_args=[f"--batch={batch}"] +
                                 (["--smoke"] if args.smoke else []), fresh=args.fresh,
                                 timeout_for=lambda n: args.timeout)
     searches = []
@@ -170,7 +176,7 @@ def main(argv=None):
             guess = _predict_largest(base) if base else None
             if guess:
                 searches.append(search_largest(script, args.out, remat, guess, probes=args.probes,
-                                               smoke=args.smoke, timeout=args.timeout))
+                                               smoke=args.smoke, timeout=args.timeout, deadline=deadline))
     columns = [("name", "variant", ""), ("depth", "K", "d"), ("remat", "remat", ""),
                ("peak_mib_per_image", "peak MiB/img", ".2f"), ("temp_mib_per_image", "XLA temp MiB/img", ".2f"),
                ("fits", "fits", ""), ("compile_s", "compile s", ".1f")]

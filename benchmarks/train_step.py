@@ -62,6 +62,8 @@ VARIANTS = {
     "nais10_xla_double_buffer": dict(
         model=N10, xla_flags="--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER"),
     "nais10_unroll10_cmdbuf_while": dict(model=N10, kwargs=dict(scan_unroll=10), xla_flags=CMDBUF_WHILE),
+    "nais10_xla_cmdbuf_unroll_loops": dict(  # WHILE commands lowered to unrolled CUDA graphs (newer XLA)
+        model=N10, xla_flags=CMDBUF_WHILE + " --xla_gpu_command_buffer_unroll_loops=true"),
     "nais10_bf16": dict(model=N10, kwargs=dict(dtype="bfloat16")),
     "nais10_bf16_stacked_unroll10": dict(
         model=N10, kwargs=dict(dtype="bfloat16", block_vjp="stacked", scan_unroll=10)),
@@ -333,6 +335,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per variant (torch.compile: 2x)")
     parser.add_argument("--smoke", action="store_true", help="tiny models, batch 4: a CPU check")
+    parser.add_argument("--budget", type=float, default=540,
+                        help="seconds for the whole run (a rerun resumes); 0: no limit")
     parser.add_argument("--fresh", action="store_true", help="rerun variants already done")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -353,7 +357,7 @@ def main(argv=None):
     child = [f"--batch={args.batch}", f"--steps={args.steps}", f"--repeats={args.repeats}"]
     child += ["--smoke"] if args.smoke else []
     rows = _common.run_variants(
-        os.path.abspath(__file__), names, args.out, child_args=child, fresh=args.fresh,
+        os.path.abspath(__file__), names, args.out, budget=args.budget or None, child_args=child, fresh=args.fresh,
         env_for=lambda n: {"XLA_FLAGS": VARIANTS[n]["xla_flags"]} if VARIANTS[n].get("xla_flags") else {},
         timeout_for=lambda n: args.timeout * (2 if VARIANTS[n].get("mode") == "compile" else 1),
     )
