@@ -86,9 +86,11 @@ def main(argv=None):
         row = compile_once(block, int(depth[1:]), int(unroll[1:]), batch=batch)
         _common.write_row(args.out, args.one, row)
         return
+    if args.smoke:
+        args.repeats = 1
     names = _names(args.repeats)
     if args.smoke:
-        names = [n for n in names if "_K1000_" not in n and "_r0" in n]
+        names = [n for n in names if "_K1000_" not in n]
     rows = _common.run_variants(os.path.abspath(__file__), names, args.out, fresh=args.fresh,
                                 budget=args.budget or None,
                                 child_args=[f"--batch={batch}"] + (["--smoke"] if args.smoke else []),
