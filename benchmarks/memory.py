@@ -33,6 +33,9 @@ REMAT = {  # label -> model kwargs
     "stacked_recompute": {"block_vjp": "stacked_recompute"},
 }
 SEARCH = ("none", "block", "step")  # remat settings whose largest batch is searched (at K = 10)
+# JAX's allocator takes 75% of the card by default; let it take nearly all (the limit reported
+# by memory_stats()["bytes_limit"] follows), so that "largest batch" means the card's.
+ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
 
 
 def _spec(depth: int, remat: str) -> dict:
@@ -114,7 +117,7 @@ def search_largest(script, out, remat, guess, *, probes, smoke, timeout, deadlin
         name = f"probe_K10_{remat}_b{b}"
         budget = None if deadline is None else deadline - time.time()
         rows = _common.run_variants(script, [name], out, child_args=["--smoke"] if smoke else [],
-                                    timeout_for=lambda n: timeout, budget=budget)
+                                    timeout_for=lambda n: timeout, budget=budget, env_for=lambda n: ENV)
         if "time budget" in rows[0].get("error", ""):
             break
         fits = rows[0].get("fits", False)  # a crash counts as "does not fit"
@@ -164,7 +167,8 @@ def main(argv=None):
     names = args.variants.split(",") if args.variants else _variant_names()
     if args.smoke:
         names = [n for n in names if _parse(n)[0] <= 10]
-    rows = _common.run_variants(script, names, args.out, budget=args.budget or None, child_args=[f"--batch={batch}"] +
+    rows = _common.run_variants(script, names, args.out, budget=args.budget or None, env_for=lambda n: ENV,
+                                child_args=[f"--batch={batch}"] +
                                 (["--smoke"] if args.smoke else []), fresh=args.fresh,
                                 timeout_for=lambda n: args.timeout)
     searches = []
