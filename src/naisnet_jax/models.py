@@ -32,8 +32,24 @@ pattern stops are frozen copies. BatchNorm statistics live in the
 ``"batch_stats"`` collection (``mutable=["batch_stats"]`` when ``train=True``).
 
 Performance options of the NAIS blocks and nets (``PERF_OPTIONS``) change speed,
-memory or compile time, never the maths: ``scan_unroll`` is ``lax.scan``'s
-``unroll`` for the block's K steps (an int, or ``True`` for all of them).
+memory or compile time, never the maths:
+
+- ``scan_unroll``: ``lax.scan``'s ``unroll`` for a block's K steps (an int, or
+  ``True`` for all of them);
+- ``remat``: ``"none"``, ``"block"`` (a block's K steps are recomputed in the
+  backward pass; only its input is kept) or ``"step"`` (each step's internals
+  are recomputed; the K states are kept);
+- ``block_vjp``: ``"autodiff"``, or a tied block's hand-written VJP that
+  computes the state weight's gradient with one operation over the K states
+  stacked on the batch axis (:mod:`naisnet_jax.block_vjp`), keeping the states
+  (``"stacked"``) or recomputing them (``"stacked_recompute"``);
+- ``check_every``, ``compact``: adaptive depth at inference (``adaptive_tol``
+  set, ``train=False``) tests for convergence once per ``check_every`` steps and,
+  with ``compact``, moves the running patterns into smaller buffers (see
+  :func:`naisnet_jax.unroll.unroll_adaptive`); depths and states are unchanged;
+- ``dtype``: the compute dtype (``"bfloat16"``, ...; ``None`` keeps the inputs'
+  dtype). Parameters stay float32, pooling and the classifier compute in
+  float32; the projections and the verifier never see the compute dtype.
 """
 
 from __future__ import annotations
@@ -47,6 +63,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from naisnet_jax.block_vjp import conv_op, dense_op, unroll_tied
 from naisnet_jax.cell import ACTIVATIONS, check_activation, check_step_size, conv_step, fc_step
 from naisnet_jax.parametrize import check_eps, conv_state_kernel, fc_state_matrix
 from naisnet_jax.projection import check_eta, project_conv, project_fc
@@ -174,11 +191,46 @@ def _check_stages(stage_sizes: Sequence[int], filters: Sequence[int]) -> None:
 
 # Options that change speed or memory, never the maths (``dtype`` changes the
 # rounding only). NAIS nets pass them to their blocks unchanged.
-PERF_OPTIONS = ("scan_unroll",)
+PERF_OPTIONS = ("scan_unroll", "remat", "block_vjp", "dtype", "check_every", "compact")
+REMAT = ("none", "block", "step")
+BLOCK_VJP = {"autodiff": None, "stacked": "store", "stacked_recompute": "recompute"}
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _check_dtype(dtype) -> None:
+    if dtype is not None and dtype not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"dtype={dtype!r} must be None (the inputs' and parameters' dtype) or one of "
+            f"{COMPUTE_DTYPES}; parameters stay float32 whatever the compute dtype."
+        )
+
+
+def _compute_dtype(dtype):
+    return None if dtype is None else jnp.dtype(dtype)
 
 
 def _check_perf(m) -> None:
     check_scan_unroll(m.scan_unroll)
+    _check_dtype(m.dtype)
+    _check_positive_int("check_every", m.check_every)
+    if not isinstance(m.compact, bool):
+        raise ValueError(f"compact={m.compact!r} must be a bool.")
+    if m.remat not in REMAT:
+        raise ValueError(f"remat={m.remat!r} must be one of {REMAT}.")
+    if m.block_vjp not in BLOCK_VJP:
+        raise ValueError(f"block_vjp={m.block_vjp!r} must be one of {tuple(BLOCK_VJP)}.")
+    if m.block_vjp == "autodiff":
+        return
+    if m.untied or m.adaptive_tol is not None:
+        raise ValueError(
+            f"block_vjp={m.block_vjp!r} needs a tied block of fixed depth; got untied={m.untied}, "
+            f"adaptive_tol={m.adaptive_tol!r}. Use block_vjp='autodiff'."
+        )
+    if m.remat == "step":
+        raise ValueError(
+            f"remat='step' with block_vjp={m.block_vjp!r}: the custom VJP chooses its own "
+            f"residuals; use block_vjp='stacked_recompute' to recompute the steps."
+        )
 
 
 def _perf_kwargs(m) -> dict:
@@ -210,34 +262,61 @@ def _conv_init(eps: float, eta: float) -> Callable:
     return init
 
 
-def _batch_norm(train: bool, name: str) -> nn.BatchNorm:
+def _batch_norm(train: bool, name: str, dtype=None) -> nn.BatchNorm:
     return nn.BatchNorm(
-        use_running_average=not train, momentum=BN_MOMENTUM, epsilon=BN_EPSILON, name=name
+        use_running_average=not train, momentum=BN_MOMENTUM, epsilon=BN_EPSILON, name=name,
+        dtype=_compute_dtype(dtype),
     )
 
 
 # ------------------------------------------------------------------ unrolling
 
 
-def _unroll_block(step, x0, *, steps, xs, adaptive_tol, max_steps, train, trajectory, scan_unroll=1):
+def _unroll_block(step, x0, *, steps, xs, adaptive_tol, max_steps, train, trajectory,
+                  scan_unroll=1, remat="none", block_vjp="autodiff", tied=None,
+                  check_every=1, compact=False):
     """Fixed or adaptive unroll; returns ``(x_K, depth, states or None)``.
 
     Adaptive: training uses the masked scan (differentiable), evaluation the
     ``while_loop``; a requested trajectory always takes the masked scan, whose
-    values and depths are those of the ``while_loop``.
+    values and depths are those of the ``while_loop``. ``tied = (op, drive, W,
+    h, activation)`` lets a tied block of fixed depth use :func:`unroll_tied`
+    (``block_vjp``); ``remat`` wraps the whole unroll (``"block"``) or each
+    step (``"step"``) in ``jax.checkpoint``.
     """
     batch = x0.shape[0]
+    if remat == "step":
+        step = jax.checkpoint(step, prevent_cse=False)  # inside a scan: no CSE to prevent
     if adaptive_tol is None:
-        out = unroll(step, x0, steps=steps, trajectory=trajectory, xs=xs, scan_unroll=scan_unroll)
+        if block_vjp != "autodiff" and not trajectory:
+            op, drive, W, h, activation = tied
+            run = functools.partial(
+                unroll_tied, op, drive=drive, W=W, steps=steps, h=h, activation=activation,
+                residuals=BLOCK_VJP[block_vjp], scan_unroll=scan_unroll,
+            )
+        else:
+            run = functools.partial(
+                unroll, step, steps=steps, trajectory=trajectory, xs=xs, scan_unroll=scan_unroll
+            )
+        out = jax.checkpoint(run)(x0) if remat == "block" else run(x0)
         x, states = out if trajectory else (out, None)
         return x, jnp.full((batch,), steps, jnp.int32), states
     if train or trajectory:
-        out = unroll_adaptive_bounded(
-            step, x0, tol=adaptive_tol, max_steps=max_steps, trajectory=trajectory,
-            scan_unroll=scan_unroll,
+        run = functools.partial(
+            unroll_adaptive_bounded, step, tol=adaptive_tol, max_steps=max_steps,
+            trajectory=trajectory, scan_unroll=scan_unroll,
         )
+        out = jax.checkpoint(run)(x0) if remat == "block" else run(x0)
         return out if trajectory else (*out, None)
-    x, depth = unroll_adaptive(step, x0, tol=adaptive_tol, max_steps=max_steps)
+    if check_every == 1 and not compact:
+        x, depth = unroll_adaptive(step, x0, tol=adaptive_tol, max_steps=max_steps)
+        return x, depth, None
+    op, drive, W, h, activation = tied  # the drive is per pattern: compaction moves it along
+    act = ACTIVATIONS[activation]
+    x, depth = unroll_adaptive(
+        lambda x, d: x + h * act(op(x, W) + d), x0, inputs=jnp.broadcast_to(drive, x0.shape),
+        tol=adaptive_tol, max_steps=max_steps, check_every=check_every, compact=compact,
+    )
     return x, depth, None
 
 
@@ -276,6 +355,11 @@ class NaisDenseBlock(nn.Module):
     adaptive_tol: float | None = None
     max_steps: int = 100
     scan_unroll: int | bool = 1
+    remat: str = "none"
+    block_vjp: str = "autodiff"
+    dtype: str | None = None
+    check_every: int = 1
+    compact: bool = False
 
     def __post_init__(self):
         _check_dense_attrs(self)
@@ -291,7 +375,9 @@ class NaisDenseBlock(nn.Module):
         per_step = (K,) if self.untied else ()
         R = self.param("R", _fc_init(self.eps), per_step + (self.rank or n, n), PARAM_DTYPE)
         A = fc_state_matrix(R, self.eps)
-        drive = nn.Dense(n * K if self.untied else n, name="input")(u)
+        dtype = _compute_dtype(self.dtype)
+        drive = nn.Dense(n * K if self.untied else n, dtype=dtype, name="input")(u)
+        A = A if dtype is None else A.astype(dtype)
         x0 = initial_state_x0(
             u, (u.shape[0], n), jnp.result_type(drive, A), self.initial_state, "NaisDenseBlock"
         )
@@ -304,7 +390,9 @@ class NaisDenseBlock(nn.Module):
         x, depth, states = _unroll_block(
             step, x0, steps=K, xs=xs, adaptive_tol=self.adaptive_tol,
             max_steps=self.max_steps, train=train, trajectory=return_aux,
-            scan_unroll=self.scan_unroll,
+            scan_unroll=self.scan_unroll, remat=self.remat, block_vjp=self.block_vjp,
+            tied=(dense_op, drive, A, self.h, self.activation),
+            check_every=self.check_every, compact=self.compact,
         )
         return _block_output(x, depth, states, return_aux)
 
@@ -342,6 +430,11 @@ class NaisConvBlock(nn.Module):
     adaptive_tol: float | None = None
     max_steps: int = 100
     scan_unroll: int | bool = 1
+    remat: str = "none"
+    block_vjp: str = "autodiff"
+    dtype: str | None = None
+    check_every: int = 1
+    compact: bool = False
 
     def __post_init__(self):
         _check_positive_int("features", self.features)
@@ -381,12 +474,13 @@ class NaisConvBlock(nn.Module):
             strides=(self.strides, self.strides),
             padding="SAME",
             use_bias=not self.normalize_drive,
+            dtype=_compute_dtype(self.dtype),
             name="input",
         )(u)
         if self.normalize_drive:
-            drive = _batch_norm(train, "drive_norm")(drive)
+            drive = _batch_norm(train, "drive_norm", self.dtype)(drive)
         batch, height, width = drive.shape[:3]
-        dtype = jnp.result_type(drive, kernel)  # lax.conv needs equal dtypes
+        dtype = _compute_dtype(self.dtype) or jnp.result_type(drive, kernel)  # conv: equal dtypes
         drive, kernel = drive.astype(dtype), kernel.astype(dtype)
         x0 = initial_state_x0(
             u, (batch, height, width, C), dtype, self.initial_state, "NaisConvBlock"
@@ -400,7 +494,9 @@ class NaisConvBlock(nn.Module):
         x, depth, states = _unroll_block(
             step, x0, steps=K, xs=xs, adaptive_tol=self.adaptive_tol,
             max_steps=self.max_steps, train=train, trajectory=return_aux,
-            scan_unroll=self.scan_unroll,
+            scan_unroll=self.scan_unroll, remat=self.remat, block_vjp=self.block_vjp,
+            tied=(conv_op, drive, kernel, self.h, self.activation),
+            check_every=self.check_every, compact=self.compact,
         )
         return _block_output(x, depth, states, return_aux)
 
@@ -427,6 +523,11 @@ class NaisNetFC(nn.Module):
     adaptive_tol: float | None = None
     max_steps: int = 100
     scan_unroll: int | bool = 1
+    remat: str = "none"
+    block_vjp: str = "autodiff"
+    dtype: str | None = None
+    check_every: int = 1
+    compact: bool = False
 
     def __post_init__(self):
         _check_positive_int("num_classes", self.num_classes)
@@ -492,6 +593,11 @@ class NaisNetConv(nn.Module):
     adaptive_tol: float | None = None
     max_steps: int = 100
     scan_unroll: int | bool = 1
+    remat: str = "none"
+    block_vjp: str = "autodiff"
+    dtype: str | None = None
+    check_every: int = 1
+    compact: bool = False
 
     def __post_init__(self):
         _check_positive_int("num_classes", self.num_classes)
@@ -508,8 +614,10 @@ class NaisNetConv(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
-        x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, name="stem")(x)
-        x = ACTIVATIONS[self.activation](_batch_norm(train, "stem_bn")(x))
+        dtype = _compute_dtype(self.dtype)
+        x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype,
+                    name="stem")(x)
+        x = ACTIVATIONS[self.activation](_batch_norm(train, "stem_bn", self.dtype)(x))
         states, depths = [], []
         for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):
             for j in range(size):
@@ -529,6 +637,7 @@ class NaisNetConv(nn.Module):
                     depths.append(aux["depth"])
                 else:
                     x = block(x, train=train)
+        x = x if dtype is None else x.astype(jnp.float32)  # pool and classify in float32
         logits = nn.Dense(self.num_classes, name="classifier")(jnp.mean(x, axis=(1, 2)))
         if not return_aux:
             return logits
@@ -634,15 +743,17 @@ class ResNetConvBlock(nn.Module):
     features: int
     strides: int = 1
     kernel_size: int = 3
+    dtype: str | None = None
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False) -> Array:
-        s, k = self.strides, self.kernel_size
+        s, k, dtype = self.strides, self.kernel_size, _compute_dtype(self.dtype)
         y = nn.Conv(self.features, (k, k), strides=(s, s), padding="SAME", use_bias=False,
-                    name="conv")(x)
-        y = nn.relu(_batch_norm(train, "bn")(y))
+                    dtype=dtype, name="conv")(x)
+        y = nn.relu(_batch_norm(train, "bn", self.dtype)(y))
         if s != 1 or x.shape[-1] != self.features:
-            x = nn.Conv(self.features, (1, 1), strides=(s, s), use_bias=False, name="shortcut")(x)
+            x = nn.Conv(self.features, (1, 1), strides=(s, s), use_bias=False, dtype=dtype,
+                        name="shortcut")(x)
         return x + y
 
 
@@ -659,25 +770,31 @@ class ResNetConv(nn.Module):
     stage_sizes: Sequence[int] = (18, 18, 18)
     filters: Sequence[int] = (16, 32, 64)
     kernel_size: int = 3
+    dtype: str | None = None  # compute dtype; parameters stay float32
 
     def __post_init__(self):
         _check_positive_int("num_classes", self.num_classes)
         _check_stages(self.stage_sizes, self.filters)
         _check_kernel_size(self.kernel_size)
+        _check_dtype(self.dtype)
         super().__post_init__()
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
-        x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, name="stem")(x)
-        x = nn.relu(_batch_norm(train, "stem_bn")(x))
+        dtype = _compute_dtype(self.dtype)
+        x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype,
+                    name="stem")(x)
+        x = nn.relu(_batch_norm(train, "stem_bn", self.dtype)(x))
         states = []
         for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):
             for j in range(size):
                 strides = 2 if i > 0 and j == 0 else 1
                 x = ResNetConvBlock(
-                    width, strides=strides, kernel_size=self.kernel_size, name=f"stage{i}_block{j}"
+                    width, strides=strides, kernel_size=self.kernel_size, dtype=self.dtype,
+                    name=f"stage{i}_block{j}",
                 )(x, train=train)
                 states.append(x[None])
+        x = x if dtype is None else x.astype(jnp.float32)  # pool and classify in float32
         logits = nn.Dense(self.num_classes, name="classifier")(jnp.mean(x, axis=(1, 2)))
         if not return_aux:
             return logits

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
@@ -94,6 +95,8 @@ def validate_config(config) -> None:
             _positive_int(config, field)
     if config.adaptive_tol is not None:
         _number(config, "adaptive_tol", 0, math.inf, lo_open=True, hi_open=True)
+    if config.get("num_devices") is not None:
+        _positive_int(config, "num_devices")
 
 
 def model_kwargs(config) -> dict:
@@ -121,6 +124,60 @@ def model_kwargs(config) -> dict:
 
 def build_model(config, num_classes: int):
     return models.get_model(config.model, num_classes=num_classes, **model_kwargs(config))
+
+
+# --------------------------------------------------------------------------- devices
+#
+# Data parallelism: a 1-D ``Mesh`` over the devices (axis ``"data"``); parameters,
+# optimiser state and the device-resident dataset are replicated, and every batch is
+# sharded along its leading axis inside the jitted step, so each device gathers,
+# augments and differentiates its own rows; XLA all-reduces the gradients and
+# BatchNorm's batch statistics (the numbers are those of one device, up to the order
+# of the sums). One device is the same code with a mesh of one. The dataset is
+# replicated, not sharded: the sets that fit on one device (MNIST, CIFAR: at most
+# 150 MB as uint8) then need no communication to shuffle over the whole set each
+# epoch, and a sharded set would have to exchange rows for every batch.
+# Several hosts: call ``jax.distributed.initialize()`` first on every host and run
+# the same program; ``jax.devices()`` then lists every host's devices and each host
+# puts its (identical) copy of the data on its own devices.
+
+DATA_AXIS = "data"
+
+
+def make_mesh(num_devices: int | None = None) -> Mesh:
+    """A 1-D mesh (axis ``"data"``) over the first ``num_devices`` devices (all if None)."""
+    devices = jax.devices()
+    if num_devices is not None:
+        if not 1 <= num_devices <= len(devices):
+            raise ValueError(f"num_devices={num_devices} is outside [1, {len(devices)}] (the devices present).")
+        devices = devices[:num_devices]
+    return Mesh(np.asarray(devices), (DATA_AXIS,))
+
+
+def replicate(tree, mesh: Mesh):
+    """Every array of ``tree`` on every device of ``mesh``."""
+    sharding = NamedSharding(mesh, PartitionSpec())
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    return jax.tree.map(  # several hosts: each holds the same values
+        lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a)), tree)
+
+
+def shard_batch(tree, mesh: Mesh | None):
+    """Inside ``jit``: split every array of ``tree`` along its leading (batch) axis over ``mesh``."""
+    if mesh is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, PartitionSpec(DATA_AXIS)))
+
+
+def check_batch_divides(config, mesh: Mesh) -> None:
+    n = mesh.devices.size
+    for field in ("batch_size", "eval_batch_size"):
+        if config[field] % n:
+            raise ValueError(
+                f"config.{field}={config[field]} is not a multiple of the {n} devices the batch is "
+                f"split over; change it or set config.num_devices."
+            )
 
 
 # --------------------------------------------------------------------------- steps
@@ -196,24 +253,32 @@ def eval_step(state: TrainState, batch, mask) -> dict:
     return out
 
 
-def make_train_chunk(mean, std, augment: bool) -> Callable:
-    """``(state, data, idx_rows, key) -> (state, metrics)``: a scan of train steps."""
+def make_train_chunk(mean, std, augment: bool, mesh: Mesh | None = None) -> Callable:
+    """``(state, data, idx_rows, key) -> (state, metrics)``: a scan of train steps.
+
+    With ``mesh``, each batch is split over its devices (``shard_batch``) and the
+    state comes back replicated (pass it in replicated: ``replicate``).
+    """
 
     def train_chunk(state, data, idx_rows, key):
         def body(state, inputs):
             idx, k = inputs
             batch = data_lib.get_batch(data, idx, mean=mean, std=std, key=k, augment=augment)
-            return train_step(state, batch)
+            return train_step(state, shard_batch(batch, mesh))
 
         keys = jax.random.split(key, idx_rows.shape[0])
         state, metrics = jax.lax.scan(body, state, (idx_rows, keys))
         return state, jax.tree.map(jnp.mean, metrics)
 
-    return jax.jit(train_chunk, donate_argnums=(0,))
+    if mesh is None:
+        return jax.jit(train_chunk, donate_argnums=(0,))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(train_chunk, donate_argnums=(0,), out_shardings=(replicated, replicated))
 
 
-def make_evaluate(mean, std, batch_size: int) -> Callable:
-    """``(state, data) -> metrics`` over every example of ``data`` exactly once."""
+def make_evaluate(mean, std, batch_size: int, mesh: Mesh | None = None) -> Callable:
+    """``(state, data) -> metrics`` over every example of ``data`` exactly once
+    (with ``mesh``: each batch split over its devices)."""
 
     @jax.jit
     def evaluate(state, data):
@@ -221,7 +286,8 @@ def make_evaluate(mean, std, batch_size: int) -> Callable:
 
         def body(_, inputs):
             i, m = inputs
-            return None, eval_step(state, data_lib.get_batch(data, i, mean=mean, std=std), m)
+            batch, m = shard_batch((data_lib.get_batch(data, i, mean=mean, std=std), m), mesh)
+            return None, eval_step(state, batch, m)
 
         _, sums = jax.lax.scan(body, None, (idx, mask))
         count = jnp.sum(sums["count"])
@@ -366,9 +432,11 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
     if count_projected_blocks(state.params) == 0 and config.model.startswith("naisnet"):
         raise ValueError(f"{config.model} has no NAIS block parameters to project; check models.py.")
 
+    mesh = make_mesh(config.get("num_devices"))
+    check_batch_divides(config, mesh)
     mean, std = data_lib.channel_stats(ds.train_images)
-    train_data = data_lib.put_on_device(ds.train_images, ds.train_labels)
-    test_data = data_lib.put_on_device(ds.test_images, ds.test_labels)
+    train_data = replicate(data_lib.put_on_device(ds.train_images, ds.train_labels), mesh)
+    test_data = replicate(data_lib.put_on_device(ds.test_images, ds.test_labels), mesh)
     augment = bool(config.augment)
 
     mngr = ckpt.manager(os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=config.keep_checkpoints)
@@ -385,8 +453,9 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
     elif os.path.exists(metrics_path):
         os.remove(metrics_path)
 
-    train_chunk = make_train_chunk(mean, std, augment)
-    evaluate = make_evaluate(mean, std, config.eval_batch_size)
+    state = replicate(state, mesh)
+    train_chunk = make_train_chunk(mean, std, augment, mesh)
+    evaluate = make_evaluate(mean, std, config.eval_batch_size, mesh)
     base_key = jax.random.PRNGKey(config.seed + 1)
     schedule = learning_rate_schedule(config, steps_per_epoch)
     metadata = checkpoint_metadata(config, ds, mean, std)
@@ -402,8 +471,8 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
         idx = data_lib.epoch_batches(perm_key, n_train, config.batch_size)
         sums, seen = {"loss": 0.0, "accuracy": 0.0}, 0
         for c, start in enumerate(range(0, steps_per_epoch, config.steps_per_chunk)):
-            rows = idx[start:start + config.steps_per_chunk]
-            state, m = train_chunk(state, train_data, rows, jax.random.fold_in(aug_key, c))
+            rows = replicate(idx[start:start + config.steps_per_chunk], mesh)
+            state, m = train_chunk(state, train_data, rows, replicate(jax.random.fold_in(aug_key, c), mesh))
             m = jax.device_get(m)
             if not all(np.isfinite(v) for v in m.values()):
                 progress.close()

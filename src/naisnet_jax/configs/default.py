@@ -41,4 +41,6 @@ def get_config():
     config.keep_checkpoints = 3
     config.steps_per_chunk = 50  # train steps per jitted scan (progress bar granularity)
     config.progress = True
+    # devices: batches are split over this many (None: all); see train.make_mesh
+    config.num_devices = ml_collections.FieldReference(None, field_type=int)
     return config
