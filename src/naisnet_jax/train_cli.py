@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import importlib.machinery
 import importlib.util
 import inspect
 import os
@@ -59,9 +60,9 @@ def load_config(spec: str):
     path, arg = resolve_config_path(spec)
     module_name = f"naisnet_config_{abs(hash(str(path.resolve())))}"
     try:
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        loader = importlib.machinery.SourceFileLoader(module_name, str(path))  # any file name
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(module_name, loader))
+        loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - whatever the file does wrong, say so in one line
         raise UsageError(f"--config={path}: the file cannot be loaded ({type(e).__name__}: {e}).") from e
     get_config = getattr(module, "get_config", None)
