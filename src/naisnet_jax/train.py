@@ -96,6 +96,13 @@ def validate_config(config) -> None:
             _positive_int(config, field)
     if config.adaptive_tol is not None:
         _number(config, "adaptive_tol", 0, math.inf, lo_open=True, hi_open=True)
+    _positive_int(config, "max_steps")
+    seed = config.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"config.seed={seed!r} must be an integer in [0, 2**32).")
+    for field in ("relaxed", "augment", "progress"):
+        if not isinstance(config[field], bool):
+            raise ValueError(f"config.{field}={config[field]!r} must be true or false.")
 
 
 def model_kwargs(config) -> dict:
@@ -337,6 +344,10 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
         limit_train=config.get("limit_train"), limit_test=config.get("limit_test"),
     )
     n_train = ds.train_images.shape[0]
+    for split, n in (("training", n_train), ("test", ds.test_images.shape[0])):
+        if n == 0:
+            raise ValueError(f"config.dataset={config.dataset!r} has no {split} examples (data_dir="
+                             f"{config.get('data_dir')!r}); check the data files.")
     if config.batch_size > n_train:
         raise ValueError(f"config.batch_size={config.batch_size} exceeds the {n_train} training examples.")
     steps_per_epoch = n_train // config.batch_size
