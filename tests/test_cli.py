@@ -232,3 +232,11 @@ def test_the_progress_bar_draws_on_a_terminal(tmp_path):
     assert proc.returncode == 0, drawn[-2000:]
     assert b"\r" in drawn and (b"step/s" in drawn or b"s/step" in drawn), drawn[-2000:]
     assert stdout.startswith("epoch 1:")
+
+
+def test_print_config_shows_the_overridden_config_and_needs_no_workdir(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    train_cli.main(["--config=default", "--print_config", "--config.model_kwargs.features=4", "--config.h=0.5"])
+    out = capsys.readouterr().out
+    assert "features: 4" in out and "h: 0.5" in out
+    assert list(tmp_path.iterdir()) == []

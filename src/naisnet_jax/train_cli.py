@@ -180,11 +180,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a NAIS-Net (or a ResNet baseline) from a config; resumes from the workdir's "
         "latest checkpoint.",
         epilog=epilog,
+        allow_abbrev=False,
     )
     p.add_argument("--config", required=True, metavar="FILE_OR_NAME[:ARG]",
                    help="a get_config() file (from any directory), or a shipped config name such as 'default'")
-    p.add_argument("--workdir", required=True, metavar="DIR",
-                   help="checkpoints, metrics.jsonl and scalars; resumed if it holds checkpoints")
+    p.add_argument("--workdir", metavar="DIR",
+                   help="checkpoints, metrics.jsonl and scalars.jsonl; resumed if it holds checkpoints "
+                   "(required unless --print_config)")
     p.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files to DIR/tensorboard (needs the [tensorboard] extra)")
     p.add_argument("--print_config", action="store_true", help="print the final config and exit")
@@ -215,9 +217,13 @@ def parse(argv: Sequence[str]):
     """Command line -> ``(args, config)``; raises :class:`UsageError` for anything wrong."""
     rest, overrides = _split_overrides(list(argv))
     args = _parser().parse_args(rest)
+    if args.workdir is None and not args.print_config:
+        raise UsageError("the following arguments are required: --workdir (see naisnet-train --help)")
     config = load_config(args.config)
     for dotted, raw in overrides:
         apply_override(config, dotted, raw)
+    if args.workdir is None:
+        return args, config
     workdir = pathlib.Path(args.workdir).expanduser()
     if workdir.exists() and not workdir.is_dir():
         raise UsageError(f"--workdir={args.workdir} exists and is not a directory.")
