@@ -412,7 +412,7 @@ def test_divergence_in_the_last_step_of_an_epoch_is_not_checkpointed(tmp_path):
     # One step per epoch: the step's loss (computed before its update) is finite, but the update
     # (learning rate 1e38) leaves parameters whose logits are NaN. The epoch's test loss is NaN,
     # so this epoch must not be saved as a good checkpoint nor logged as a finite record.
-    config = get_config(learning_rate=1e38, batch_size=256, num_epochs=1, h=1.0)  # h = 1: logits overflow
+    config = get_config(learning_rate=1e38, batch_size=256, num_epochs=1)
     with pytest.raises(train.TrainingDiverged):
         train.train_and_evaluate(config, str(tmp_path))
     directory = tmp_path / train.CHECKPOINT_DIR
