@@ -12,4 +12,7 @@ def get_config():
     config.dataset = "mnist"
     config.model = "resnet_sh"
     config.num_epochs = 150
+    config.h = 1.0  # the paper's protocol: h = 1, learning rate 0.1, no decay
+    config.learning_rate = 0.1
+    config.lr_boundaries_epochs = []
     return config

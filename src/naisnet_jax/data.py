@@ -462,7 +462,12 @@ def load_digits_dataset() -> Dataset:
     Pixel values 0..16 are scaled to 0..255 and rounded. The split is fixed and needs no seed:
     every fifth example (index % 5 == 4) is a test example, 359 in all; the other 1438 train.
     """
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ImportError(
+            "the digits dataset comes with scikit-learn: pip install 'naisnet-jax[digits]'"
+        ) from None
 
     digits = load_digits()
     images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)[..., None]

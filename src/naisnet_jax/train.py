@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
+from naisnet_jax import metric_writers
 from naisnet_jax import models
 from naisnet_jax.projection import check_eta, count_projected_blocks, project_params, stability_projection
 from naisnet_jax.parametrize import check_eps
@@ -97,6 +99,13 @@ def validate_config(config) -> None:
         _number(config, "adaptive_tol", 0, math.inf, lo_open=True, hi_open=True)
     if config.get("num_devices") is not None:
         _positive_int(config, "num_devices")
+    _positive_int(config, "max_steps")
+    seed = config.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"config.seed={seed!r} must be an integer in [0, 2**32).")
+    for field in ("relaxed", "augment", "progress"):
+        if not isinstance(config[field], bool):
+            raise ValueError(f"config.{field}={config[field]!r} must be true or false.")
 
 
 def model_kwargs(config) -> dict:
@@ -390,10 +399,7 @@ def _check_same_model(meta: dict, config, directory) -> None:
 
 
 def _read_metrics(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return metric_writers.read_jsonl(path)
 
 
 def _finite_or_none(value: float):
@@ -401,29 +407,39 @@ def _finite_or_none(value: float):
     return value if math.isfinite(value) else None
 
 
-def _write_metrics(path, records):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in records:
-            f.write(json.dumps(r, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+def _rewind(writer, step: int) -> None:
+    """Drop what a writer holds after ``step`` (steps a resumed run repeats), if it can."""
+    if callable(getattr(writer, "truncate_after", None)):
+        writer.truncate_after(step)
 
 
-def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = None) -> dict:
+def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: int | None = None) -> dict:
     """Train ``config`` in ``workdir``, resuming from its latest checkpoint.
 
-    Writes ``workdir/metrics.jsonl`` (one JSON record per epoch) and Orbax
-    checkpoints under ``workdir/checkpoints``. ``stop_after_epochs`` ends this
-    call early (as an interruption would), for tests. Returns the final
-    record plus ``"state"`` (the final ``TrainState``).
+    Appends one JSON record per epoch to ``workdir/metrics.jsonl`` and writes
+    Orbax checkpoints under ``workdir/checkpoints``. Scalars (train loss per
+    chunk, learning rate, steps per second, and every epoch's record) go to
+    ``writer``, any object with ``write_scalars(step, scalars)`` (see
+    :mod:`naisnet_jax.metric_writers`); by default ``workdir/scalars.jsonl``.
+    A writer with ``truncate_after(step)`` (``JsonlWriter``) is rewound to the
+    checkpoint's step on resume (emptied on a fresh start), so a resumed run's
+    log equals an uninterrupted run's.
+    Nothing is written before the config, data and model are known to be good.
+    ``stop_after_epochs`` ends this call early (as an interruption would), for
+    tests. Returns the final record plus ``"state"`` (the final ``TrainState``).
     """
     validate_config(config)
-    os.makedirs(workdir, exist_ok=True)
+    if writer is not None:
+        metric_writers.check_writer(writer)
     ds = data_lib.load_dataset(
         config.dataset, data_dir=config.get("data_dir"),
         limit_train=config.get("limit_train"), limit_test=config.get("limit_test"),
     )
     n_train = ds.train_images.shape[0]
+    for split, n in (("training", n_train), ("test", ds.test_images.shape[0])):
+        if n == 0:
+            raise ValueError(f"config.dataset={config.dataset!r} has no {split} examples (data_dir="
+                             f"{config.get('data_dir')!r}); check the data files.")
     if config.batch_size > n_train:
         raise ValueError(f"config.batch_size={config.batch_size} exceeds the {n_train} training examples.")
     steps_per_epoch = n_train // config.batch_size
@@ -439,19 +455,23 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
     test_data = replicate(data_lib.put_on_device(ds.test_images, ds.test_labels), mesh)
     augment = bool(config.augment)
 
+    os.makedirs(workdir, exist_ok=True)  # only now: a refused run writes nothing
+    own_writer = writer is None
+    if own_writer:
+        writer = metric_writers.default_writer(workdir)
     mngr = ckpt.manager(os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=config.keep_checkpoints)
     metrics_path = os.path.join(workdir, METRICS_FILE)
+    metrics_log = metric_writers.JsonlWriter(metrics_path, fsync=True)
     start_epoch = 1
     if mngr.latest_step() is not None:
         _check_same_model(ckpt.read_metadata(mngr), config, mngr.directory)
         tree, meta = ckpt.restore(mngr, target=_checkpoint_tree(state))
         state = _restore_into(state, tree)
         start_epoch = int(meta["epoch"]) + 1
-        # drop records of epochs after the checkpoint (written before a crash)
-        _write_metrics(metrics_path, [r for r in _read_metrics(metrics_path) if r["epoch"] < start_epoch])
         print(f"Resuming from {mngr.directory} at epoch {start_epoch} (step {int(state.step)}).")
-    elif os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    # drop records of steps after the checkpoint (written before a crash), or all of them
+    metrics_log.truncate_after(int(state.step) if start_epoch > 1 else -1)
+    _rewind(writer, int(state.step) if start_epoch > 1 else -1)
 
     state = replicate(state, mesh)
     train_chunk = make_train_chunk(mean, std, augment, mesh)
@@ -463,7 +483,8 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
     done = _read_metrics(metrics_path) if start_epoch > 1 else []
     last = done[-1] if done else {}
     end_epoch = config.num_epochs if stop_after_epochs is None else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
-    progress = _progress(total=(end_epoch - start_epoch + 1) * steps_per_epoch, enabled=config.progress)
+    progress = _progress(total=(end_epoch - start_epoch + 1) * steps_per_epoch,
+                         enabled=config.progress and sys.stderr.isatty())  # redirected: a line per epoch
     for epoch in range(start_epoch, end_epoch + 1):
         t0 = time.time()
         epoch_key = jax.random.fold_in(base_key, epoch)
@@ -472,8 +493,10 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
         sums, seen = {"loss": 0.0, "accuracy": 0.0}, 0
         for c, start in enumerate(range(0, steps_per_epoch, config.steps_per_chunk)):
             rows = replicate(idx[start:start + config.steps_per_chunk], mesh)
+            t_chunk = time.perf_counter()
             state, m = train_chunk(state, train_data, rows, replicate(jax.random.fold_in(aug_key, c), mesh))
             m = jax.device_get(m)
+            t_chunk = time.perf_counter() - t_chunk
             if not all(np.isfinite(v) for v in m.values()):
                 progress.close()
                 _diverged(mngr, f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)})")
@@ -482,6 +505,12 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
             seen += rows.shape[0]
             progress.update(rows.shape[0])
             progress.set_postfix(epoch=epoch, loss=f"{float(m['loss']):.4f}")
+            step = int(state.step)
+            writer.write_scalars(step, {
+                "train/loss": float(m["loss"]), "train/accuracy": float(m["accuracy"]),
+                "train/learning_rate": float(schedule(step - 1)),
+                "train/steps_per_second": rows.shape[0] / max(t_chunk, 1e-9),
+            })
         test = jax.device_get(evaluate(state, test_data))
         record = {
             "epoch": epoch,
@@ -505,7 +534,9 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
             _diverged(mngr, f"after epoch {epoch} (step {int(state.step)}) {what}")
         # The record first: a crash between the two leaves a record that resume drops,
         # never a checkpoint whose epoch has no record.
-        _write_metrics(metrics_path, _read_metrics(metrics_path) + [record])
+        metrics_log.write_record(record)
+        writer.write_scalars(record["step"], {f"epoch/{k}": v for k, v in record.items()
+                                              if k != "step" and v is not None})
         if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
             ckpt.save(mngr, int(state.step), _checkpoint_tree(state), dict(metadata, epoch=epoch))
         progress.write(
@@ -517,6 +548,11 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
         last = record
     progress.close()
     mngr.close()
+    metrics_log.close()
+    if own_writer:
+        writer.close()
+    elif callable(getattr(writer, "flush", None)):
+        writer.flush()
     return dict(last, state=state, mean=mean, std=std, test_data=test_data)
 
 
