@@ -31,6 +31,7 @@ def get_config():
     config = default.get_config()
     config.dataset = "mnist_pinned"
     config.model = "naisnet_cifar10"
+    config.h = 1.0  # the paper's conv blocks: a full step (the FC default config uses 0.1)
     config.learning_rate = 0.1
     config.momentum = 0.9
     config.weight_decay = 2e-4
