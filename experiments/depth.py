@@ -364,7 +364,7 @@ def analyse_run(state, images, labels, mean, std, *, config, dataset, workdir, d
 def _what_this_shows(rows: list[dict]) -> str:
     parts = []
     for r in rows:
-        caps = ", ".join(f"{100 * f:.0f}%" for f in r["fraction_at_cap"])
+        caps = " / ".join(f"{100 * f:.0f}%" for f in r["fraction_at_cap"])
         deepest = max(r["per_class"], key=lambda c: c["depth_mean"] or 0)
         shallowest = min(r["per_class"], key=lambda c: c["depth_mean"] or 1e9)
         names = r["class_names"]
@@ -384,6 +384,11 @@ def _what_this_shows(rows: list[dict]) -> str:
             + ", ".join(f"{d:.1f}" for d in r.get("epoch_depth_mean", []) if d is not None)
             + "."
         )
+        if max(r["fraction_at_cap"]) > 0.5:
+            parts.append(
+                f"Most {r['dataset']} patterns stopped at the cap, not at the threshold, so these "
+                "depths are truncated: rerun with a larger --max_steps (in a new workdir)."
+            )
     return " ".join(parts)
 
 
