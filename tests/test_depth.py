@@ -130,6 +130,7 @@ def test_core_on_tiny_data(tmp_path):
     assert any((tmp_path / "digits" / "checkpoints").iterdir())
     records = (tmp_path / "digits" / "metrics.jsonl").read_text().splitlines()
     assert len(records) == 1 and json.loads(records[0])["epoch"] == 1
+    assert len(row["epoch_depth_mean"]) == 1 and 2 <= row["epoch_depth_mean"][0] <= 8
     table = depth.write_results([row], str(tmp_path), device="cpu: test", seconds=1.0)
     assert "| digits | 1 |" in table
     md = (tmp_path / "results.md").read_text()
