@@ -2,7 +2,7 @@
 
     python -m experiments.ablation --dataset=mnist_pinned --workdir=runs/ablation_mnist
     python -m experiments.ablation --dataset=fashion_mnist_idx --workdir=runs/ablation_fmnist
-    python -m experiments.ablation --time-steps=200 ...   # steps/s of each model on this device
+    python -m experiments.ablation --time_steps=200 ...   # steps/s of each model on this device
     python -m experiments.ablation --smoke --workdir=/tmp/ablation_smoke   # seconds, on a CPU
 
 Every model is one sweep (``naisnet_jax.sweep``): ``--seeds`` seeds trained side by side with
@@ -384,15 +384,19 @@ def run(*, workdir: str, dataset: str, seeds: int, epochs: int | None, models=No
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", "runs/ablation", "Where every sweep and the results go.")
-flags.DEFINE_string("dataset", "mnist_pinned", "mnist_pinned or fashion_mnist_idx (any naisnet_jax dataset).")
-flags.DEFINE_integer("seeds", 10, "Seeds per model, trained side by side.")
-flags.DEFINE_integer("epochs", None, "Override the number of epochs (default: the config's 150).")
-flags.DEFINE_list("models", None, "Subset of models (default: naisnet_mnist and the nine ResNet variants).")
-flags.DEFINE_float("h", None, "Override the step size h of every model (default: the config's).")
-flags.DEFINE_bool("smoke", False, "Tiny sizes (digits, 8 units, 3 layers, 2 epochs): seconds on a CPU.")
-flags.DEFINE_integer("time_steps", 0, "Only measure steps/s of each model's sweep over this many steps.")
-flags.DEFINE_string("audit_data", "none", "The verifier's inputs: none (parameters only), random, or a dataset.")
+
+
+def _define_flags() -> None:
+    """Flags are defined only when the script runs, so tests can import both experiments."""
+    flags.DEFINE_string("workdir", "runs/ablation", "Where every sweep and the results go.")
+    flags.DEFINE_string("dataset", "mnist_pinned", "mnist_pinned or fashion_mnist_idx (any naisnet_jax dataset).")
+    flags.DEFINE_integer("seeds", 10, "Seeds per model, trained side by side.")
+    flags.DEFINE_integer("epochs", None, "Override the number of epochs (default: the config's 150).")
+    flags.DEFINE_list("models", None, "Subset of models (default: naisnet_mnist and the nine ResNet variants).")
+    flags.DEFINE_float("h", None, "Override the step size h of every model (default: the config's).")
+    flags.DEFINE_bool("smoke", False, "Tiny sizes (digits, 8 units, 3 layers, 2 epochs): seconds on a CPU.")
+    flags.DEFINE_integer("time_steps", 0, "Only measure steps/s of each model's sweep over this many steps.")
+    flags.DEFINE_string("audit_data", "none", "The verifier's inputs: none (parameters only), random, or a dataset.")
 
 
 def _main(argv):
@@ -407,4 +411,5 @@ def _main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(_main)

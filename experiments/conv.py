@@ -1,7 +1,7 @@
 """Section 5.2's comparison on MNIST and Fashion-MNIST: NAIS-Net1, NAIS-Net10 and the ResNet.
 
     python -m experiments.conv --workdir=runs/conv
-    python -m experiments.conv --time-steps=50 --workdir=runs/conv   # steps/s and projected time
+    python -m experiments.conv --time_steps=50 --workdir=runs/conv   # steps/s and projected time
     python -m experiments.conv --smoke --workdir=/tmp/conv_smoke      # seconds, on a CPU
 
 3 stages x 18 blocks of 16/32/64 filters: NAIS-Net1 (each block unrolled once) from the paper's
@@ -248,14 +248,18 @@ def run(*, workdir: str, datasets, seeds: int = 3, epochs: int | None = None, va
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", "runs/conv", "Where every sweep and the results go.")
-flags.DEFINE_list("datasets", ["mnist_pinned", "fashion_mnist_idx"], "Datasets, each a full comparison.")
-flags.DEFINE_integer("seeds", 3, "Seeds per model, trained side by side.")
-flags.DEFINE_integer("epochs", None, "Override the number of epochs (the schedule's drops scale with it).")
-flags.DEFINE_list("variants", None, f"Subset of {list(VARIANTS)}.")
-flags.DEFINE_bool("smoke", False, "Tiny models on digits, 2 epochs: seconds on a CPU.")
-flags.DEFINE_integer("time_steps", 0, "Only measure steps/s of each model's sweep over this many steps.")
-flags.DEFINE_bool("full_audit", False, "Also compute Arnoldi spectral radii of every conv block (slow).")
+
+
+def _define_flags() -> None:
+    """Flags are defined only when the script runs, so tests can import both experiments."""
+    flags.DEFINE_string("workdir", "runs/conv", "Where every sweep and the results go.")
+    flags.DEFINE_list("datasets", ["mnist_pinned", "fashion_mnist_idx"], "Datasets, each a full comparison.")
+    flags.DEFINE_integer("seeds", 3, "Seeds per model, trained side by side.")
+    flags.DEFINE_integer("epochs", None, "Override the number of epochs (the schedule's drops scale with it).")
+    flags.DEFINE_list("variants", None, f"Subset of {list(VARIANTS)}.")
+    flags.DEFINE_bool("smoke", False, "Tiny models on digits, 2 epochs: seconds on a CPU.")
+    flags.DEFINE_integer("time_steps", 0, "Only measure steps/s of each model's sweep over this many steps.")
+    flags.DEFINE_bool("full_audit", False, "Also compute Arnoldi spectral radii of every conv block (slow).")
 
 
 def _main(argv):
@@ -269,4 +273,5 @@ def _main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(_main)

@@ -296,7 +296,7 @@ def _setup(config, seeds: tuple[int, ...]) -> _Setup:
     if config.batch_size > n_train:
         raise ValueError(f"config.batch_size={config.batch_size} exceeds the {n_train} training examples.")
     steps_per_epoch = n_train // config.batch_size
-    mean, std = data_lib.channel_stats(ds.train_images)
+    mean, std = train.input_stats(config, ds.train_images)
     programs = _programs(config, ds, steps_per_epoch, mean, std)
     model = programs.model
     # Each seed initialised exactly as its single run (same eager ops), then stacked.

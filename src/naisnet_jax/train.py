@@ -89,11 +89,22 @@ def validate_config(config) -> None:
         raise ValueError(
             f"config.lr_boundaries_epochs={bounds!r} must be strictly increasing positive epoch numbers."
         )
+    if not isinstance(config.get("standardize", True), bool):
+        raise ValueError(f"config.standardize={config.standardize!r} must be True or False.")
     for field in ("limit_train", "limit_test"):
         if config.get(field) is not None:
             _positive_int(config, field)
     if config.adaptive_tol is not None:
         _number(config, "adaptive_tol", 0, math.inf, lo_open=True, hi_open=True)
+
+
+def input_stats(config, train_images) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel ``(mean, std)`` of the input normalisation ``(x / 255 - mean) / std``: the
+    training set's statistics, or ``(0, 1)`` (pixels in [0, 1]) with ``config.standardize=False``."""
+    if config.get("standardize", True):
+        return data_lib.channel_stats(train_images)
+    channels = train_images.shape[-1]
+    return np.zeros(channels), np.ones(channels)
 
 
 def model_kwargs(config) -> dict:
@@ -366,7 +377,7 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
     if count_projected_blocks(state.params) == 0 and config.model.startswith("naisnet"):
         raise ValueError(f"{config.model} has no NAIS block parameters to project; check models.py.")
 
-    mean, std = data_lib.channel_stats(ds.train_images)
+    mean, std = input_stats(config, ds.train_images)
     train_data = data_lib.put_on_device(ds.train_images, ds.train_labels)
     test_data = data_lib.put_on_device(ds.test_images, ds.test_labels)
     augment = bool(config.augment)

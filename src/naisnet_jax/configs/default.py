@@ -25,6 +25,7 @@ def get_config():
     config.limit_train = ml_collections.FieldReference(None, field_type=int)
     config.limit_test = ml_collections.FieldReference(None, field_type=int)
     config.augment = False
+    config.standardize = True  # inputs (x/255 - mean) / std with the training set's channel statistics; False: x/255
     # optimisation (the paper: SGD, momentum 0.9, learning rate 0.1)
     config.learning_rate = 0.1
     config.momentum = 0.9
