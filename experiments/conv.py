@@ -89,7 +89,8 @@ def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
     print(f"== {label} ({config.model} {dict(config.model_kwargs)}) on {config.dataset}: "
           f"{config.num_seeds} seeds x {config.num_epochs} epochs", flush=True)
     t0 = time.time()
-    result = sweep.train_sweep(config, run_dir, audit_options=audit_options, per_step_loss=False)
+    result = sweep.train_sweep(config, run_dir, audit_options=audit_options, audit_baselines=False,
+                               per_step_loss=False)
     row = {"variant": variant, "label": label, "model": config.model, "model_kwargs": dict(config.model_kwargs),
            "dataset": config.dataset, "seeds": list(result.seeds), "epochs": result.epoch}
     for field in ("test_accuracy", "train_accuracy", "generalisation_gap", "test_loss"):

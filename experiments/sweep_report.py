@@ -10,7 +10,7 @@ import numpy as np
 
 FINGERPRINT_KEYS = ("model", "model_kwargs", "dataset", "limit_train", "limit_test", "h", "eps", "eta",
                     "learning_rate", "momentum", "batch_size", "num_epochs", "seed", "num_seeds",
-                    "weight_decay", "lr_boundaries_epochs", "augment")
+                    "weight_decay", "lr_boundaries_epochs", "augment", "standardize")
 
 
 def fingerprint(config) -> dict:
