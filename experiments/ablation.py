@@ -26,7 +26,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from experiments.sweep_report import as_array, curve, pm, read_summary, stat_row, write_summary
+from experiments.sweep_report import as_array, curve, enable_compilation_cache, pm, read_summary, stat_row, write_summary
 
 # Paper label -> MODELS name; the switches are read off the label.
 LABELS = {
@@ -391,6 +391,8 @@ FLAGS = flags.FLAGS
 
 def _define_flags() -> None:
     """Flags are defined only when the script runs, so tests can import both experiments."""
+    flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cache (default: <workdir>/jax_cache; "
+                        "'none' turns it off): a rerun or resume does not compile again.")
     flags.DEFINE_string("workdir", "runs/ablation", "Where every sweep and the results go.")
     flags.DEFINE_string("dataset", "mnist_pinned", "mnist_pinned or fashion_mnist_idx (any naisnet_jax dataset).")
     flags.DEFINE_integer("seeds", 10, "Seeds per model, trained side by side.")
@@ -405,6 +407,7 @@ def _define_flags() -> None:
 def _main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    enable_compilation_cache(FLAGS.compilation_cache, FLAGS.workdir)
     try:
         run(workdir=FLAGS.workdir, dataset=FLAGS.dataset, seeds=FLAGS.seeds, epochs=FLAGS.epochs,
             models=FLAGS.models, h=FLAGS.h, smoke=FLAGS.smoke, time_steps=FLAGS.time_steps,

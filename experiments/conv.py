@@ -28,7 +28,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from experiments.sweep_report import as_array, curve, pm, read_summary, stat_row, write_summary
+from experiments.sweep_report import as_array, curve, enable_compilation_cache, pm, read_summary, stat_row, write_summary
 
 # variant -> (paper label, model, model_kwargs)
 VARIANTS = {
@@ -253,6 +253,8 @@ FLAGS = flags.FLAGS
 
 def _define_flags() -> None:
     """Flags are defined only when the script runs, so tests can import both experiments."""
+    flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cache (default: <workdir>/jax_cache; "
+                        "'none' turns it off): a rerun or resume does not compile again.")
     flags.DEFINE_string("workdir", "runs/conv", "Where every sweep and the results go.")
     flags.DEFINE_list("datasets", ["mnist_pinned", "fashion_mnist_idx"], "Datasets, each a full comparison.")
     flags.DEFINE_integer("seeds", 3, "Seeds per model, trained side by side.")
@@ -266,6 +268,7 @@ def _define_flags() -> None:
 def _main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    enable_compilation_cache(FLAGS.compilation_cache, FLAGS.workdir)
     try:
         run(workdir=FLAGS.workdir, datasets=FLAGS.datasets, seeds=FLAGS.seeds, epochs=FLAGS.epochs,
             variants=FLAGS.variants, smoke=FLAGS.smoke, time_steps=FLAGS.time_steps, full_audit=FLAGS.full_audit)

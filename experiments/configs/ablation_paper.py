@@ -35,6 +35,6 @@ def get_config():
     config.eval_batch_size = 2000
     config.num_epochs = 150
     config.num_seeds = 10
-    config.checkpoint_every_epochs = 25  # a sweep checkpoint costs an Orbax write; resume loses <= 25 epochs (~10 GPU s)
+    config.checkpoint_every_epochs = 10  # an Orbax write each (~0.3 s); a resume redoes at most 10 epochs (~4 GPU s)
     config.keep_checkpoints = 2
     return config
