@@ -98,15 +98,6 @@ def validate_config(config) -> None:
         _number(config, "adaptive_tol", 0, math.inf, lo_open=True, hi_open=True)
 
 
-def input_stats(config, train_images) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel ``(mean, std)`` of the input normalisation ``(x / 255 - mean) / std``: the
-    training set's statistics, or ``(0, 1)`` (pixels in [0, 1]) with ``config.standardize=False``."""
-    if config.get("standardize", True):
-        return data_lib.channel_stats(train_images)
-    channels = train_images.shape[-1]
-    return np.zeros(channels), np.ones(channels)
-
-
 def model_kwargs(config) -> dict:
     """Keyword arguments for ``models.get_model``: the config's model_kwargs plus
     eps, h and the adaptive settings, where the model takes them."""
@@ -287,6 +278,15 @@ def create_train_state(config, model, input_shape, steps_per_epoch: int) -> Trai
         tx=make_optimizer(config, steps_per_epoch),
         batch_stats=variables.get("batch_stats"),
     )
+
+
+def input_stats(config, train_images) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel ``(mean, std)`` of the input normalisation ``(x / 255 - mean) / std``: the
+    training set's statistics, or ``(0, 1)`` (pixels in [0, 1]) with ``config.standardize=False``."""
+    if config.get("standardize", True):
+        return data_lib.channel_stats(train_images)
+    channels = train_images.shape[-1]
+    return np.zeros(channels), np.ones(channels)
 
 
 def checkpoint_metadata(config, ds, mean, std) -> dict:
