@@ -50,7 +50,8 @@ def supports_initial_state(model: str) -> bool:
     return "initial_state" in {f.name for f in dataclasses.fields(models.MODELS[model].func)}
 
 
-def make_config(variant: str, *, dataset: str, seeds: int, epochs: int | None, smoke: bool):
+def make_config(variant: str, *, dataset: str, seeds: int, epochs: int | None, smoke: bool,
+                limit_train: int | None = None):
     import ml_collections
 
     from experiments.configs import conv_paper
@@ -62,6 +63,8 @@ def make_config(variant: str, *, dataset: str, seeds: int, epochs: int | None, s
     config.model_kwargs = ml_collections.ConfigDict(dict(kwargs))
     config.num_seeds = seeds
     config.progress = sys.stderr.isatty()
+    if limit_train is not None:  # the first limit_train training images (the test set stays whole)
+        config.limit_train = limit_train
     if smoke:
         tiny, tiny_kwargs = SMOKE_MODELS[model]
         config.model = tiny
@@ -171,7 +174,8 @@ def plot(rows, workdir) -> None:
 
 
 def run(*, workdir: str, datasets, seeds: int = 3, epochs: int | None = None, variants=None,
-        smoke: bool = False, time_steps: int = 0, full_audit: bool = False) -> list[dict]:
+        smoke: bool = False, time_steps: int = 0, full_audit: bool = False,
+        limit_train: int | None = None) -> list[dict]:
     from naisnet_jax import sweep
     from naisnet_jax.verify import AuditOptions
 
@@ -187,7 +191,8 @@ def run(*, workdir: str, datasets, seeds: int = 3, epochs: int | None = None, va
     os.makedirs(workdir, exist_ok=True)
     if smoke:
         datasets = ["digits"]
-    configs = [(v, make_config(v, dataset=d, seeds=seeds, epochs=epochs, smoke=smoke)) for d in datasets for v in variants]
+    configs = [(v, make_config(v, dataset=d, seeds=seeds, epochs=epochs, smoke=smoke, limit_train=limit_train))
+               for d in datasets for v in variants]
 
     if time_steps:
         rows = []
@@ -213,6 +218,7 @@ def run(*, workdir: str, datasets, seeds: int = 3, epochs: int | None = None, va
     config = configs[0][1]
     header = {
         "datasets": ", ".join(datasets) + (" (smoke: tiny models on digits)" if smoke else ""),
+        "training images": "all" if config.get("limit_train") is None else f"the first {config.limit_train}",
         "seeds": f"{config.num_seeds} per model (config.seed + 0..{config.num_seeds - 1})",
         "schedule": (f"{config.num_epochs} epochs, SGD momentum {config.momentum}, batch {config.batch_size}, "
                      f"learning rate {config.learning_rate} divided by 10 at epochs {list(config.lr_boundaries_epochs)} "
@@ -262,6 +268,7 @@ def _define_flags() -> None:
     flags.DEFINE_list("variants", None, f"Subset of {list(VARIANTS)}.")
     flags.DEFINE_bool("smoke", False, "Tiny models on digits, 2 epochs: seconds on a CPU.")
     flags.DEFINE_integer("time_steps", 0, "Only measure steps/s of each model's sweep over this many steps.")
+    flags.DEFINE_integer("limit_train", None, "Train on the first N training images only (the test set stays whole).")
     flags.DEFINE_bool("full_audit", False, "Also compute Arnoldi spectral radii of every conv block (slow).")
 
 
@@ -271,7 +278,8 @@ def _main(argv):
     enable_compilation_cache(FLAGS.compilation_cache, FLAGS.workdir)
     try:
         run(workdir=FLAGS.workdir, datasets=FLAGS.datasets, seeds=FLAGS.seeds, epochs=FLAGS.epochs,
-            variants=FLAGS.variants, smoke=FLAGS.smoke, time_steps=FLAGS.time_steps, full_audit=FLAGS.full_audit)
+            variants=FLAGS.variants, smoke=FLAGS.smoke, time_steps=FLAGS.time_steps, full_audit=FLAGS.full_audit,
+            limit_train=FLAGS.limit_train)
     except ValueError as e:
         raise app.UsageError(str(e)) from e
 

@@ -24,6 +24,7 @@ def get_config(arg: str | None = None):
     config.model = model
     config.num_epochs = 450
     config.lr_boundaries_epochs = [150, 250, 350]
+    config.h = 1.0  # the paper's conv blocks: a full step (the FC default config uses 0.1)
     config.learning_rate = 0.1
     config.momentum = 0.9
     config.weight_decay = 2e-4

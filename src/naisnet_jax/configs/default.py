@@ -25,7 +25,6 @@ def get_config():
     config.limit_train = ml_collections.FieldReference(None, field_type=int)
     config.limit_test = ml_collections.FieldReference(None, field_type=int)
     config.augment = False
-    config.standardize = True  # inputs (x/255 - mean) / std with the training set's channel statistics; False: x/255
     # optimisation (the paper: SGD, momentum 0.9, learning rate 0.1)
     config.learning_rate = 0.1
     config.momentum = 0.9
@@ -37,6 +36,7 @@ def get_config():
     config.num_epochs = 150
     config.seed = 0
     config.num_seeds = 1  # naisnet_jax.sweep trains seeds seed, seed + 1, ..., side by side
+    config.standardize = True  # data: inputs (x/255 - mean) / std with the training set's channel statistics; False: x/255
     # bookkeeping
     config.checkpoint_every_epochs = 1
     config.keep_checkpoints = 3
