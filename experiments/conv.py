@@ -1,7 +1,7 @@
 """Section 5.2's comparison on MNIST and Fashion-MNIST: NAIS-Net1, NAIS-Net10 and the ResNet.
 
     python -m experiments.conv --workdir=runs/conv
-    python -m experiments.conv --time-steps=50 --workdir=runs/conv   # steps/s and projected time
+    python -m experiments.conv --time_steps=50 --workdir=runs/conv   # steps/s and projected time
     python -m experiments.conv --smoke --workdir=/tmp/conv_smoke      # seconds, on a CPU
 
 3 stages x 18 blocks of 16/32/64 filters: NAIS-Net1 (each block unrolled once) from the paper's
@@ -28,7 +28,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from experiments.sweep_report import as_array, curve, pm, read_summary, stat_row, write_summary
+from experiments.sweep_report import as_array, curve, enable_compilation_cache, pm, read_summary, stat_row, write_summary
 
 # variant -> (paper label, model, model_kwargs)
 VARIANTS = {
@@ -92,7 +92,8 @@ def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
     print(f"== {label} ({config.model} {dict(config.model_kwargs)}) on {config.dataset}: "
           f"{config.num_seeds} seeds x {config.num_epochs} epochs", flush=True)
     t0 = time.time()
-    result = sweep.train_sweep(config, run_dir, audit_options=audit_options, per_step_loss=False)
+    result = sweep.train_sweep(config, run_dir, audit_options=audit_options, audit_baselines=False,
+                               per_step_loss=False)
     row = {"variant": variant, "label": label, "model": config.model, "model_kwargs": dict(config.model_kwargs),
            "dataset": config.dataset, "seeds": list(result.seeds), "epochs": result.epoch}
     for field in ("test_accuracy", "train_accuracy", "generalisation_gap", "test_loss"):
@@ -254,20 +255,27 @@ def run(*, workdir: str, datasets, seeds: int = 3, epochs: int | None = None, va
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", "runs/conv", "Where every sweep and the results go.")
-flags.DEFINE_list("datasets", ["mnist_pinned", "fashion_mnist_idx"], "Datasets, each a full comparison.")
-flags.DEFINE_integer("seeds", 3, "Seeds per model, trained side by side.")
-flags.DEFINE_integer("epochs", None, "Override the number of epochs (the schedule's drops scale with it).")
-flags.DEFINE_list("variants", None, f"Subset of {list(VARIANTS)}.")
-flags.DEFINE_bool("smoke", False, "Tiny models on digits, 2 epochs: seconds on a CPU.")
-flags.DEFINE_integer("time_steps", 0, "Only measure steps/s of each model's sweep over this many steps.")
-flags.DEFINE_integer("limit_train", None, "Train on the first N training images only (the test set stays whole).")
-flags.DEFINE_bool("full_audit", False, "Also compute Arnoldi spectral radii of every conv block (slow).")
+
+
+def _define_flags() -> None:
+    """Flags are defined only when the script runs, so tests can import both experiments."""
+    flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cache (default: <workdir>/jax_cache; "
+                        "'none' turns it off): a rerun or resume does not compile again.")
+    flags.DEFINE_string("workdir", "runs/conv", "Where every sweep and the results go.")
+    flags.DEFINE_list("datasets", ["mnist_pinned", "fashion_mnist_idx"], "Datasets, each a full comparison.")
+    flags.DEFINE_integer("seeds", 3, "Seeds per model, trained side by side.")
+    flags.DEFINE_integer("epochs", None, "Override the number of epochs (the schedule's drops scale with it).")
+    flags.DEFINE_list("variants", None, f"Subset of {list(VARIANTS)}.")
+    flags.DEFINE_bool("smoke", False, "Tiny models on digits, 2 epochs: seconds on a CPU.")
+    flags.DEFINE_integer("time_steps", 0, "Only measure steps/s of each model's sweep over this many steps.")
+    flags.DEFINE_integer("limit_train", None, "Train on the first N training images only (the test set stays whole).")
+    flags.DEFINE_bool("full_audit", False, "Also compute Arnoldi spectral radii of every conv block (slow).")
 
 
 def _main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    enable_compilation_cache(FLAGS.compilation_cache, FLAGS.workdir)
     try:
         run(workdir=FLAGS.workdir, datasets=FLAGS.datasets, seeds=FLAGS.seeds, epochs=FLAGS.epochs,
             variants=FLAGS.variants, smoke=FLAGS.smoke, time_steps=FLAGS.time_steps, full_audit=FLAGS.full_audit,
@@ -277,4 +285,5 @@ def _main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(_main)

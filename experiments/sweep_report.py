@@ -10,7 +10,7 @@ import numpy as np
 
 FINGERPRINT_KEYS = ("model", "model_kwargs", "dataset", "limit_train", "limit_test", "h", "eps", "eta",
                     "learning_rate", "momentum", "batch_size", "num_epochs", "seed", "num_seeds",
-                    "weight_decay", "lr_boundaries_epochs", "augment")
+                    "weight_decay", "lr_boundaries_epochs", "augment", "standardize")
 
 
 def fingerprint(config) -> dict:
@@ -60,3 +60,17 @@ def curve(history, field: str) -> dict:
 
 def as_array(values) -> np.ndarray:
     return np.asarray([np.nan if v is None else v for v in values], np.float64)
+
+
+def enable_compilation_cache(directory: str | None, workdir: str) -> None:
+    """JAX's persistent compilation cache in ``directory`` (default ``<workdir>/jax_cache``;
+    ``"none"``: off). Call before anything compiles; programs that compile to the same HLO
+    (a rerun, a resumed sweep, two datasets of one shape and scaling) then compile once."""
+    import jax
+
+    if directory == "none":
+        return
+    directory = directory or os.path.join(workdir, "jax_cache")
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

@@ -72,9 +72,10 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def single_runs(config, root):
+def single_runs(config, root, seeds=(SEEDS[0], SEEDS[2])):
+    """``train_and_evaluate`` per seed (the middle seed only in the slow test: each run compiles)."""
     out = {}
-    for seed in SEEDS:
+    for seed in seeds:
         c = config.copy_and_resolve_references()
         c.seed = seed
         out[seed] = train.train_and_evaluate(c, os.path.join(root, f"single_{seed}"))
@@ -84,7 +85,7 @@ def single_runs(config, root):
 @pytest.fixture(scope="module")
 def nais(tmp_path_factory):
     """A 3-seed sweep of the tiny FC NAIS-Net, interrupted after epoch 1 and resumed by a
-    fresh call (then exported and audited), and the three single runs."""
+    fresh call (then exported and audited), and the single runs of seeds 0 and 2."""
     from naisnet_jax.verify import AuditOptions
 
     root = str(tmp_path_factory.mktemp("nais"))
@@ -98,27 +99,37 @@ def nais(tmp_path_factory):
 # ------------------------------------------------------------------ seed i is the single run
 
 
-def test_seed_i_of_the_sweep_is_the_single_run_of_seed_i(nais):
+def check_seed_is_single_run(result, i, single_result):
     """Bit for bit on this CPU: the vmapped step computes each seed's lane with the same
     kernels and summation order as the single run (checked for float32 parameters, the
     momentum and the step counter), so no tolerance is needed."""
+    single = single_result["state"]
+    mine = result.seed_state(i)
+    assert_trees_equal(mine.params, single.params)
+    assert_trees_equal(mine.opt_state, single.opt_state)
+    assert int(mine.step) == int(single.step) == 8
+    run = result.runs[i]
+    assert run.test_accuracy == pytest.approx(single_result["test_accuracy"], abs=0)
+    assert run.test_loss == pytest.approx(single_result["test_loss"], rel=1e-6)
+    # the single run averages chunk means weighted by chunk length: equal up to round-off
+    assert run.train_loss == pytest.approx(single_result["train_loss"], rel=1e-6)
+    assert run.train_accuracy == pytest.approx(single_result["train_accuracy"], rel=1e-6)
+    assert run.rho_max == pytest.approx(single_result["rho_max"], rel=1e-12)
+
+
+def test_seed_i_of_the_sweep_is_the_single_run_of_seed_i(nais):
     _, _, result, singles, _ = nais
     assert result.seeds == SEEDS and result.finished and result.epoch == 2
-    for i, seed in enumerate(SEEDS):
-        single = singles[seed]["state"]
-        mine = result.seed_state(i)
-        assert_trees_equal(mine.params, single.params)
-        assert_trees_equal(mine.opt_state, single.opt_state)
-        assert int(mine.step) == int(single.step) == 8
-        run = result.runs[i]
-        assert run.test_accuracy == pytest.approx(singles[seed]["test_accuracy"], abs=0)
-        assert run.test_loss == pytest.approx(singles[seed]["test_loss"], rel=1e-6)
-        # the single run averages chunk means weighted by chunk length: equal up to round-off
-        assert run.train_loss == pytest.approx(singles[seed]["train_loss"], rel=1e-6)
-        assert run.train_accuracy == pytest.approx(singles[seed]["train_accuracy"], rel=1e-6)
-        assert run.rho_max == pytest.approx(singles[seed]["rho_max"], rel=1e-12)
+    for i in (0, 2):
+        check_seed_is_single_run(result, i, singles[SEEDS[i]])
     # the seeds really differ
     assert not np.array_equal(leaves(result.seed_state(0).params)[0], leaves(result.seed_state(1).params)[0])
+
+
+@pytest.mark.slow
+def test_the_middle_seed_is_its_single_run_too(nais, tmp_path):
+    config, _, result, _, _ = nais
+    check_seed_is_single_run(result, 1, single_runs(config, str(tmp_path), seeds=(SEEDS[1],))[SEEDS[1]])
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +185,8 @@ def test_every_seed_is_exported_as_an_auditable_single_run(nais):
         state, meta = ckpt.load(run.checkpoint_dir)
         assert meta["config"]["seed"] == seed and meta["epoch"] == 2 and meta["step"] == 8
         assert meta["model"] == config.model and "sweep" not in meta
-        assert_trees_equal(state["params"], singles[seed]["state"].params)
+        if seed in singles:
+            assert_trees_equal(state["params"], singles[seed]["state"].params)
         # the seed's own metrics file, as a single run writes it (without the seed field)
         records = read_jsonl(os.path.join(workdir, f"seed_{seed}", train.METRICS_FILE))
         assert [r["epoch"] for r in records] == [1, 2] and "seed" not in records[0]

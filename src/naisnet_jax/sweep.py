@@ -53,7 +53,8 @@ from naisnet_jax.stability import max_radius_bound
 SWEEP_CHECKPOINT_DIR = "sweep_checkpoints"
 CERTIFICATE_FILE = "certificate.json"
 # What a resumed sweep must share with the checkpoint it resumes.
-_RESUME_FIELDS = ("model", "model_kwargs", "seeds", "dataset", "limit_train", "limit_test", "batch_size")
+_RESUME_FIELDS = ("model", "model_kwargs", "seeds", "dataset", "limit_train", "limit_test", "batch_size",
+                  "standardize")
 
 
 # --------------------------------------------------------------------------- results
@@ -224,7 +225,10 @@ def stack_states(states: Sequence[train.TrainState]) -> train.TrainState:
     ``apply_fn`` and ``tx``: each single run builds equal but distinct ones)."""
     leaves = [jax.tree.leaves(st) for st in states]
     treedef = jax.tree.structure(states[0])
-    return jax.tree.unflatten(treedef, [jnp.stack([jnp.asarray(x) for x in xs]) for xs in zip(*leaves)])
+    def stack(xs):  # strongly typed (a Python 0 step is weakly typed): a restored state then matches
+        return jnp.stack([jnp.asarray(x, dtype=jnp.asarray(x).dtype) for x in xs])
+
+    return jax.tree.unflatten(treedef, [stack(xs) for xs in zip(*leaves)])
 
 
 def _seed_config(config, seed: int):
@@ -296,7 +300,7 @@ def _setup(config, seeds: tuple[int, ...]) -> _Setup:
     if config.batch_size > n_train:
         raise ValueError(f"config.batch_size={config.batch_size} exceeds the {n_train} training examples.")
     steps_per_epoch = n_train // config.batch_size
-    mean, std = data_lib.channel_stats(ds.train_images)
+    mean, std = train.input_stats(config, ds.train_images)
     programs = _programs(config, ds, steps_per_epoch, mean, std)
     model = programs.model
     # Each seed initialised exactly as its single run (same eager ops), then stacked.
@@ -330,6 +334,7 @@ def _resume_view(config, seeds) -> dict:
         "model": config.model, "model_kwargs": train.model_kwargs(config), "seeds": list(seeds),
         "dataset": config.dataset, "limit_train": config.get("limit_train"),
         "limit_test": config.get("limit_test"), "batch_size": config.batch_size,
+        "standardize": config.get("standardize", True),
     })
 
 
@@ -404,6 +409,7 @@ def train_sweep(
     stop_after_epochs: int | None = None,
     audit_options: Any = None,
     audit: bool = True,
+    audit_baselines: bool = True,
     per_step_loss: bool = True,
     verbose: bool = True,
 ) -> SweepResult:
@@ -412,7 +418,8 @@ def train_sweep(
     ``seeds`` defaults to ``config.seed + range(config.num_seeds)``. ``stop_after_epochs`` ends
     this call early (as an interruption would). Once ``config.num_epochs`` epochs are done,
     every seed is exported as a single-run checkpoint under ``workdir/seed_<s>/checkpoints``,
-    audited by the verifier (``audit=False`` skips it; ``audit_options`` is passed on) and, for
+    audited by the verifier (``audit=False`` skips it, ``audit_baselines=False`` skips it for
+    models without a NAIS block; ``audit_options`` is passed on) and, for
     FC models, its per-layer test loss is measured (``per_step_loss=False`` skips it).
     Resuming a workdir that holds a sweep of another model, seeds or data raises ``ValueError``.
     """
@@ -431,8 +438,13 @@ def train_sweep(
     metadata = dict(train.checkpoint_metadata(config, s.ds, s.mean, s.std), sweep=_resume_view(config, seeds))
     start_epoch = 1
     if mngr.latest_step() is not None:
-        tree, meta = ckpt.restore(mngr, target=_sweep_tree(state, diverged_epoch))
+        target = _sweep_tree(state, diverged_epoch)
+        tree, meta = ckpt.restore(mngr, target=target)
+        # as fresh arrays of the fresh state's dtypes (the step counter is int64 with x64), so the
+        # compiled epoch is reused
+        tree = jax.tree.map(lambda x, like: jnp.asarray(np.asarray(x), like.dtype), tree, target)
         state = train._restore_into(state, tree)
+        state = state.replace(step=jnp.asarray(state.step, s.state.step.dtype))  # saved as int32
         diverged_epoch = tree["diverged_epoch"]
         start_epoch = int(meta["epoch"]) + 1
         train._write_metrics(metrics_path, [r for r in train._read_metrics(metrics_path) if r["epoch"] < start_epoch])
@@ -443,7 +455,7 @@ def train_sweep(
 
     epoch_fn = s.programs.epoch
     schedule = train.learning_rate_schedule(config, s.steps_per_epoch)
-    has_nais = count_projected_blocks(jax.tree.map(lambda x: x[0], state.params)) > 0
+    has_nais = count_projected_blocks(state.params) > 0  # found by name: the seed axis does not matter
     history = train._read_metrics(metrics_path) if start_epoch > 1 else []
     end_epoch = config.num_epochs if stop_after_epochs is None else min(
         config.num_epochs, start_epoch + stop_after_epochs - 1)
@@ -511,7 +523,7 @@ def train_sweep(
             directory = _export_seed(config, workdir, seed, jax.tree.map(lambda x: x[i], host_tree), metadata,
                                      r, history)
             cert = certified = None
-            if audit:
+            if audit and (has_nais or audit_baselines):
                 cert = audit_seed(directory, audit_options)
                 certified = certificate_certified(cert)
                 write_certificate(cert, os.path.join(workdir, f"seed_{seed}", CERTIFICATE_FILE))

@@ -92,6 +92,8 @@ def validate_config(config) -> None:
         raise ValueError(
             f"config.lr_boundaries_epochs={bounds!r} must be strictly increasing positive epoch numbers."
         )
+    if not isinstance(config.get("standardize", True), bool):
+        raise ValueError(f"config.standardize={config.standardize!r} must be True or False.")
     for field in ("limit_train", "limit_test"):
         if config.get(field) is not None:
             _positive_int(config, field)
@@ -353,6 +355,15 @@ def create_train_state(config, model, input_shape, steps_per_epoch: int) -> Trai
     )
 
 
+def input_stats(config, train_images) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel ``(mean, std)`` of the input normalisation ``(x / 255 - mean) / std``: the
+    training set's statistics, or ``(0, 1)`` (pixels in [0, 1]) with ``config.standardize=False``."""
+    if config.get("standardize", True):
+        return data_lib.channel_stats(train_images)
+    channels = train_images.shape[-1]
+    return np.zeros(channels), np.ones(channels)
+
+
 def checkpoint_metadata(config, ds, mean, std) -> dict:
     """What a single-run checkpoint says it holds (the verifier rebuilds the model from it);
     the caller adds ``epoch``."""
@@ -450,7 +461,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
 
     mesh = make_mesh(config.get("num_devices"))
     check_batch_divides(config, mesh)
-    mean, std = data_lib.channel_stats(ds.train_images)
+    mean, std = input_stats(config, ds.train_images)
     train_data = replicate(data_lib.put_on_device(ds.train_images, ds.train_labels), mesh)
     test_data = replicate(data_lib.put_on_device(ds.test_images, ds.test_labels), mesh)
     augment = bool(config.augment)

@@ -44,6 +44,7 @@ def get_config():
     config.num_epochs = 20
     config.seed = 0
     config.num_seeds = 1  # naisnet_jax.sweep trains seeds seed, seed + 1, ..., side by side
+    config.standardize = True  # data: inputs (x/255 - mean) / std with the training set's channel statistics; False: x/255
     # bookkeeping
     config.checkpoint_every_epochs = 1
     config.keep_checkpoints = 3
