@@ -142,6 +142,7 @@ OUT_OF_RANGE = {
     "weight_decay": -1e-4, "lr_boundaries_epochs": [5, 5], "lr_decay_factor": 1.5, "batch_size": 0,
     "eval_batch_size": -1, "num_epochs": 0, "seed": -1, "checkpoint_every_epochs": 0,
     "keep_checkpoints": 0, "steps_per_chunk": 0, "progress": None, "num_seeds": 0,
+    "num_devices": 0, "standardize": "yes",
 }
 
 

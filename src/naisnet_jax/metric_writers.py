@@ -59,6 +59,20 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return records
 
 
+def write_jsonl(path: str | os.PathLike, records) -> None:
+    """Replace ``path`` with ``records``, one JSON line each, atomically (a crash leaves
+    the old file or the new one, never a mix)."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(dict(r), allow_nan=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class JsonlWriter:
     """Appends ``{"step": step, **scalars}`` as one JSON line per call to ``path``.
 
@@ -106,13 +120,7 @@ class JsonlWriter:
         keep = [r for r in records if int(r.get("step", 0)) <= step]
         if len(keep) == len(records) and (not text or text.endswith("\n")):
             return
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            for r in keep:
-                f.write(json.dumps(r, allow_nan=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_jsonl(self.path, keep)
 
     def flush(self) -> None:
         if self._file is not None:

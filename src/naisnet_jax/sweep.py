@@ -46,6 +46,7 @@ import numpy as np
 
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
+from naisnet_jax import metric_writers
 from naisnet_jax import train
 from naisnet_jax.projection import count_projected_blocks
 from naisnet_jax.stability import max_radius_bound
@@ -447,7 +448,7 @@ def train_sweep(
         state = state.replace(step=jnp.asarray(state.step, s.state.step.dtype))  # saved as int32
         diverged_epoch = tree["diverged_epoch"]
         start_epoch = int(meta["epoch"]) + 1
-        train._write_metrics(metrics_path, [r for r in train._read_metrics(metrics_path) if r["epoch"] < start_epoch])
+        metric_writers.write_jsonl(metrics_path, [r for r in train._read_metrics(metrics_path) if r["epoch"] < start_epoch])
         if verbose:
             print(f"Resuming the sweep in {mngr.directory} at epoch {start_epoch}.", flush=True)
     elif os.path.exists(metrics_path):
@@ -487,7 +488,7 @@ def train_sweep(
             record["generalisation_gap"] = None if train_acc is None else train_acc - record["test_accuracy"]
             records.append(record)
         history = history + records
-        train._write_metrics(metrics_path, history)  # before the checkpoint, as train does
+        metric_writers.write_jsonl(metrics_path, history)  # before the checkpoint, as train does
         if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
             ckpt.save(mngr, epoch, _sweep_tree(state, diverged_epoch), dict(metadata, epoch=epoch))
         progress.update(1)
@@ -553,7 +554,7 @@ def _export_seed(config, workdir, seed, tree, metadata, record, history) -> str:
             ckpt.save(mngr, step, tree, meta)
     finally:
         mngr.close()
-    train._write_metrics(os.path.join(run_dir, train.METRICS_FILE), _seed_records(history, seed))
+    metric_writers.write_jsonl(os.path.join(run_dir, train.METRICS_FILE), _seed_records(history, seed))
     return directory
 
 

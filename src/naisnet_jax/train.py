@@ -101,6 +101,8 @@ def validate_config(config) -> None:
         _number(config, "adaptive_tol", 0, math.inf, lo_open=True, hi_open=True)
     if config.get("num_devices") is not None:
         _positive_int(config, "num_devices")
+    if config.get("num_seeds") is not None:
+        _positive_int(config, "num_seeds")
     _positive_int(config, "max_steps")
     seed = config.seed
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
