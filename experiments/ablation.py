@@ -1,13 +1,19 @@
-"""Section 5.1's ablation: the FC NAIS-Net against the nine 30-layer ResNet variants.
+"""Section 5.1 at the paper's protocol: the FC NAIS-Net against the nine 30-layer ResNet variants.
 
-    python -m experiments.ablation --workdir=runs/ablation [--epochs=5] [--models=a,b,...]
+    python -m experiments.ablation --dataset=mnist_pinned --workdir=runs/ablation_mnist
+    python -m experiments.ablation --dataset=fashion_mnist_idx --workdir=runs/ablation_fmnist
+    python -m experiments.ablation --time_steps=200 ...   # steps/s of each model on this device
+    python -m experiments.ablation --smoke --workdir=/tmp/ablation_smoke   # seconds, on a CPU
 
-Every model is trained with the same config (``experiments/configs/fashion_mnist_demo.py``:
-real Fashion-MNIST, SGD with momentum 0.9, h = 0.1, 5 epochs) — only ``config.model``
-changes — then evaluated: test/train accuracy, the loss of every layer's state through the
-classifier (the paper's per-iteration loss analysis), and the verifier's parameter-level audit.
-Writes ``results.json``, ``results.md`` and ``per_step_loss.png`` to the workdir; each model's
-run (checkpoints, metrics) lives in its own sub-directory and resumes if interrupted.
+Every model is one sweep (``naisnet_jax.sweep``): ``--seeds`` seeds trained side by side with
+the config ``experiments/configs/ablation_paper.py`` (SGD, momentum 0.9, learning rate 0.1,
+150 epochs, h = 1/30 and pixels in [0, 1] for all: see the config for why), then every seed exported, audited by
+the verifier (parameter level, models with a NAIS block: NAIS-Net and ResNet-SH-Stable), and its
+per-layer test loss measured. Writes to ``--workdir``:
+``results.json`` / ``results.md`` (mean +- std over seeds, the paper's numbers beside ours),
+``per_layer_loss.png`` (figure 3 left), ``neuron_trajectory.png`` (figure 3 right),
+``test_accuracy.png`` (curves over epochs); each model's sweep lives in ``<workdir>/<model>``
+and resumes; a finished model is read back from its ``summary.json``.
 """
 
 from __future__ import annotations
@@ -17,12 +23,10 @@ import os
 import sys
 import time
 
+import numpy as np
 from absl import app, flags, logging
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", "runs/ablation", "Where every run and the results go.")
-flags.DEFINE_integer("epochs", None, "Override the number of epochs.")
-flags.DEFINE_list("models", None, "Subset of models (default: naisnet_mnist and the nine ResNet variants).")
+from experiments.sweep_report import as_array, curve, enable_compilation_cache, pm, read_summary, stat_row, write_summary
 
 # Paper label -> MODELS name; the switches are read off the label.
 LABELS = {
@@ -37,67 +41,211 @@ LABELS = {
     "ResNet-SH-NA-BN": "resnet_sh_na_bn",
     "ResNet-SH-Stable": "resnet_sh_stable",
 }
+# Test accuracy (%) the paper reports on MNIST (mean of 10 runs); the others are not given.
+PAPER_MNIST = {"NAIS-Net": 97.28, "ResNet-SH-BN": 96.69, "ResNet-SH": 95.86}
+SMOKE_MODELS = ("naisnet_mnist", "resnet_sh_bn", "resnet_sh_stable")
+RISE_TOL = 1e-6  # relative: a per-layer loss "rises" when loss[i+1] > loss[i] * (1 + RISE_TOL)
+TRAJECTORY_SAMPLES = 3  # test images per class in the neuron trajectory figure
 
 
-def run_one(label: str, model: str, workdir: str, epochs: int | None) -> dict:
-    from experiments.configs import fashion_mnist_demo
-    from naisnet_jax import train
-    from naisnet_jax.verify import AuditOptions, audit
+def switches(label: str) -> dict:
+    nais = label == "NAIS-Net"
+    parts = set(label.split("-")[1:])
+    return {"SH": nais or "SH" in parts, "NA": nais or "NA" in parts, "BN": "BN" in parts,
+            "Stable": nais or "Stable" in parts}
 
-    config = fashion_mnist_demo.get_config()
+
+def make_config(model: str, *, dataset: str, seeds: int, epochs: int | None, h: float | None, smoke: bool):
+    import ml_collections
+
+    from experiments.configs import ablation_paper
+
+    config = ablation_paper.get_config()
     config.model = model
+    config.dataset = dataset
+    config.num_seeds = seeds
     config.progress = sys.stderr.isatty()
+    if model.startswith("naisnet"):  # the 30 steps unrolled in the program: same maths, fewer loop trips
+        config.model_kwargs = ml_collections.ConfigDict({"scan_unroll": True})
+    if smoke:  # tiny sizes: digits, 8 units, 3 steps or layers, 2 epochs
+        config.dataset = "digits" if dataset in ("mnist_pinned", "fashion_mnist_idx") else dataset
+        config.limit_train, config.limit_test = 256, 100
+        config.batch_size = config.eval_batch_size = 64
+        config.num_epochs = 2
+        config.checkpoint_every_epochs = 1
+        depth_key = "steps" if model.startswith("naisnet") else "depth"
+        config.model_kwargs.update({"features": 8, depth_key: 3})
     if epochs is not None:
         config.num_epochs = epochs
-    t0 = time.time()
-    result = train.train_and_evaluate(config, workdir)
-    seconds = time.time() - t0
-    losses = train.per_step_loss(result["state"], result["test_data"], result["mean"], result["std"])
-    report = audit(os.path.join(workdir, train.CHECKPOINT_DIR), AuditOptions(data="none"))
-    radii = [b["parameter"].get("rho_I_plus_hA") for b in report["blocks"]]
-    increases = [float(b - a) for a, b in zip(losses, losses[1:]) if b > a]
+    if h is not None:
+        config.h = h
+    return config
+
+
+# --------------------------------------------------------------------------- one model
+
+
+def monotonicity(curves: np.ndarray) -> dict:
+    """Per-layer loss curves ``(seeds, K)``: is each non-increasing, and how much does the
+    mean curve rise where it rises (relative tolerance ``RISE_TOL`` for round-off)."""
+    curves = np.asarray(curves, np.float64)
+    rises = np.diff(curves, axis=1) > RISE_TOL * np.abs(curves[:, :-1])
+    mean = curves.mean(axis=0)
+    steps = np.diff(mean)
+    up = steps > RISE_TOL * np.abs(mean[:-1])
+    i_min = int(np.argmin(mean))
     return {
-        "label": label,
-        "model": model,
-        "SH": "SH" in label or label == "NAIS-Net",
-        "NA": "NA" in label.replace("NAIS", "") or label == "NAIS-Net",
-        "BN": "BN" in label,
-        "stable": "Stable" in label or label == "NAIS-Net",
-        "test_accuracy": result["test_accuracy"],
-        "train_accuracy": result["train_accuracy"],
-        "generalisation_gap": result["generalisation_gap"],
-        "per_step_loss": [float(v) for v in losses],
-        "per_step_loss_increases": len(increases),
-        "per_step_loss_largest_increase": max(increases, default=0.0),
-        "rho_I_plus_hA_max": max((r for r in radii if r is not None), default=None),
-        "certified": report["certified"],
-        "train_seconds": seconds,
+        "monotone_seeds": int(np.sum(~rises.any(axis=1))),
+        "mean_curve_monotone": bool(not up.any()),
+        "mean_curve_rises": int(up.sum()),
+        "mean_curve_rise_layers": [int(i) + 2 for i in np.flatnonzero(up)],  # layer i+1 -> i+2 (1-based)
+        "largest_rise": float(steps[up].max()) if up.any() else 0.0,
+        "argmin_layer": i_min + 1,
+        "min_loss": float(mean[i_min]),
+        "rise_min_to_last": float(mean[-1] - mean[i_min]),
     }
 
 
-def write_results(rows: list[dict], workdir: str) -> None:
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-        json.dump(rows, f, indent=2)
-    lines = [
-        "| model | SH | NA | BN | Stable | test acc | train acc | gap | loss x(1) | loss x(K) | "
-        "loss increases | max rho(I + hA) | certified |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def neuron_trajectories(result, samples: int = TRAJECTORY_SAMPLES) -> dict:
+    """Seed 0's NAIS-Net: ``x_k`` of one neuron, ``k = 0..K``, for ``samples`` test images of
+    every class. The neuron is the one whose final state separates the classes most (largest
+    variance of its per-class means of ``x_K`` over the first 2,000 test images)."""
+    import jax
+    import jax.numpy as jnp
+
+    from naisnet_jax import data as data_lib
+    from naisnet_jax import train
+
+    state = result.seed_state(0)
+    variables = train._variables(state)
+    labels = np.asarray(result.test_data.labels)
+    n = min(2000, len(labels))
+    x, _ = data_lib.get_batch(result.test_data, jnp.arange(n), mean=result.mean, std=result.std)
+    _, aux = state.apply_fn(variables, x, train=False, return_aux=True)
+    final = np.asarray(aux["trajectory"][-1], np.float64)  # (n, features)
+    classes = sorted(set(labels[:n].tolist()))
+    class_means = np.stack([final[labels[:n] == c].mean(axis=0) for c in classes])
+    neuron = int(np.argmax(class_means.var(axis=0)))
+    out = {"neuron": neuron, "classes": {}}
+    for c in classes:
+        idx = np.flatnonzero(labels == c)[:samples]
+        xc, _ = data_lib.get_batch(result.test_data, jnp.asarray(idx), mean=result.mean, std=result.std)
+        _, aux = state.apply_fn(variables, xc, train=False, return_aux=True)
+        traj = np.asarray(jax.device_get(aux["trajectory"]))[:, :, neuron]  # (K, samples)
+        traj = np.concatenate([np.zeros((1, traj.shape[1])), traj], axis=0)  # x_0 = 0
+        out["classes"][str(c)] = traj.T.tolist()
+    return out
+
+
+def summarise(label: str, result, config, seconds: float) -> dict:
+    from naisnet_jax import sweep
+
+    ok = [r for r in result.runs if not r.diverged]
+    row = {"label": label, "model": config.model, **switches(label)}
+    for field in ("test_accuracy", "train_accuracy", "generalisation_gap", "test_loss"):
+        row[field] = stat_row(result, field)
+    row["seeds"] = list(result.seeds)
+    row["diverged"] = result.num_diverged
+    row["diverged_epochs"] = {str(r.seed): r.diverged_epoch for r in result.runs if r.diverged}
+    has_nais = any(r.rho_max is not None for r in result.runs)
+    row["has_nais_block"] = has_nais
+    row["certified_seeds"] = sum(bool(r.certified) for r in result.runs)
+    row["all_certified"] = bool(result.all_certified) if has_nais else None
+    row["rho_max"] = max((r.rho_max for r in result.runs if r.rho_max is not None), default=None)
+    curves = [r.per_step_loss for r in ok if r.per_step_loss is not None]
+    if curves:
+        curves = np.stack(curves)
+        row["per_layer_loss"] = {"mean": curves.mean(0).tolist(), "std": curves.std(0).tolist(),
+                                 "per_seed": curves.tolist()}
+        row["monotonicity"] = monotonicity(curves)
+    row["test_accuracy_curve"] = curve(result.history, "test_accuracy")
+    row["train_accuracy_curve"] = curve(result.history, "train_accuracy")
+    row["epochs"] = result.epoch
+    row["seconds"] = seconds
+    row["epoch_seconds_median"] = float(np.median([r["epoch_seconds"] for r in result.history])) if result.history else None
+    row["device"] = sweep.device_description()
+    return row
+
+
+def run_model(label: str, config, workdir: str, audit_options) -> dict:
+    from naisnet_jax import sweep
+
+    model_dir = os.path.join(workdir, config.model)
+    summary_path = os.path.join(model_dir, "summary.json")
+    row = read_summary(summary_path, config)
+    if row is not None:
+        print(f"== {label}: finished earlier, read from {summary_path}", flush=True)
+        return row
+    print(f"== {label} ({config.model}): {config.num_seeds} seeds x {config.num_epochs} epochs on "
+          f"{config.dataset}", flush=True)
+    t0 = time.time()
+    result = sweep.train_sweep(config, model_dir, audit_options=audit_options, audit_baselines=False)
+    row = summarise(label, result, config, time.time() - t0)
+    if label == "NAIS-Net":
+        row["neuron_trajectory"] = neuron_trajectories(result)
+    write_summary(summary_path, config, row)
+    return row
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def table(rows: list[dict], *, paper: dict | None) -> str:
     tick = lambda b: "x" if b else ""  # noqa: E731
+    head = ("| model | SH | NA | BN | Stable | test acc (%) | paper test acc (%) | train acc (%) | gap (pp) | "
+            "diverged | certified | loss x(1) | loss x(K) | per-layer loss monotone (seeds) | mean-curve rises "
+            "(largest) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        rho = "-" if r["rho_I_plus_hA_max"] is None else f"{r['rho_I_plus_hA_max']:.4f}"
+        n_seeds = len(r["seeds"])
+        cert = f"{r['certified_seeds']}/{n_seeds}" if r["has_nais_block"] else "n/a (no NAIS block)"
+        paper_acc = "" if paper is None else (f"{paper[r['label']]:.2f}" if r["label"] in paper else "not reported")
+        pl = r.get("per_layer_loss")
+        mono = r.get("monotonicity")
         lines.append(
-            f"| {r['label']} | {tick(r['SH'])} | {tick(r['NA'])} | {tick(r['BN'])} | {tick(r['stable'])} | "
-            f"{r['test_accuracy']:.4f} | {r['train_accuracy']:.4f} | {r['generalisation_gap']:+.4f} | "
-            f"{r['per_step_loss'][0]:.3f} | {r['per_step_loss'][-1]:.3f} | {r['per_step_loss_increases']} | "
-            f"{rho} | {'yes' if r['certified'] else 'no'} |"
+            f"| {r['label']} | {tick(r['SH'])} | {tick(r['NA'])} | {tick(r['BN'])} | {tick(r['Stable'])} | "
+            f"{pm(r['test_accuracy'])} | {paper_acc} | {pm(r['train_accuracy'])} | "
+            f"{pm(r['generalisation_gap'])} | {r['diverged']}/{n_seeds} | {cert} | "
+            + (f"{pl['mean'][0]:.3f} | {pl['mean'][-1]:.3f} | {mono['monotone_seeds']}/{len(pl['per_seed'])} | "
+               f"{mono['mean_curve_rises']} ({mono['largest_rise']:.2g}) |" if pl else "- | - | - | - |")
         )
+    return "\n".join(lines)
+
+
+def monotonicity_text(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        m = r.get("monotonicity")
+        if not m:
+            continue
+        if m["mean_curve_monotone"]:
+            what = "non-increasing over every layer"
+        else:
+            what = (f"rises {m['mean_curve_rises']} times (largest step +{m['largest_rise']:.3g}); its minimum "
+                    f"{m['min_loss']:.4f} is at layer {m['argmin_layer']} and the last layer is "
+                    f"{m['rise_min_to_last']:+.4f} above it")
+        lines.append(f"- {r['label']}: mean per-layer test loss {what}; "
+                     f"{m['monotone_seeds']}/{len(r['per_layer_loss']['per_seed'])} seeds monotone.")
+    return "\n".join(lines)
+
+
+def write_outputs(rows, workdir, *, header: dict, paper) -> str:
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+        json.dump({"header": header, "rows": rows}, f, indent=1)
+    md = ["# Section 5.1: NAIS-Net against the ResNet variants", ""]
+    md += [f"- {k}: {v}" for k, v in header.items()]
+    md += ["", "Mean ± std over the seeds that did not diverge (population std); a diverged seed is frozen at "
+           "its last finite epoch and counted in 'diverged'. 'certified': seeds the verifier certifies stable. "
+           "Per-layer loss: test cross-entropy of each layer's state x(i) through the classifier, mean over seeds; "
+           f"a rise is a step up by more than {RISE_TOL:g} relative.", "", table(rows, paper=paper), "",
+           "Monotonicity of the per-layer loss:", "", monotonicity_text(rows), ""]
+    text = "\n".join(md)
     with open(os.path.join(workdir, "results.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        f.write(text)
+    return text
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows, workdir) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,36 +253,171 @@ def plot(rows: list[dict], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for i, r in enumerate(rows):
-        losses = r["per_step_loss"]
-        style = dict(lw=2.5, color="k") if r["label"] == "NAIS-Net" else dict(lw=1.2, color=f"C{i % 10}")
-        ax.plot(range(1, len(losses) + 1), losses, label=r["label"], **style)
+        pl = r.get("per_layer_loss")
+        if not pl:
+            continue
+        mean, std = np.asarray(pl["mean"]), np.asarray(pl["std"])
+        layers = np.arange(1, len(mean) + 1)
+        color = "k" if r["label"] == "NAIS-Net" else f"C{i % 10}"
+        ax.plot(layers, mean, color=color, lw=2.5 if color == "k" else 1.2, label=r["label"])
+        ax.fill_between(layers, np.maximum(mean - std, 1e-6), mean + std, color=color, alpha=0.15, lw=0)
     ax.set(xlabel="layer / unroll step i", ylabel="test cross-entropy of x(i)", yscale="log",
-           title="Loss of each layer's state through the classifier")
+           title="Loss of each layer's state through the classifier (mean ± std over seeds)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(os.path.join(workdir, "per_layer_loss.png"), dpi=120)
     plt.close(fig)
+
+    nais = next((r for r in rows if r.get("neuron_trajectory")), None)
+    if nais is not None:
+        traj = nais["neuron_trajectory"]
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        for c, samples in traj["classes"].items():
+            for j, t in enumerate(samples):
+                ax.plot(range(len(t)), t, color=f"C{int(c) % 10}", lw=1.2, label=f"class {c}" if j == 0 else None)
+        ax.set(xlabel="unroll step k", ylabel=f"x_k[{traj['neuron']}]",
+               title=f"NAIS-Net (seed {nais['seeds'][0]}): neuron {traj['neuron']}, {TRAJECTORY_SAMPLES} test images per class")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(os.path.join(workdir, "neuron_trajectory.png"), dpi=120)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, r in enumerate(rows):
+        c = r["test_accuracy_curve"]
+        ep = np.asarray(c["epochs"])
+        mean, std = as_array(c["mean"]), as_array(c["std"])
+        color = "k" if r["label"] == "NAIS-Net" else f"C{i % 10}"
+        ax.plot(ep, mean, color=color, lw=2 if color == "k" else 1, label=r["label"])
+        ax.fill_between(ep, mean - std, mean + std, color=color, alpha=0.15, lw=0)
+    ax.set(xlabel="epoch", ylabel="test accuracy", title="Test accuracy over epochs (mean ± std over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "test_accuracy.png"), dpi=120)
+    plt.close(fig)
+
+
+def short_table(rows, paper) -> str:
+    lines = [f"{'model':<18} {'test acc (%)':>16} {'paper':>7} {'gap (pp)':>14} {'div':>4} {'cert':>6} {'mono':>5}"]
+    for r in rows:
+        n = len(r["seeds"])
+        paper_acc = f"{paper[r['label']]:.2f}" if paper and r["label"] in paper else "-"
+        cert = f"{r['certified_seeds']}/{n}" if r["has_nais_block"] else "n/a"
+        mono = r.get("monotonicity")
+        mono = f"{mono['monotone_seeds']}/{len(r['per_layer_loss']['per_seed'])}" if mono else "-"
+        lines.append(f"{r['label']:<18} {pm(r['test_accuracy']):>16} {paper_acc:>7} "
+                     f"{pm(r['generalisation_gap']):>14} {r['diverged']:>4} {cert:>6} {mono:>5}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def time_models(labels, make, steps: int, workdir: str) -> None:
+    from naisnet_jax import sweep
+
+    rows = []
+    for label in labels:
+        config = make(LABELS[label])
+        t = sweep.time_steps(config, steps=steps)
+        t["label"] = label
+        rows.append(t)
+        print(f"{label:<18} {t['steps_per_second']:8.1f} steps/s  {t['step_ms']:6.3f} ms/step  "
+              f"eval {t['eval_seconds']:.3f}s  compile {t['compile_seconds']:.1f}s  "
+              f"projected {t['projected_seconds'] / 60:6.2f} min  kernels {sum(t['kernels'].values())}", flush=True)
+    total = sum(t["projected_seconds"] for t in rows)
+    with open(os.path.join(workdir, "timing.json"), "w") as f:
+        json.dump({"rows": rows, "projected_total_seconds": total}, f, indent=1)
+    print(f"\nprojected training of all {len(rows)} models: {total / 60:.1f} min "
+          f"({rows[0]['seeds']} seeds x {rows[0]['epochs']} epochs each) on {sweep.device_description()}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run(*, workdir: str, dataset: str, seeds: int, epochs: int | None, models=None, h=None,
+        smoke: bool = False, time_steps: int = 0, audit_data: str = "none") -> list[dict]:
+    from naisnet_jax import sweep
+    from naisnet_jax.verify import AuditOptions
+
+    labels = list(LABELS)
+    if models:
+        unknown = set(models) - set(LABELS.values())
+        if unknown:
+            raise ValueError(f"--models has unknown names {sorted(unknown)}; valid: {list(LABELS.values())}")
+        labels = [lab for lab in labels if LABELS[lab] in models]
+    elif smoke:
+        labels = [lab for lab in labels if LABELS[lab] in SMOKE_MODELS]
+    os.makedirs(workdir, exist_ok=True)
+
+    def make(model):
+        return make_config(model, dataset=dataset, seeds=seeds, epochs=epochs, h=h, smoke=smoke)
+
+    if time_steps:
+        time_models(labels, make, time_steps, workdir)
+        return []
+    t0 = time.time()
+    options = AuditOptions(data=audit_data)
+    rows = [run_model(label, make(LABELS[label]), workdir, options) for label in labels]
+    config = make(LABELS[labels[0]])
+    wall = time.time() - t0
+    paper = PAPER_MNIST if config.dataset == "mnist_pinned" else None
+    header = {
+        "dataset": config.dataset + (" (smoke: tiny sizes)" if smoke else ""),
+        "seeds": f"{config.num_seeds} (config.seed + 0..{config.num_seeds - 1})",
+        "epochs": config.num_epochs,
+        "optimiser": f"SGD, momentum {config.momentum}, learning rate {config.learning_rate}, batch {config.batch_size}",
+        "h": f"{config.h:.6g} for every model (the paper does not state h; see experiments/configs/ablation_paper.py "
+             f"and experiments/results/ablation_h_check.md)",
+        "inputs": "pixels in [0, 1]" if not config.standardize else "standardised with the training set's channel statistics",
+        "eps": config.eps,
+        "device": sweep.device_description(),
+        "wall time of this call": f"{wall:.1f} s",
+        "training wall time per model (when trained)": ", ".join(f"{r['label']} {r['seconds']:.0f}s" for r in rows),
+        "paper": "MNIST test accuracy, mean of 10 runs" if paper else "the paper reports no Fashion-MNIST numbers",
+    }
+    write_outputs(rows, workdir, header=header, paper=paper)
+    plot(rows, workdir)
+    print()
+    print(short_table(rows, paper))
+    print(f"\nwrote {workdir}/results.md, results.json and the figures; wall time {wall:.1f} s on "
+          f"{sweep.device_description()}")
+    return rows
+
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+    """Flags are defined only when the script runs, so tests can import both experiments."""
+    flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cache (default: <workdir>/jax_cache; "
+                        "'none' turns it off): a rerun or resume does not compile again.")
+    flags.DEFINE_string("workdir", "runs/ablation", "Where every sweep and the results go.")
+    flags.DEFINE_string("dataset", "mnist_pinned", "mnist_pinned or fashion_mnist_idx (any naisnet_jax dataset).")
+    flags.DEFINE_integer("seeds", 10, "Seeds per model, trained side by side.")
+    flags.DEFINE_integer("epochs", None, "Override the number of epochs (default: the config's 150).")
+    flags.DEFINE_list("models", None, "Subset of models (default: naisnet_mnist and the nine ResNet variants).")
+    flags.DEFINE_float("h", None, "Override the step size h of every model (default: the config's).")
+    flags.DEFINE_bool("smoke", False, "Tiny sizes (digits, 8 units, 3 layers, 2 epochs): seconds on a CPU.")
+    flags.DEFINE_integer("time_steps", 0, "Only measure steps/s of each model's sweep over this many steps.")
+    flags.DEFINE_string("audit_data", "none", "The verifier's inputs: none (parameters only), random, or a dataset.")
 
 
 def _main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    labels = list(LABELS)
-    if FLAGS.models:
-        unknown = set(FLAGS.models) - set(LABELS.values())
-        if unknown:
-            raise app.UsageError(f"--models has unknown names {sorted(unknown)}; valid: {list(LABELS.values())}")
-        labels = [lab for lab in labels if LABELS[lab] in FLAGS.models]
-    os.makedirs(FLAGS.workdir, exist_ok=True)
-    rows = []
-    for label in labels:
-        print(f"== {label} ({LABELS[label]})", flush=True)
-        rows.append(run_one(label, LABELS[label], os.path.join(FLAGS.workdir, LABELS[label]), FLAGS.epochs))
-    write_results(rows, FLAGS.workdir)
-    plot(rows, os.path.join(FLAGS.workdir, "per_step_loss.png"))
-    print(f"results: {FLAGS.workdir}/results.md, {FLAGS.workdir}/per_step_loss.png")
+    enable_compilation_cache(FLAGS.compilation_cache, FLAGS.workdir)
+    try:
+        run(workdir=FLAGS.workdir, dataset=FLAGS.dataset, seeds=FLAGS.seeds, epochs=FLAGS.epochs,
+            models=FLAGS.models, h=FLAGS.h, smoke=FLAGS.smoke, time_steps=FLAGS.time_steps,
+            audit_data=FLAGS.audit_data)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(_main)

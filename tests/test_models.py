@@ -97,7 +97,7 @@ def _resnet_reference(p, u, *, shared, nonautonomous, batch_norm, stable, h, eps
         cols = [slice(0, N) if shared else slice(k * N, (k + 1) * N) for k in range(L)]
         drives = [u @ kern[:, c] + bias[c] for c in cols]  # u enters every layer
     else:
-        x = u @ p["embed"]["kernel"] + p["embed"]["bias"]  # u enters through x_0 only
+        x = np.tanh(u @ p["embed"]["kernel"] + p["embed"]["bias"])  # u enters through x_0 only
         drives = [layer(p["b"], k) for k in range(L)]
     xs = []
     for k in range(L):
@@ -524,8 +524,8 @@ PROJECTED = {  # name -> (model, learning rate)
     "nais_conv_delta": (lambda: M.NaisNetConvTiny(eps=EPS, eta=ETA, learn_delta=True), 1.0),
     "nais_conv_untied": (lambda: M.NaisNetConvTiny(eps=EPS, eta=ETA, untied=True,
                                                    learn_delta=True), 1.0),
-    # Its input embedding x_0 = Dense(u) is unconstrained and diverges at lr = 1.0
-    # (with or without the projection); NAIS-Nets start from x_0 = 0 and do not.
+    # Its input layer x_0 = act(Dense(u)) is unconstrained; it is trained at lr = 0.5
+    # (NAIS-Nets start from x_0 = 0 and take lr = 1.0).
     "resnet_sh_stable": (lambda: M.ResNetSHStable(num_classes=CLASSES, features=N, depth=DEPTH,
                                                   eps=EPS), 0.5),
 }

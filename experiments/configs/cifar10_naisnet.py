@@ -10,6 +10,8 @@ def get_config():
     config.dataset = "cifar10"
     config.model = "naisnet_cifar10"
     config.num_epochs = 450
+    config.h = 1.0  # the paper's step and learning rate (the FC default uses 0.1 and 0.02)
+    config.learning_rate = 0.1
     config.lr_boundaries_epochs = [150, 250, 350]
     config.weight_decay = 2e-4
     config.augment = True

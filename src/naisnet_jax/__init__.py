@@ -5,6 +5,7 @@ optax and numpy; Flax models live in :mod:`naisnet_jax.models`, training in
 :mod:`naisnet_jax.train`, and the stability verifier in :mod:`naisnet_jax.verify`.
 """
 
+from naisnet_jax.block_vjp import unroll_tied
 from naisnet_jax.cell import ACTIVATIONS, activation_slope, conv_same, conv_step, fc_step
 from naisnet_jax.parametrize import centre_mask, conv_state_kernel, fc_state_matrix
 from naisnet_jax.projection import (
@@ -16,7 +17,12 @@ from naisnet_jax.projection import (
     project_params,
     stability_projection,
 )
-from naisnet_jax.unroll import unroll, unroll_adaptive, unroll_adaptive_bounded
+from naisnet_jax.unroll import (
+    unroll,
+    unroll_adaptive,
+    unroll_adaptive_bounded,
+    unroll_adaptive_stream,
+)
 
 __version__ = "0.1.0"
 
@@ -39,4 +45,6 @@ __all__ = [
     "unroll",
     "unroll_adaptive",
     "unroll_adaptive_bounded",
+    "unroll_adaptive_stream",
+    "unroll_tied",
 ]

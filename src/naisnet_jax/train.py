@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -23,9 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
+from naisnet_jax import metric_writers
 from naisnet_jax import models
 from naisnet_jax.projection import check_eta, count_projected_blocks, project_params, stability_projection
 from naisnet_jax.parametrize import check_eps
@@ -89,11 +92,24 @@ def validate_config(config) -> None:
         raise ValueError(
             f"config.lr_boundaries_epochs={bounds!r} must be strictly increasing positive epoch numbers."
         )
+    if not isinstance(config.get("standardize", True), bool):
+        raise ValueError(f"config.standardize={config.standardize!r} must be True or False.")
     for field in ("limit_train", "limit_test"):
         if config.get(field) is not None:
             _positive_int(config, field)
     if config.adaptive_tol is not None:
         _number(config, "adaptive_tol", 0, math.inf, lo_open=True, hi_open=True)
+    if config.get("num_devices") is not None:
+        _positive_int(config, "num_devices")
+    if config.get("num_seeds") is not None:
+        _positive_int(config, "num_seeds")
+    _positive_int(config, "max_steps")
+    seed = config.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"config.seed={seed!r} must be an integer in [0, 2**32).")
+    for field in ("relaxed", "augment", "progress"):
+        if not isinstance(config[field], bool):
+            raise ValueError(f"config.{field}={config[field]!r} must be true or false.")
 
 
 def model_kwargs(config) -> dict:
@@ -121,6 +137,60 @@ def model_kwargs(config) -> dict:
 
 def build_model(config, num_classes: int):
     return models.get_model(config.model, num_classes=num_classes, **model_kwargs(config))
+
+
+# --------------------------------------------------------------------------- devices
+#
+# Data parallelism: a 1-D ``Mesh`` over the devices (axis ``"data"``); parameters,
+# optimiser state and the device-resident dataset are replicated, and every batch is
+# sharded along its leading axis inside the jitted step, so each device gathers,
+# augments and differentiates its own rows; XLA all-reduces the gradients and
+# BatchNorm's batch statistics (the numbers are those of one device, up to the order
+# of the sums). One device is the same code with a mesh of one. The dataset is
+# replicated, not sharded: the sets that fit on one device (MNIST, CIFAR: at most
+# 150 MB as uint8) then need no communication to shuffle over the whole set each
+# epoch, and a sharded set would have to exchange rows for every batch.
+# Several hosts: call ``jax.distributed.initialize()`` first on every host and run
+# the same program; ``jax.devices()`` then lists every host's devices and each host
+# puts its (identical) copy of the data on its own devices.
+
+DATA_AXIS = "data"
+
+
+def make_mesh(num_devices: int | None = None) -> Mesh:
+    """A 1-D mesh (axis ``"data"``) over the first ``num_devices`` devices (all if None)."""
+    devices = jax.devices()
+    if num_devices is not None:
+        if not 1 <= num_devices <= len(devices):
+            raise ValueError(f"num_devices={num_devices} is outside [1, {len(devices)}] (the devices present).")
+        devices = devices[:num_devices]
+    return Mesh(np.asarray(devices), (DATA_AXIS,))
+
+
+def replicate(tree, mesh: Mesh):
+    """Every array of ``tree`` on every device of ``mesh``."""
+    sharding = NamedSharding(mesh, PartitionSpec())
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    return jax.tree.map(  # several hosts: each holds the same values
+        lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a)), tree)
+
+
+def shard_batch(tree, mesh: Mesh | None):
+    """Inside ``jit``: split every array of ``tree`` along its leading (batch) axis over ``mesh``."""
+    if mesh is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, PartitionSpec(DATA_AXIS)))
+
+
+def check_batch_divides(config, mesh: Mesh) -> None:
+    n = mesh.devices.size
+    for field in ("batch_size", "eval_batch_size"):
+        if config[field] % n:
+            raise ValueError(
+                f"config.{field}={config[field]} is not a multiple of the {n} devices the batch is "
+                f"split over; change it or set config.num_devices."
+            )
 
 
 # --------------------------------------------------------------------------- steps
@@ -196,24 +266,32 @@ def eval_step(state: TrainState, batch, mask) -> dict:
     return out
 
 
-def make_train_chunk(mean, std, augment: bool) -> Callable:
-    """``(state, data, idx_rows, key) -> (state, metrics)``: a scan of train steps."""
+def make_train_chunk(mean, std, augment: bool, mesh: Mesh | None = None) -> Callable:
+    """``(state, data, idx_rows, key) -> (state, metrics)``: a scan of train steps.
+
+    With ``mesh``, each batch is split over its devices (``shard_batch``) and the
+    state comes back replicated (pass it in replicated: ``replicate``).
+    """
 
     def train_chunk(state, data, idx_rows, key):
         def body(state, inputs):
             idx, k = inputs
             batch = data_lib.get_batch(data, idx, mean=mean, std=std, key=k, augment=augment)
-            return train_step(state, batch)
+            return train_step(state, shard_batch(batch, mesh))
 
         keys = jax.random.split(key, idx_rows.shape[0])
         state, metrics = jax.lax.scan(body, state, (idx_rows, keys))
         return state, jax.tree.map(jnp.mean, metrics)
 
-    return jax.jit(train_chunk, donate_argnums=(0,))
+    if mesh is None:
+        return jax.jit(train_chunk, donate_argnums=(0,))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(train_chunk, donate_argnums=(0,), out_shardings=(replicated, replicated))
 
 
-def make_evaluate(mean, std, batch_size: int) -> Callable:
-    """``(state, data) -> metrics`` over every example of ``data`` exactly once."""
+def make_evaluate(mean, std, batch_size: int, mesh: Mesh | None = None) -> Callable:
+    """``(state, data) -> metrics`` over every example of ``data`` exactly once
+    (with ``mesh``: each batch split over its devices)."""
 
     @jax.jit
     def evaluate(state, data):
@@ -221,7 +299,8 @@ def make_evaluate(mean, std, batch_size: int) -> Callable:
 
         def body(_, inputs):
             i, m = inputs
-            return None, eval_step(state, data_lib.get_batch(data, i, mean=mean, std=std), m)
+            batch, m = shard_batch((data_lib.get_batch(data, i, mean=mean, std=std), m), mesh)
+            return None, eval_step(state, batch, m)
 
         _, sums = jax.lax.scan(body, None, (idx, mask))
         count = jnp.sum(sums["count"])
@@ -235,9 +314,10 @@ def make_evaluate(mean, std, batch_size: int) -> Callable:
     return evaluate
 
 
-def per_step_loss(state: TrainState, data, mean, std, batch_size: int = 1000) -> np.ndarray:
-    """Mean cross-entropy of ``x(i)`` through the classifier at every unroll step ``i``
-    (FC models: ``aux["step_logits"]``), over every example of ``data``."""
+def make_per_step_loss(mean, std, batch_size: int = 1000) -> Callable:
+    """``(state, data) -> (K,)``: mean cross-entropy of ``x(i)`` through the classifier at
+    every unroll step ``i`` (FC models: ``aux["step_logits"]``), over every example of
+    ``data``. Traceable, so a sweep can ``jax.vmap`` it over seeds."""
 
     @jax.jit
     def run(state, data):
@@ -253,7 +333,13 @@ def per_step_loss(state: TrainState, data, mean, std, batch_size: int = 1000) ->
         _, sums = jax.lax.scan(body, None, (idx, mask))
         return jnp.sum(sums, axis=0) / jnp.sum(mask)
 
-    return np.asarray(run(state, data))
+    return run
+
+
+def per_step_loss(state: TrainState, data, mean, std, batch_size: int = 1000) -> np.ndarray:
+    """Mean cross-entropy of ``x(i)`` through the classifier at every unroll step ``i``
+    (FC models: ``aux["step_logits"]``), over every example of ``data``."""
+    return np.asarray(make_per_step_loss(mean, std, batch_size)(state, data))
 
 
 # --------------------------------------------------------------------------- loop
@@ -269,6 +355,15 @@ def create_train_state(config, model, input_shape, steps_per_epoch: int) -> Trai
         tx=make_optimizer(config, steps_per_epoch),
         batch_stats=variables.get("batch_stats"),
     )
+
+
+def input_stats(config, train_images) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel ``(mean, std)`` of the input normalisation ``(x / 255 - mean) / std``: the
+    training set's statistics, or ``(0, 1)`` (pixels in [0, 1]) with ``config.standardize=False``."""
+    if config.get("standardize", True):
+        return data_lib.channel_stats(train_images)
+    channels = train_images.shape[-1]
+    return np.zeros(channels), np.ones(channels)
 
 
 def _checkpoint_tree(state: TrainState) -> dict:
@@ -305,10 +400,7 @@ def _check_same_model(meta: dict, config, directory) -> None:
 
 
 def _read_metrics(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return metric_writers.read_jsonl(path)
 
 
 def _finite_or_none(value: float):
@@ -316,29 +408,39 @@ def _finite_or_none(value: float):
     return value if math.isfinite(value) else None
 
 
-def _write_metrics(path, records):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in records:
-            f.write(json.dumps(r, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+def _rewind(writer, step: int) -> None:
+    """Drop what a writer holds after ``step`` (steps a resumed run repeats), if it can."""
+    if callable(getattr(writer, "truncate_after", None)):
+        writer.truncate_after(step)
 
 
-def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = None) -> dict:
+def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: int | None = None) -> dict:
     """Train ``config`` in ``workdir``, resuming from its latest checkpoint.
 
-    Writes ``workdir/metrics.jsonl`` (one JSON record per epoch) and Orbax
-    checkpoints under ``workdir/checkpoints``. ``stop_after_epochs`` ends this
-    call early (as an interruption would), for tests. Returns the final
-    record plus ``"state"`` (the final ``TrainState``).
+    Appends one JSON record per epoch to ``workdir/metrics.jsonl`` and writes
+    Orbax checkpoints under ``workdir/checkpoints``. Scalars (train loss per
+    chunk, learning rate, steps per second, and every epoch's record) go to
+    ``writer``, any object with ``write_scalars(step, scalars)`` (see
+    :mod:`naisnet_jax.metric_writers`); by default ``workdir/scalars.jsonl``.
+    A writer with ``truncate_after(step)`` (``JsonlWriter``) is rewound to the
+    checkpoint's step on resume (emptied on a fresh start), so a resumed run's
+    log equals an uninterrupted run's.
+    Nothing is written before the config, data and model are known to be good.
+    ``stop_after_epochs`` ends this call early (as an interruption would), for
+    tests. Returns the final record plus ``"state"`` (the final ``TrainState``).
     """
     validate_config(config)
-    os.makedirs(workdir, exist_ok=True)
+    if writer is not None:
+        metric_writers.check_writer(writer)
     ds = data_lib.load_dataset(
         config.dataset, data_dir=config.get("data_dir"),
         limit_train=config.get("limit_train"), limit_test=config.get("limit_test"),
     )
     n_train = ds.train_images.shape[0]
+    for split, n in (("training", n_train), ("test", ds.test_images.shape[0])):
+        if n == 0:
+            raise ValueError(f"config.dataset={config.dataset!r} has no {split} examples (data_dir="
+                             f"{config.get('data_dir')!r}); check the data files.")
     if config.batch_size > n_train:
         raise ValueError(f"config.batch_size={config.batch_size} exceeds the {n_train} training examples.")
     steps_per_epoch = n_train // config.batch_size
@@ -347,27 +449,34 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
     if count_projected_blocks(state.params) == 0 and config.model.startswith("naisnet"):
         raise ValueError(f"{config.model} has no NAIS block parameters to project; check models.py.")
 
-    mean, std = data_lib.channel_stats(ds.train_images)
-    train_data = data_lib.put_on_device(ds.train_images, ds.train_labels)
-    test_data = data_lib.put_on_device(ds.test_images, ds.test_labels)
+    mesh = make_mesh(config.get("num_devices"))
+    check_batch_divides(config, mesh)
+    mean, std = input_stats(config, ds.train_images)
+    train_data = replicate(data_lib.put_on_device(ds.train_images, ds.train_labels), mesh)
+    test_data = replicate(data_lib.put_on_device(ds.test_images, ds.test_labels), mesh)
     augment = bool(config.augment)
 
+    os.makedirs(workdir, exist_ok=True)  # only now: a refused run writes nothing
+    own_writer = writer is None
+    if own_writer:
+        writer = metric_writers.default_writer(workdir)
     mngr = ckpt.manager(os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=config.keep_checkpoints)
     metrics_path = os.path.join(workdir, METRICS_FILE)
+    metrics_log = metric_writers.JsonlWriter(metrics_path, fsync=True)
     start_epoch = 1
     if mngr.latest_step() is not None:
         _check_same_model(ckpt.read_metadata(mngr), config, mngr.directory)
         tree, meta = ckpt.restore(mngr, target=_checkpoint_tree(state))
         state = _restore_into(state, tree)
         start_epoch = int(meta["epoch"]) + 1
-        # drop records of epochs after the checkpoint (written before a crash)
-        _write_metrics(metrics_path, [r for r in _read_metrics(metrics_path) if r["epoch"] < start_epoch])
         print(f"Resuming from {mngr.directory} at epoch {start_epoch} (step {int(state.step)}).")
-    elif os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    # drop records of steps after the checkpoint (written before a crash), or all of them
+    metrics_log.truncate_after(int(state.step) if start_epoch > 1 else -1)
+    _rewind(writer, int(state.step) if start_epoch > 1 else -1)
 
-    train_chunk = make_train_chunk(mean, std, augment)
-    evaluate = make_evaluate(mean, std, config.eval_batch_size)
+    state = replicate(state, mesh)
+    train_chunk = make_train_chunk(mean, std, augment, mesh)
+    evaluate = make_evaluate(mean, std, config.eval_batch_size, mesh)
     base_key = jax.random.PRNGKey(config.seed + 1)
     schedule = learning_rate_schedule(config, steps_per_epoch)
     metadata = ckpt.CheckpointMetadata.from_config(config, ds, mean, std)
@@ -375,7 +484,8 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
     done = _read_metrics(metrics_path) if start_epoch > 1 else []
     last = done[-1] if done else {}
     end_epoch = config.num_epochs if stop_after_epochs is None else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
-    progress = _progress(total=(end_epoch - start_epoch + 1) * steps_per_epoch, enabled=config.progress)
+    progress = _progress(total=(end_epoch - start_epoch + 1) * steps_per_epoch,
+                         enabled=config.progress and sys.stderr.isatty())  # redirected: a line per epoch
     for epoch in range(start_epoch, end_epoch + 1):
         t0 = time.time()
         epoch_key = jax.random.fold_in(base_key, epoch)
@@ -383,9 +493,11 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
         idx = data_lib.epoch_batches(perm_key, n_train, config.batch_size)
         sums, seen = {"loss": 0.0, "accuracy": 0.0}, 0
         for c, start in enumerate(range(0, steps_per_epoch, config.steps_per_chunk)):
-            rows = idx[start:start + config.steps_per_chunk]
-            state, m = train_chunk(state, train_data, rows, jax.random.fold_in(aug_key, c))
+            rows = replicate(idx[start:start + config.steps_per_chunk], mesh)
+            t_chunk = time.perf_counter()
+            state, m = train_chunk(state, train_data, rows, replicate(jax.random.fold_in(aug_key, c), mesh))
             m = jax.device_get(m)
+            t_chunk = time.perf_counter() - t_chunk
             if not all(np.isfinite(v) for v in m.values()):
                 progress.close()
                 _diverged(mngr, f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)})")
@@ -394,6 +506,12 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
             seen += rows.shape[0]
             progress.update(rows.shape[0])
             progress.set_postfix(epoch=epoch, loss=f"{float(m['loss']):.4f}")
+            step = int(state.step)
+            writer.write_scalars(step, {
+                "train/loss": float(m["loss"]), "train/accuracy": float(m["accuracy"]),
+                "train/learning_rate": float(schedule(step - 1)),
+                "train/steps_per_second": rows.shape[0] / max(t_chunk, 1e-9),
+            })
         test = jax.device_get(evaluate(state, test_data))
         record = {
             "epoch": epoch,
@@ -417,7 +535,9 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
             _diverged(mngr, f"after epoch {epoch} (step {int(state.step)}) {what}")
         # The record first: a crash between the two leaves a record that resume drops,
         # never a checkpoint whose epoch has no record.
-        _write_metrics(metrics_path, _read_metrics(metrics_path) + [record])
+        metrics_log.write_record(record)
+        writer.write_scalars(record["step"], {f"epoch/{k}": v for k, v in record.items()
+                                              if k != "step" and v is not None})
         if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
             ckpt.save(mngr, int(state.step), _checkpoint_tree(state), metadata.replace(epoch=epoch))
         progress.write(
@@ -429,6 +549,11 @@ def train_and_evaluate(config, workdir: str, *, stop_after_epochs: int | None = 
         last = record
     progress.close()
     mngr.close()
+    metrics_log.close()
+    if own_writer:
+        writer.close()
+    elif callable(getattr(writer, "flush", None)):
+        writer.flush()
     return dict(last, state=state, mean=mean, std=std, test_data=test_data)
 
 

@@ -1,37 +1,268 @@
-"""``naisnet-train --config=FILE --workdir=DIR [--config.field=value ...]``.
+"""``naisnet-train --config=FILE_OR_NAME --workdir=DIR [--config.FIELD=VALUE ...]``.
 
-Parses flags only; the work is :func:`naisnet_jax.train.train_and_evaluate`.
+Parses the command line only; the work is :func:`naisnet_jax.train.train_and_evaluate`.
+Every bad command line (missing or broken config file, unknown field, value of the
+wrong type or out of range, missing dataset, ...) ends with one line
+``error: ...`` on stderr and exit status 2, before anything is written.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
+import difflib
+import importlib.machinery
+import importlib.util
+import inspect
+import os
+import pathlib
 import sys
+from typing import Any, Sequence
 
-from absl import app, flags, logging
-from ml_collections import config_flags
-
-FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics (resumed if present).")
-config_flags.DEFINE_config_file("config", None, "A get_config() file, e.g. src/naisnet_jax/configs/default.py.", lock_config=True)
-flags.mark_flags_as_required(["config", "workdir"])
+EXIT_USAGE = 2  # bad command line, config, data or checkpoint: nothing was written
+EXIT_DIVERGED = 1  # training diverged; the last good checkpoint is kept
+PACKAGED_CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
+_TRUE, _FALSE = ("true", "t", "yes", "y", "1"), ("false", "f", "no", "n", "0")
 
 
-def _main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+class UsageError(Exception):
+    """A bad command line; its message is printed as ``error: <message>``."""
+
+
+def shipped_configs() -> list[str]:
+    """Names of the configs inside the package (``--config=NAME`` loads one)."""
+    return sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.py") if not p.stem.startswith("_"))
+
+
+def resolve_config_path(spec: str) -> tuple[pathlib.Path, str | None]:
+    """``PATH[:ARG]`` or ``NAME[:ARG]`` -> ``(file, ARG)``; a NAME is a shipped config."""
+    path, sep, arg = spec.partition(":")
+    if not path:
+        raise UsageError("--config is empty; pass a config file or one of the shipped names "
+                         f"{shipped_configs()}.")
+    candidate = pathlib.Path(path).expanduser()
+    if candidate.is_file():
+        return candidate, (arg if sep else None)
+    if os.sep not in path and not path.endswith(".py") and (PACKAGED_CONFIGS / f"{path}.py").is_file():
+        return PACKAGED_CONFIGS / f"{path}.py", (arg if sep else None)
+    if candidate.is_dir():
+        raise UsageError(f"--config={path} is a directory; expected a config file (a .py with get_config()).")
+    raise UsageError(
+        f"--config={path}: no such config file, and not a shipped config name "
+        f"(shipped: {', '.join(shipped_configs())})."
+    )
+
+
+def load_config(spec: str):
+    """Import a ``get_config()`` file from any directory and call it (with ``ARG`` if given)."""
+    import ml_collections
+
+    path, arg = resolve_config_path(spec)
+    module_name = f"naisnet_config_{abs(hash(str(path.resolve())))}"
+    try:
+        loader = importlib.machinery.SourceFileLoader(module_name, str(path))  # any file name
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(module_name, loader))
+        loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - whatever the file does wrong, say so in one line
+        raise UsageError(f"--config={path}: the file cannot be loaded ({type(e).__name__}: {e}).") from e
+    get_config = getattr(module, "get_config", None)
+    if not callable(get_config):
+        raise UsageError(f"--config={path} defines no get_config() function.")
+    try:
+        takes_arg = bool(inspect.signature(get_config).parameters)
+        if arg is not None and not takes_arg:
+            raise UsageError(f"--config={path}:{arg}: this config's get_config() takes no argument.")
+        config = get_config(arg) if takes_arg and arg is not None else get_config()
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"--config={path}: get_config() failed ({type(e).__name__}: {e}).") from e
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise UsageError(f"--config={path}: get_config() returned {type(config).__name__}, not a ConfigDict.")
+    return config
+
+
+def _parse_value(field: str, raw: str, expected: type | None) -> Any:
+    """The override string ``raw`` as a value of the ``expected`` type (any literal if None)."""
+    if raw.lower() == "none":
+        return None
+    if expected is bool:
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise UsageError(f"--config.{field}={raw}: expected true or false.")
+    if expected is str:
+        return raw
+    if expected is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise UsageError(f"--config.{field}={raw}: expected an integer.") from None
+    if expected is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise UsageError(f"--config.{field}={raw}: expected a number.") from None
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        if expected in (list, tuple):
+            raise UsageError(f"--config.{field}={raw}: expected a list such as [10, 20].") from None
+        return raw  # a bare word: a string (e.g. --config.model_kwargs.activation=relu)
+    if expected in (list, tuple):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise UsageError(f"--config.{field}={raw}: expected a list such as [10, 20].")
+        return expected(value)
+    return value
+
+
+def apply_override(config, dotted: str, raw: str) -> None:
+    """``config.<dotted> = raw`` parsed to the field's type. Fields must exist, except
+    inside ``model_kwargs`` (the model's keyword arguments, checked by the trainer)."""
+    import ml_collections
+
+    *parents, leaf = dotted.split(".")
+    node, walked = config, []
+    for name in parents:
+        walked.append(name)
+        if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
+            raise UsageError(_unknown(".".join(walked), node, name))
+        node = node[name]
+    open_group = walked == ["model_kwargs"]
+    if leaf not in node:
+        if not open_group:
+            raise UsageError(_unknown(dotted, node, leaf))
+        expected = None
+    else:
+        expected = node.get_type(leaf)
+        if expected is ml_collections.ConfigDict or isinstance(node[leaf], ml_collections.ConfigDict):
+            raise UsageError(f"--config.{dotted} is a group of fields; set them one by one "
+                             f"(--config.{dotted}.NAME=VALUE).")
+        if open_group and node[leaf] is not None:
+            expected = type(node[leaf])
+    value = _parse_value(dotted, raw, expected)
+    try:
+        if open_group and leaf not in node:
+            node[leaf] = value
+        elif value is None and node[leaf] is not None and expected is not None:
+            raise TypeError(f"field {dotted} cannot be None")
+        else:
+            node[leaf] = value
+    except (TypeError, ValueError, AttributeError) as e:
+        raise UsageError(f"--config.{dotted}={raw}: {e}.") from None
+
+
+def _unknown(dotted: str, node, name: str) -> str:
+    close = difflib.get_close_matches(name, list(node.keys()), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; fields here: {', '.join(sorted(node.keys()))}."
+    return f"--config.{dotted}: no such config field{hint}"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints usage + two lines)
+        raise UsageError(f"{message} (see naisnet-train --help)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    epilog = (
+        "Override any config field with --config.FIELD=VALUE (nested: --config.model_kwargs.features=64; "
+        "model_kwargs accepts any keyword argument of the model). Values are parsed to the field's type: "
+        "numbers, true/false, None, lists such as [30, 60]. "
+        f"Shipped configs (--config=NAME): {', '.join(shipped_configs())}. "
+        "Exit status: 0 trained, 1 training diverged (the last good checkpoint is kept), "
+        "2 bad command line, config, data or checkpoint (nothing written)."
+    )
+    p = _Parser(
+        prog="naisnet-train",
+        description="Train a NAIS-Net (or a ResNet baseline) from a config; resumes from the workdir's "
+        "latest checkpoint.",
+        epilog=epilog,
+        allow_abbrev=False,
+    )
+    p.add_argument("--config", required=True, metavar="FILE_OR_NAME[:ARG]",
+                   help="a get_config() file (from any directory), or a shipped config name such as 'default'")
+    p.add_argument("--workdir", metavar="DIR",
+                   help="checkpoints, metrics.jsonl and scalars.jsonl; resumed if it holds checkpoints "
+                   "(required unless --print_config)")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard event files to DIR/tensorboard (needs the [tensorboard] extra)")
+    p.add_argument("--print_config", action="store_true", help="print the final config and exit")
+    return p
+
+
+def _split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Separate ``--config.a.b=v`` / ``--config.a.b v`` from the other arguments."""
+    rest, overrides, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--config."):
+            key, sep, raw = arg[len("--config."):].partition("=")
+            if not sep:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise UsageError(f"--config.{key} needs a value (--config.{key}=VALUE).")
+                raw, i = argv[i + 1], i + 1
+            if not key or any(not part for part in key.split(".")):
+                raise UsageError(f"{arg}: malformed field name.")
+            overrides.append((key, raw))
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
+def parse(argv: Sequence[str]):
+    """Command line -> ``(args, config)``; raises :class:`UsageError` for anything wrong."""
+    rest, overrides = _split_overrides(list(argv))
+    args = _parser().parse_args(rest)
+    if args.workdir is None and not args.print_config:
+        raise UsageError("the following arguments are required: --workdir (see naisnet-train --help)")
+    config = load_config(args.config)
+    for dotted, raw in overrides:
+        apply_override(config, dotted, raw)
+    if args.workdir is None:
+        return args, config
+    workdir = pathlib.Path(args.workdir).expanduser()
+    if workdir.exists() and not workdir.is_dir():
+        raise UsageError(f"--workdir={args.workdir} exists and is not a directory.")
+    return args, config
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args, config = parse(argv)
+    except UsageError as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    if args.print_config:
+        print(config)
+        return
+
+    from absl import logging
+
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
     from naisnet_jax import train
+    from naisnet_jax.metric_writers import default_writer
 
     try:
-        result = train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
-    except (ValueError, train.TrainingDiverged) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, ValueError) else 1)
+        writer = default_writer(args.workdir, tensorboard=args.tensorboard)
+        result = train.train_and_evaluate(config, args.workdir, writer=writer)
+    except train.TrainingDiverged as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_DIVERGED)
+    except (ValueError, FileNotFoundError, NotADirectoryError, ImportError) as e:
+        # ValueError: config values, data files, checkpoints (CheckpointError);
+        # FileNotFoundError: a missing dataset; ImportError: a missing optional extra.
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
     print(f"test accuracy {result['test_accuracy']:.4f} after epoch {result['epoch']}")
-
-
-def main():
-    app.run(_main)
 
 
 if __name__ == "__main__":

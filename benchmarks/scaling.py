@@ -1,0 +1,132 @@
+"""Benchmark: data-parallel scaling of the NAIS-Net10 training step over the GPUs of a host.
+
+The trainer's own step (``train.make_train_chunk`` with a ``Mesh``: state and dataset
+replicated, each batch sharded; augmentation and projection included) on 1 device
+and on all of them:
+
+- weak scaling: 128 images per device (global batch 128 x n); efficiency
+  ``images/s(n) / (n x images/s(1))``;
+- strong scaling: global batch fixed at 128 x n_devices; efficiency likewise.
+
+Target: at least 85% on 2 GPUs. ``--model-kwargs`` (JSON) measures a faster variant,
+e.g. ``'{"scan_unroll": 10}'``.
+
+    python benchmarks/scaling.py --out=runs/bench/scaling            # on a machine with >= 2 GPUs
+    python benchmarks/scaling.py --out=/tmp/smoke --smoke            # 2 CPU devices, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+TARGET = 0.85
+
+
+def measure(n_devices: int, global_batch: int, *, model: str, model_kwargs: dict, steps: int,
+            repeats: int) -> dict:
+    import jax
+    import ml_collections
+    import numpy as np
+
+    from naisnet_jax import data as data_lib
+    from naisnet_jax import train
+
+    config = _common.cifar_config()
+    config.model = model
+    config.model_kwargs = ml_collections.ConfigDict(model_kwargs)
+    config.batch_size = global_batch
+    mesh = train.make_mesh(n_devices)
+    rng = np.random.default_rng(0)
+    n = steps * global_batch
+    images = rng.integers(0, 256, size=(n, 32, 32, 3), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=n).astype(np.int32)
+    data = train.replicate(data_lib.put_on_device(images, labels), mesh)
+    mean, std = data_lib.channel_stats(images)
+    state = train.create_train_state(config, train.build_model(config, 10), (32, 32, 3), steps_per_epoch=steps)
+    state = train.replicate(state, mesh)
+    chunk = train.make_train_chunk(mean, std, augment=True, mesh=mesh)
+    idx = train.replicate(data_lib.epoch_batches(jax.random.PRNGKey(0), n, global_batch), mesh)
+    key = train.replicate(jax.random.PRNGKey(1), mesh)
+    t0 = time.perf_counter()
+    state, metrics = chunk(state, data, idx, key)
+    jax.block_until_ready(metrics)
+    first = time.perf_counter() - t0
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        state, metrics = chunk(state, data, idx, key)
+        jax.block_until_ready(metrics)
+        best = min(best, time.perf_counter() - t)
+    return {"devices": n_devices, "global_batch": global_batch, "per_device_batch": global_batch // n_devices,
+            "ms_per_step": 1000 * best / steps, "images_per_s": global_batch * steps / best,
+            "compile_and_first_s": first, "loss": float(metrics["loss"])}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="naisnet_cifar10")
+    parser.add_argument("--model-kwargs", default="{}", help="JSON, e.g. '{\"scan_unroll\": 10}'")
+    parser.add_argument("--per-device-batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="2 CPU devices, tiny model, batch 8 per device")
+    args = parser.parse_args(argv)
+    if args.smoke:  # before jax starts
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        args.model, args.per_device_batch, args.steps, args.repeats = "naisnet_conv_tiny", 8, 2, 1
+    _common.importable()
+    import jax
+
+    os.makedirs(args.out, exist_ok=True)
+    kwargs = json.loads(args.model_kwargs)
+    n = jax.device_count()
+    runs = {}
+    path = os.path.join(args.out, "scaling_runs.json")
+    if os.path.exists(path):  # resume
+        with open(path) as f:
+            runs = json.load(f)
+    plan = [("weak", 1, args.per_device_batch), ("weak", n, args.per_device_batch * n),
+            ("strong", 1, args.per_device_batch * n), ("strong", n, args.per_device_batch * n)]
+    for mode, devices, batch in plan:
+        key = f"{devices}x{batch}"
+        if key not in runs:
+            print(f"[{mode}] {devices} device(s), global batch {batch}", flush=True)
+            runs[key] = measure(devices, batch, model=args.model, model_kwargs=kwargs, steps=args.steps,
+                                repeats=args.repeats)
+            with open(path, "w") as f:
+                json.dump(runs, f, indent=2)
+    rows = []
+    for mode in ("weak", "strong"):
+        one = runs[f"1x{args.per_device_batch if mode == 'weak' else args.per_device_batch * n}"]
+        many = runs[f"{n}x{args.per_device_batch * n}"]
+        eff = many["images_per_s"] / (n * one["images_per_s"])
+        rows.append({"name": f"{mode}: 1 -> {n} devices", "images_per_s_1": one["images_per_s"],
+                     "images_per_s_n": many["images_per_s"], "batch_1": one["global_batch"],
+                     "batch_n": many["global_batch"], "efficiency": 100 * eff,
+                     "pass": eff >= TARGET if n > 1 else None})
+    text, md = _common.table(rows, [("name", "scaling", ""), ("batch_1", "batch (1)", "d"),
+                                    ("images_per_s_1", "images/s (1)", ".0f"), ("batch_n", "batch (n)", "d"),
+                                    ("images_per_s_n", "images/s (n)", ".0f"), ("efficiency", "efficiency %", ".1f"),
+                                    ("pass", f">= {100 * TARGET:.0f}%", "")])
+    head = (f"device: {jax.devices()[0].device_kind} x {n}; model {args.model} {kwargs or ''}; "
+            f"per-device batch {args.per_device_batch}; best of {args.repeats} chunks of {args.steps} steps")
+    if n == 1:
+        head += " (one device: nothing to scale; run on a machine with several GPUs)"
+    _common.write_results(args.out, "scaling", {"runs": runs, "rows": rows, **_common.device_summary()},
+                          head + "\n\n" + md)
+    print()
+    print(head)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""Section 5.2's comparison on MNIST and Fashion-MNIST: NAIS-Net1, NAIS-Net10 and the ResNet.
+
+    python -m experiments.conv --workdir=runs/conv
+    python -m experiments.conv --time_steps=50 --workdir=runs/conv   # steps/s and projected time
+    python -m experiments.conv --smoke --workdir=/tmp/conv_smoke      # seconds, on a CPU
+
+3 stages x 18 blocks of 16/32/64 filters: NAIS-Net1 (each block unrolled once) from the paper's
+``x(0) = 0`` and from ``x(0) = u`` (the model option ``initial_state``; with ``x(0) = 0`` and one
+step the state kernel never acts, so that block is a plain convolution layer), NAIS-Net10 (10
+steps per block, ``x(0) = 0``) and the one-convolution ResNet. Each model is one sweep of
+``--seeds`` seeds (``naisnet_jax.sweep``) with the config ``experiments/configs/conv_paper.py``:
+the paper's CIFAR schedule compressed to ``--epochs`` epochs (see the config for why).
+Writes to ``--workdir``: ``results.json`` / ``results.md`` (test accuracy, train accuracy and
+generalisation gap, mean +- std over seeds, per dataset), ``accuracy_<dataset>.png`` (train and
+test accuracy over epochs, figure 4 right) and ``gap.png``; each sweep lives in
+``<workdir>/<dataset>/<variant>`` and resumes; a finished one is read back from its
+``summary.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from absl import app, flags, logging
+
+from experiments.sweep_report import as_array, curve, enable_compilation_cache, pm, read_summary, stat_row, write_summary
+
+# variant -> (paper label, model, model_kwargs)
+VARIANTS = {
+    "resnet": ("ResNet", "resnet_cifar", {}),
+    "naisnet1_zero": ("NAIS-Net1, x(0) = 0", "naisnet_cifar1", {}),
+    "naisnet1_input": ("NAIS-Net1, x(0) = u", "naisnet_cifar1", {"initial_state": "input"}),
+    "naisnet10": ("NAIS-Net10, x(0) = 0", "naisnet_cifar10", {}),
+}
+# --smoke: the same variants, miniature (digits, 2 stages x 1 block of 4/8 filters)
+SMOKE_MODELS = {"resnet_cifar": ("resnet_conv_tiny", {}), "naisnet_cifar1": ("naisnet_conv_tiny", {"steps": 1}),
+                "naisnet_cifar10": ("naisnet_conv_tiny", {"steps": 2})}
+# CIFAR test accuracy (%) in the paper (5 runs), for reference only: these runs are on (Fashion-)MNIST.
+PAPER_CIFAR10 = {"ResNet": "91.72 ± 0.38", "NAIS-Net1": "91.24 ± 0.10", "NAIS-Net10": "91.25 ± 0.46"}
+
+
+def supports_initial_state(model: str) -> bool:
+    from naisnet_jax import models
+
+    return "initial_state" in {f.name for f in dataclasses.fields(models.MODELS[model].func)}
+
+
+def make_config(variant: str, *, dataset: str, seeds: int, epochs: int | None, smoke: bool,
+                limit_train: int | None = None):
+    import ml_collections
+
+    from experiments.configs import conv_paper
+
+    _, model, kwargs = VARIANTS[variant]
+    config = conv_paper.get_config()
+    config.dataset = dataset
+    config.model = model
+    config.model_kwargs = ml_collections.ConfigDict(dict(kwargs))
+    config.num_seeds = seeds
+    config.progress = sys.stderr.isatty()
+    if limit_train is not None:  # the first limit_train training images (the test set stays whole)
+        config.limit_train = limit_train
+    if smoke:
+        tiny, tiny_kwargs = SMOKE_MODELS[model]
+        config.model = tiny
+        config.model_kwargs = ml_collections.ConfigDict({**kwargs, **tiny_kwargs})
+        config.dataset = "digits"
+        config.limit_train, config.limit_test = 256, 100
+        config.batch_size = config.eval_batch_size = 64
+        epochs = 2 if epochs is None else epochs
+    if epochs is not None:
+        config.num_epochs = epochs
+        config.lr_boundaries_epochs = conv_paper.scaled_boundaries(epochs)
+    return config
+
+
+def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
+    from naisnet_jax import sweep
+
+    label = VARIANTS[variant][0]
+    run_dir = os.path.join(workdir, config.dataset, variant)
+    summary_path = os.path.join(run_dir, "summary.json")
+    row = read_summary(summary_path, config)
+    if row is not None:
+        print(f"== {label} on {config.dataset}: finished earlier, read from {summary_path}", flush=True)
+        return row
+    print(f"== {label} ({config.model} {dict(config.model_kwargs)}) on {config.dataset}: "
+          f"{config.num_seeds} seeds x {config.num_epochs} epochs", flush=True)
+    t0 = time.time()
+    result = sweep.train_sweep(config, run_dir, audit_options=audit_options, audit_baselines=False,
+                               per_step_loss=False)
+    row = {"variant": variant, "label": label, "model": config.model, "model_kwargs": dict(config.model_kwargs),
+           "dataset": config.dataset, "seeds": list(result.seeds), "epochs": result.epoch}
+    for field in ("test_accuracy", "train_accuracy", "generalisation_gap", "test_loss"):
+        row[field] = stat_row(result, field)
+    row["diverged"] = result.num_diverged
+    row["has_nais_block"] = any(r.rho_max is not None for r in result.runs)
+    row["certified_seeds"] = sum(bool(r.certified) for r in result.runs)
+    row["rho_bound_max"] = max((r.rho_max for r in result.runs if r.rho_max is not None), default=None)
+    row["test_accuracy_curve"] = curve(result.history, "test_accuracy")
+    row["train_accuracy_curve"] = curve(result.history, "train_accuracy")
+    row["seconds"] = time.time() - t0
+    row["epoch_seconds_median"] = float(np.median([r["epoch_seconds"] for r in result.history]))
+    row["device"] = sweep.device_description()
+    write_summary(summary_path, config, row)
+    return row
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def table(rows) -> str:
+    head = ("| dataset | model | test acc (%) | train acc (%) | gap (pp) | diverged | certified | "
+            "paper, CIFAR-10 test (%) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        n = len(r["seeds"])
+        cert = f"{r['certified_seeds']}/{n}" if r["has_nais_block"] else "n/a (no NAIS block)"
+        paper = PAPER_CIFAR10.get(r["label"].split(",")[0], "")
+        lines.append(f"| {r['dataset']} | {r['label']} | {pm(r['test_accuracy'])} | {pm(r['train_accuracy'])} | "
+                     f"{pm(r['generalisation_gap'])} | {r['diverged']}/{n} | {cert} | {paper} |")
+    return "\n".join(lines)
+
+
+def plot(rows, workdir) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for dataset in sorted({r["dataset"] for r in rows}):
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        for i, r in enumerate(r for r in rows if r["dataset"] == dataset):
+            for kind, style in (("train", ":"), ("test", "-")):
+                c = r[f"{kind}_accuracy_curve"]
+                ep = np.asarray(c["epochs"])
+                mean, std = as_array(c["mean"]), as_array(c["std"])
+                ax.plot(ep, mean, style, color=f"C{i}", marker="o", ms=3,
+                        label=f"{r['label']} ({kind})")
+                ax.fill_between(ep, mean - std, mean + std, color=f"C{i}", alpha=0.12, lw=0)
+        ax.set(xlabel="epoch", ylabel="accuracy",
+               title=f"{dataset}: train (dotted) and test (solid) accuracy, mean ± std over seeds")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(os.path.join(workdir, f"accuracy_{dataset}.png"), dpi=120)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.0))
+    datasets = sorted({r["dataset"] for r in rows})
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    width = 0.8 / max(len(datasets), 1)
+    for j, dataset in enumerate(datasets):
+        sub = {r["label"]: r for r in rows if r["dataset"] == dataset}
+        x = np.arange(len(labels)) + j * width
+        gaps = [100 * sub[lab]["generalisation_gap"]["mean"] if lab in sub else np.nan for lab in labels]
+        errs = [100 * sub[lab]["generalisation_gap"]["std"] if lab in sub else np.nan for lab in labels]
+        ax.bar(x, gaps, width, yerr=errs, label=dataset, capsize=3)
+    ax.set_xticks(np.arange(len(labels)) + width * (len(datasets) - 1) / 2, labels, fontsize=8)
+    ax.set(ylabel="train - test accuracy (pp)", title="Generalisation gap (mean ± std over seeds)")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "gap.png"), dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run(*, workdir: str, datasets, seeds: int = 3, epochs: int | None = None, variants=None,
+        smoke: bool = False, time_steps: int = 0, full_audit: bool = False,
+        limit_train: int | None = None) -> list[dict]:
+    from naisnet_jax import sweep
+    from naisnet_jax.verify import AuditOptions
+
+    variants = list(variants or VARIANTS)
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"--variants has unknown names {sorted(unknown)}; valid: {list(VARIANTS)}")
+    skipped = []
+    if "naisnet1_input" in variants and not supports_initial_state("naisnet_cifar1"):
+        variants.remove("naisnet1_input")
+        skipped.append("NAIS-Net1, x(0) = u: skipped, this models.py has no initial_state option")
+        print(f"note: {skipped[-1]}", flush=True)
+    os.makedirs(workdir, exist_ok=True)
+    if smoke:
+        datasets = ["digits"]
+    configs = [(v, make_config(v, dataset=d, seeds=seeds, epochs=epochs, smoke=smoke, limit_train=limit_train))
+               for d in datasets for v in variants]
+
+    if time_steps:
+        rows = []
+        for v, config in configs[: len(variants)]:  # one dataset: the shapes are the same for both
+            t = sweep.time_steps(config, steps=time_steps)
+            t["variant"] = v
+            rows.append(t)
+            print(f"{VARIANTS[v][0]:<22} {t['steps_per_second']:7.2f} steps/s ({t['seeds']} seeds)  "
+                  f"{t['images_per_second']:9.0f} seed-images/s  eval {t['eval_seconds']:.2f}s  "
+                  f"compile {t['compile_seconds']:.0f}s  projected {t['projected_seconds'] / 60:.2f} min per dataset",
+                  flush=True)
+        total = len(datasets) * sum(t["projected_seconds"] for t in rows)
+        with open(os.path.join(workdir, "timing.json"), "w") as f:
+            json.dump({"rows": rows, "datasets": list(datasets), "projected_total_seconds": total}, f, indent=1)
+        print(f"\nprojected training, {len(datasets)} datasets: {total / 60:.1f} min ({configs[0][1].num_epochs} "
+              f"epochs, without compilation) on {sweep.device_description()}")
+        return rows
+
+    options = AuditOptions(data="none", exact_conv_radius=full_audit)
+    t0 = time.time()
+    rows = [run_variant(v, config, workdir, options) for v, config in configs]
+    wall = time.time() - t0
+    config = configs[0][1]
+    header = {
+        "datasets": ", ".join(datasets) + (" (smoke: tiny models on digits)" if smoke else ""),
+        "training images": "all" if config.get("limit_train") is None else f"the first {config.limit_train}",
+        "seeds": f"{config.num_seeds} per model (config.seed + 0..{config.num_seeds - 1})",
+        "schedule": (f"{config.num_epochs} epochs, SGD momentum {config.momentum}, batch {config.batch_size}, "
+                     f"learning rate {config.learning_rate} divided by 10 at epochs {list(config.lr_boundaries_epochs)} "
+                     f"(the paper's 450-epoch CIFAR schedule compressed to fit ~10 GPU minutes; "
+                     f"see experiments/configs/conv_paper.py), weight decay {config.weight_decay}, no augmentation"),
+        "audit": "parameter-level (Algorithm 2's condition and Gershgorin bounds)"
+                 + (" plus Arnoldi radii of every conv block" if full_audit else ""),
+        "device": sweep.device_description(),
+        "wall time of this call": f"{wall:.1f} s",
+        "training wall time per sweep (when trained)": ", ".join(
+            f"{r['dataset']}/{r['label']} {r['seconds']:.0f}s" for r in rows),
+        "skipped": "; ".join(skipped) or "nothing",
+        "paper": "CIFAR-10 numbers shown for reference only (5 runs, 450 epochs); these runs are on (Fashion-)MNIST",
+    }
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+        json.dump({"header": header, "rows": rows}, f, indent=1)
+    md = ["# Section 5.2 on MNIST and Fashion-MNIST: NAIS-Net1, NAIS-Net10 and the one-convolution ResNet", ""]
+    md += [f"- {k}: {v}" for k, v in header.items()]
+    md += ["", "Mean ± std over the seeds that did not diverge (population std). Train accuracy is the running "
+           "mean over the last epoch's batches; gap = train - test.", "", table(rows), ""]
+    with open(os.path.join(workdir, "results.md"), "w") as f:
+        f.write("\n".join(md))
+    plot(rows, workdir)
+    print()
+    print(f"{'dataset':<18} {'model':<22} {'test acc (%)':>16} {'gap (pp)':>14} {'div':>4} {'cert':>5}")
+    for r in rows:
+        n = len(r["seeds"])
+        cert = f"{r['certified_seeds']}/{n}" if r["has_nais_block"] else "n/a"
+        print(f"{r['dataset']:<18} {r['label']:<22} {pm(r['test_accuracy']):>16} {pm(r['generalisation_gap']):>14} "
+              f"{r['diverged']:>4} {cert:>5}")
+    print(f"\nwrote {workdir}/results.md, results.json and the figures; wall time {wall:.1f} s on "
+          f"{sweep.device_description()}")
+    return rows
+
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+    """Flags are defined only when the script runs, so tests can import both experiments."""
+    flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cache (default: <workdir>/jax_cache; "
+                        "'none' turns it off): a rerun or resume does not compile again.")
+    flags.DEFINE_string("workdir", "runs/conv", "Where every sweep and the results go.")
+    flags.DEFINE_list("datasets", ["mnist_pinned", "fashion_mnist_idx"], "Datasets, each a full comparison.")
+    flags.DEFINE_integer("seeds", 3, "Seeds per model, trained side by side.")
+    flags.DEFINE_integer("epochs", None, "Override the number of epochs (the schedule's drops scale with it).")
+    flags.DEFINE_list("variants", None, f"Subset of {list(VARIANTS)}.")
+    flags.DEFINE_bool("smoke", False, "Tiny models on digits, 2 epochs: seconds on a CPU.")
+    flags.DEFINE_integer("time_steps", 0, "Only measure steps/s of each model's sweep over this many steps.")
+    flags.DEFINE_integer("limit_train", None, "Train on the first N training images only (the test set stays whole).")
+    flags.DEFINE_bool("full_audit", False, "Also compute Arnoldi spectral radii of every conv block (slow).")
+
+
+def _main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    enable_compilation_cache(FLAGS.compilation_cache, FLAGS.workdir)
+    try:
+        run(workdir=FLAGS.workdir, datasets=FLAGS.datasets, seeds=FLAGS.seeds, epochs=FLAGS.epochs,
+            variants=FLAGS.variants, smoke=FLAGS.smoke, time_steps=FLAGS.time_steps, full_audit=FLAGS.full_audit,
+            limit_train=FLAGS.limit_train)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(_main)

@@ -1,0 +1,153 @@
+"""A tied NAIS block's K steps with a hand-written VJP (one weight-gradient op for all K).
+
+For a tied block ``x_{k+1} = x_k + h act(op(x_k, W) + drive)``, with ``op`` linear
+in each argument (``x @ A.T`` or ``conv(x, C)``), reverse mode by ``lax.scan``
+computes the weight gradient ``sum_k op_W^T(x_k, s_k)`` as K small operations, one
+per step. Because ``op`` treats patterns independently, the same sum is one
+operation over the K states stacked on the batch axis::
+
+    dW = op_W^T(stack(x_0 .. x_{K-1}), stack(s_0 .. s_{K-1}))   # batch K * B
+
+where ``s_k = h act'(z_k) g_{k+1}`` is the gradient at the pre-activation and
+``g_k`` the gradient at ``x_k``. The reverse loop then carries only the input
+gradients ``g_k = g_{k+1} + op_x^T(s_k, W)``. Residuals are either stored in the
+forward pass (``"store"``: the states and the activation's residual) or
+recomputed from ``(x_0, drive, W)`` in the backward pass (``"recompute"``: a
+block's memory is then only its input).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from naisnet_jax.cell import ACTIVATIONS, check_activation, check_step_size, conv_same
+from naisnet_jax.unroll import _check_positive_int, check_scan_unroll
+
+Array = jax.Array
+RESIDUALS = ("store", "recompute")
+
+
+def dense_op(x: Array, A: Array) -> Array:
+    """``x @ A.T``: the dense block's state operator."""
+    return jnp.matmul(x, A.T)
+
+
+def conv_op(x: Array, kernel: Array) -> Array:
+    """``conv(x, kernel)``: the conv block's state operator (stride 1, SAME)."""
+    return conv_same(x, kernel)
+
+
+def _residual(activation: str, z: Array) -> Array:
+    """What the backward pass needs of ``act'(z)``: the sign mask (ReLU) or ``tanh(z)``."""
+    return z > 0 if activation == "relu" else jnp.tanh(z)
+
+
+def _slope_times(activation: str, r: Array, g: Array) -> Array:
+    """``act'(z) * g`` from the residual ``r`` (ReLU's slope at 0 is 0, as ``jax.nn.relu``)."""
+    if activation == "relu":
+        return jnp.where(r, g, jnp.zeros_like(g))
+    return g * (1 - r) * (1 + r)  # 1 - tanh^2, in the form jax's own tanh rule uses
+
+
+def _forward(op, x0, drive, W, steps, h, activation, scan_unroll, save):
+    act = ACTIVATIONS[activation]
+
+    def body(x, _):
+        z = op(x, W) + drive
+        x_next = x + h * act(z)
+        return x_next, ((x, _residual(activation, z)) if save else None)
+
+    return lax.scan(body, x0, None, length=steps, unroll=scan_unroll)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4, 5, 6, 7, 8))
+def _tied(op, x0, drive, W, steps, h, activation, residuals, scan_unroll):
+    return _forward(op, x0, drive, W, steps, h, activation, scan_unroll, save=False)[0]
+
+
+def _tied_fwd(op, x0, drive, W, steps, h, activation, residuals, scan_unroll):
+    if residuals == "recompute":
+        x = _forward(op, x0, drive, W, steps, h, activation, scan_unroll, save=False)[0]
+        return x, (x0, drive, W, None)
+    x, saved = _forward(op, x0, drive, W, steps, h, activation, scan_unroll, save=True)
+    return x, (x0, drive, W, saved)
+
+
+def _sum_to_shape(a: Array, shape: tuple[int, ...]) -> Array:
+    """Sum the broadcast axes of ``a`` away so that it has ``shape``."""
+    lead = a.ndim - len(shape)
+    a = jnp.sum(a, axis=tuple(range(lead))) if lead else a
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and a.shape[i] != 1)
+    return jnp.sum(a, axis=axes, keepdims=True) if axes else a
+
+
+def _tied_bwd(op, steps, h, activation, residuals, scan_unroll, res, g):
+    x0, drive, W, saved = res
+    if saved is None:
+        saved = _forward(op, x0, drive, W, steps, h, activation, scan_unroll, save=True)[1]
+    xs, rs = saved
+    op_x_t = jax.linear_transpose(lambda x: op(x, W), x0)
+
+    def body(carry, r):
+        """Plain meaning: for k = K-1 .. 0: s_k = h act'(z_k) g; g += op_x^T(s_k)."""
+        g, d_drive = carry
+        s = h * _slope_times(activation, r, g)
+        (gx,) = op_x_t(s)
+        return (g + gx, d_drive + s), s
+
+    (g0, d_drive), ss = lax.scan(
+        body, (g, jnp.zeros_like(g)), rs, reverse=True, unroll=scan_unroll
+    )
+    stacked_x = xs.reshape((-1,) + xs.shape[2:])  # (K * batch, ...)
+    stacked_s = ss.reshape((-1,) + ss.shape[2:])
+    (dW,) = jax.linear_transpose(lambda w: op(stacked_x, w), W)(stacked_s)
+    return g0, _sum_to_shape(d_drive, drive.shape).astype(drive.dtype), dW
+
+
+_tied.defvjp(_tied_fwd, _tied_bwd)
+
+
+def unroll_tied(
+    op: Callable[[Array, Array], Array],
+    x0: Array,
+    drive: Array,
+    W: Array,
+    *,
+    steps: int,
+    h: float = 1.0,
+    activation: str = "tanh",
+    residuals: str = "store",
+    scan_unroll: int | bool = 1,
+) -> Array:
+    """``x_K`` of a tied NAIS block, differentiated with one stacked weight-gradient op.
+
+    Plain-Python meaning (values and gradients equal those of this loop)::
+
+        x = x0
+        for k in range(steps):
+            x = x + h * act(op(x, W) + drive)
+        return x
+
+    ``op(x, W)`` must be linear in ``x`` and in ``W`` and act on every pattern
+    (leading axis) on its own: :func:`dense_op` or :func:`conv_op`. ``h`` and
+    ``activation`` are static. ``residuals="store"`` keeps the K states and the
+    activation residuals from the forward pass; ``"recompute"`` keeps
+    ``(x0, drive, W)`` only and reruns the forward scan in the backward pass.
+    ``scan_unroll`` as in :func:`naisnet_jax.unroll.unroll`.
+    """
+    _check_positive_int("steps", steps)
+    check_step_size(h)
+    check_activation(activation)
+    check_scan_unroll(scan_unroll)
+    if residuals not in RESIDUALS:
+        raise ValueError(f"residuals={residuals!r} must be one of {RESIDUALS}.")
+    if isinstance(h, jax.core.Tracer):
+        raise ValueError("unroll_tied needs a static step size h (a Python float), not a traced value.")
+    dtype = jnp.result_type(x0, drive, W)
+    x0, drive, W = x0.astype(dtype), drive.astype(dtype), W.astype(dtype)
+    return _tied(op, x0, drive, W, steps, float(h), activation, residuals, scan_unroll)

@@ -1,0 +1,171 @@
+"""The sweep experiments' code paths on tiny data (``--smoke``): section 5.1's ablation, section
+5.2's conv comparison, and the CIFAR configs at the paper's schedule through TFDS files in the
+real layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+from naisnet_jax import sweep, train
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def _no_training(*args, **kwargs):
+    raise AssertionError("a finished model was trained again")
+
+
+def test_ablation_smoke_writes_the_table_and_figures_and_resumes(tmp_path, monkeypatch, capsys):
+    from experiments import ablation
+
+    workdir = str(tmp_path)
+    rows = ablation.run(workdir=workdir, dataset="fashion_mnist_idx", seeds=2, epochs=None,
+                        models=["naisnet_mnist"], smoke=True)
+    (row,) = rows
+    assert row["label"] == "NAIS-Net" and row["seeds"] == [0, 1] and row["epochs"] == 2
+    assert row["test_accuracy"]["n"] == 2
+    assert row["test_accuracy"]["mean"] == pytest.approx(np.mean(row["test_accuracy"]["per_seed"]))
+    assert row["certified_seeds"] == 2 and row["all_certified"] is True and row["diverged"] == 0
+    curves = np.asarray(row["per_layer_loss"]["per_seed"])
+    assert curves.shape == (2, 3)
+    np.testing.assert_allclose(row["per_layer_loss"]["mean"], curves.mean(0))
+    mono = row["monotonicity"]
+    rises = np.diff(curves, axis=1) > ablation.RISE_TOL * np.abs(curves[:, :-1])
+    assert mono["monotone_seeds"] == int((~rises.any(1)).sum())
+    traj = row["neuron_trajectory"]
+    assert sorted(traj["classes"]) == [str(c) for c in range(10)]
+    assert all(np.asarray(t).shape == (ablation.TRAJECTORY_SAMPLES, 4) and t[0][0] == 0.0
+               for t in traj["classes"].values())  # x_0 = 0, then K = 3 steps
+    for name in ("results.json", "results.md", "per_layer_loss.png", "neuron_trajectory.png", "test_accuracy.png"):
+        assert os.path.getsize(os.path.join(workdir, name)) > 0
+    with open(os.path.join(workdir, "results.json")) as f:
+        saved = json.load(f)
+    assert "h" in saved["header"] and saved["rows"][0]["label"] == "NAIS-Net"
+    out = capsys.readouterr().out
+    assert "NAIS-Net" in out.splitlines()[-3] and "wall time" in out.splitlines()[-1]
+    # the per-seed exports are single-run checkpoints
+    assert os.path.isdir(os.path.join(workdir, "naisnet_mnist", "seed_1", train.CHECKPOINT_DIR))
+
+    monkeypatch.setattr(sweep, "train_sweep", _no_training)
+    again = ablation.run(workdir=workdir, dataset="fashion_mnist_idx", seeds=2, epochs=None,
+                         models=["naisnet_mnist"], smoke=True)
+    assert again[0]["test_accuracy"] == row["test_accuracy"]
+
+
+def test_monotonicity_counts_rises_beyond_round_off():
+    from experiments import ablation
+
+    curves = np.array([[3.0, 2.0, 1.0, 1.0], [3.0, 2.0, 2.5, 1.0]])
+    m = ablation.monotonicity(curves)
+    assert m["monotone_seeds"] == 1
+    assert m["mean_curve_rises"] == 0  # mean (3, 2, 1.75, 1) is non-increasing
+    m = ablation.monotonicity(np.array([[2.0, 1.0, 1.5, 1.25]]))
+    assert (m["mean_curve_rises"], m["largest_rise"], m["argmin_layer"]) == (1, 0.5, 2)
+    assert m["rise_min_to_last"] == pytest.approx(0.25) and m["mean_curve_rise_layers"] == [3]
+
+
+def test_scaled_schedule_keeps_the_papers_fractions():
+    from experiments.configs import conv_paper
+
+    assert conv_paper.scaled_boundaries(450) == [150, 250, 350]
+    assert conv_paper.scaled_boundaries(9) == [3, 5, 7]
+    assert conv_paper.scaled_boundaries(3) == [1, 2]
+    assert conv_paper.scaled_boundaries(1) == []
+    config = conv_paper.get_config()
+    assert config.dataset == "mnist_pinned"
+    config.dataset = "digits"  # validate the rest where the MNIST loader may not exist yet
+    train.validate_config(config)
+    assert config.lr_boundaries_epochs == conv_paper.scaled_boundaries(config.num_epochs)
+
+
+@pytest.mark.slow  # a conv sweep compiles for about a minute on two CPU cores
+def test_conv_smoke_writes_the_table_and_figures(tmp_path):
+    from experiments import conv
+
+    workdir = str(tmp_path)
+    rows = conv.run(workdir=workdir, datasets=["mnist_pinned"], seeds=2, variants=["naisnet1_zero"], smoke=True)
+    (row,) = rows
+    assert row["dataset"] == "digits" and row["model"] == "naisnet_conv_tiny" and row["model_kwargs"] == {"steps": 1}
+    assert row["test_accuracy"]["n"] == 2 and row["certified_seeds"] == 2
+    assert row["train_accuracy_curve"]["epochs"] == [1, 2]
+    for name in ("results.json", "results.md", "accuracy_digits.png", "gap.png"):
+        assert os.path.getsize(os.path.join(workdir, name)) > 0
+    with open(os.path.join(workdir, "results.md")) as f:
+        text = f.read()
+    assert "compressed" in text and "NAIS-Net1, x(0) = 0" in text
+
+
+@pytest.mark.parametrize("arg", ["cifar10,naisnet_cifar10", "cifar100,naisnet_cifar1", "cifar10,resnet_cifar"])
+def test_cifar_configs_keep_the_papers_schedule(arg):
+    from experiments.configs import cifar_paper
+
+    config = cifar_paper.get_config(arg)
+    train.validate_config(config)
+    assert (config.num_epochs, list(config.lr_boundaries_epochs), config.learning_rate) == (450, [150, 250, 350], 0.1)
+    assert config.lr_decay_factor == 0.1 and config.augment and config.momentum == 0.9
+    assert (config.dataset, config.model) == tuple(arg.split(","))
+
+
+def test_cifar_config_refuses_an_unknown_pair():
+    from experiments.configs import cifar_paper
+
+    with pytest.raises(ValueError, match="cifar_paper config argument 'svhn,resnet_cifar'"):
+        cifar_paper.get_config("svhn,resnet_cifar")
+
+
+@pytest.mark.parametrize("dataset, model", [("cifar10", "naisnet_cifar10"), ("cifar100", "naisnet_cifar1")])
+def test_cifar_config_reads_tfds_files_in_the_real_layout(tmp_path, dataset, model):
+    """The CIFAR config's own data path: TFDS array_record files written by the registered
+    builder (PNG images, no mock) under ``config.data_dir``, loaded as the trainer loads them;
+    the config's model (full size, shapes only) fits the data."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+    import jax
+    import jax.numpy as jnp
+    from test_data import prepare_tiny_tfds
+
+    from experiments.configs import cifar_paper
+    from naisnet_jax import data
+
+    rng = np.random.default_rng(3)
+    splits = {split: (rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8), rng.integers(0, 10, n))
+              for split, n in (("train", 5), ("test", 3))}
+    prepare_tiny_tfds(tfds, dataset, tmp_path / "tfds", splits)
+    config = cifar_paper.get_config(f"{dataset},{model}")
+    config.data_dir = str(tmp_path / "tfds")
+    train.validate_config(config)
+    ds = data.load_dataset(config.dataset, data_dir=config.data_dir)
+    assert ds.train_images.shape == (5, 32, 32, 3) and ds.test_images.shape == (3, 32, 32, 3)
+    assert sorted(ds.train_labels.tolist()) == sorted(splits["train"][1].tolist())
+    net = train.build_model(config, ds.num_classes)
+    shapes = jax.eval_shape(lambda x: net.init(jax.random.PRNGKey(0), x, train=False),
+                            jnp.zeros((1, *ds.image_shape), jnp.float32))
+    assert shapes["params"]["classifier"]["kernel"].shape == (64, ds.num_classes)
+    assert len([k for k in shapes["params"] if k.startswith("stage")]) == 54
+
+
+def test_input_stats_standardize_or_unit_interval():
+    from experiments.configs import ablation_paper
+
+    images = np.random.default_rng(0).integers(0, 256, (20, 4, 4, 3), dtype=np.uint8)
+    config = ablation_paper.get_config()
+    config.dataset = "digits"
+    config.standardize = True
+    mean, std = train.input_stats(config, images)
+    np.testing.assert_allclose(mean, images.reshape(-1, 3).mean(0) / 255)
+    np.testing.assert_allclose(std, images.reshape(-1, 3).std(0) / 255)
+    config.standardize = False
+    mean, std = train.input_stats(config, images)
+    assert mean.tolist() == [0, 0, 0] and std.tolist() == [1, 1, 1]
+    import ml_collections
+
+    config = ml_collections.ConfigDict(dict(config.to_dict(), standardize="no"))
+    with pytest.raises(ValueError, match="config.standardize='no'"):
+        train.validate_config(config)

@@ -1,0 +1,194 @@
+"""The fault drill: ``naisnet-train`` is killed with SIGKILL at random moments, some of them
+inside a checkpoint write, and restarted each time; it must end with exactly the parameters,
+optimiser state and metrics of an uninterrupted run.
+
+After every kill the drill checks what a crash may leave behind: the latest committed
+checkpoint loads (its digest matches), every epoch the process reported as done is in it,
+``metrics.jsonl`` is readable with consecutive epochs reaching at least the checkpoint's, and a
+restart resumes from the latest *committed* checkpoint, never from Orbax's temporary folder of
+an interrupted write (``<step>.orbax-checkpoint-tmp...``). Writes are hit by polling the
+checkpoint directory and killing the moment such a folder appears.
+
+The full drill (12 kills, at least 4 inside a write) is slow; the default suite runs a short
+one (2 kills, at least 1 inside a write). Restarts share a JAX compilation cache, so each costs
+about a process start.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from naisnet_jax import checkpoint as ckpt
+from naisnet_jax import metric_writers as mw
+from naisnet_jax import train
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+COMMAND = pathlib.Path(sys.executable).parent / "naisnet-train"
+TMP_MARK = ".orbax-checkpoint-tmp"
+TIMING_FIELDS = {"epoch_seconds", "epoch/epoch_seconds", "train/steps_per_second"}
+
+
+def _command(workdir, epochs):
+    return [
+        str(COMMAND), f"--config={REPO / 'experiments/configs/digits_tiny.py'}", f"--workdir={workdir}",
+        "--config.model_kwargs.features=8", "--config.model_kwargs.steps=3",
+        "--config.limit_train=256", "--config.limit_test=100", "--config.batch_size=32",
+        "--config.eval_batch_size=100", "--config.steps_per_chunk=5",  # 8 steps an epoch: chunks of 5 and 3
+        f"--config.num_epochs={epochs}", "--config.keep_checkpoints=2",
+    ]
+
+
+def _env(cache):
+    return dict(
+        os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+        JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
+
+
+def _committed(checkpoints: pathlib.Path) -> list[int]:
+    return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
+
+
+def _temporaries(checkpoints: pathlib.Path) -> set[str]:
+    if not checkpoints.is_dir():
+        return set()
+    try:
+        return {p.name for p in checkpoints.iterdir() if TMP_MARK in p.name}
+    except FileNotFoundError:  # a folder renamed while listing
+        return set()
+
+
+def _printed_epochs(log: str) -> list[int]:
+    return [int(m) for m in re.findall(r"^epoch (\d+):", log, flags=re.M)]
+
+
+def _resumed_at(log: str) -> int | None:
+    m = re.search(r"Resuming from .* at epoch (\d+) \(step (\d+)\)", log)
+    return int(m.group(1)) if m else None
+
+
+def _check_after_crash(workdir: pathlib.Path, log: str) -> int:
+    """What a SIGKILL may leave: returns the epoch of the latest committed checkpoint (0: none)."""
+    checkpoints = workdir / train.CHECKPOINT_DIR
+    epoch = 0
+    if _committed(checkpoints):
+        state, meta = ckpt.load(str(checkpoints))  # digest checked: never a half-written state
+        epoch = int(meta["epoch"])
+        assert meta["step"] == _committed(checkpoints)[-1]
+        assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state["params"]))
+    printed = _printed_epochs(log)
+    assert not printed or max(printed) <= epoch, "an epoch reported as done is not in the checkpoint"
+    records = mw.read_jsonl(workdir / train.METRICS_FILE)  # a cut last line is tolerated
+    epochs = [r["epoch"] for r in records]
+    assert epochs == list(range(1, len(epochs) + 1)) and len(epochs) >= epoch
+    return epoch
+
+
+def _kill_when(proc, condition, deadline_s=300.0, poll_s=0.0005) -> bool:
+    """Poll ``condition()`` until it holds, then SIGKILL; False if the process ended first."""
+    deadline = time.monotonic() + deadline_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        if condition():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(poll_s)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("the drill's training run hung")
+    return False
+
+
+def drill(tmp_path, *, kills: int, write_kills: int, epochs: int, seed: int):
+    assert COMMAND.exists(), f"{COMMAND} missing: install the package (pip install -e .)"
+    rng = np.random.default_rng(seed)
+    cache, workdir, clean = tmp_path / "jax-cache", tmp_path / "killed", tmp_path / "clean"
+    env = _env(cache)
+    reference = subprocess.run(_command(clean, epochs), env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    checkpoints = workdir / train.CHECKPOINT_DIR
+    modes = ["write"] * write_kills + list(rng.choice(["early", "random", "write"], kills - write_kills))
+    rng.shuffle(modes)
+    hit_writes, expected_resume, i = 0, None, 0
+    while i < len(modes) or hit_writes < write_kills:
+        # a write kill that came a moment too late (the folder already renamed) is retried
+        assert i < len(modes) + 10, "kills keep missing the checkpoint writes"
+        mode = modes[i] if i < len(modes) else "write"
+        before = _temporaries(checkpoints)  # left by earlier kills
+        log_path = tmp_path / f"run{i}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(_command(workdir, epochs), env=env, cwd=tmp_path, stdout=log,
+                                    stderr=subprocess.STDOUT, text=True)
+            start, committed = time.monotonic(), _committed(checkpoints)
+            if mode == "early":  # somewhere in start-up, compilation or the first epochs
+                delay = rng.uniform(0.0, 4.0)
+                killed = _kill_when(proc, lambda: time.monotonic() - start > delay)
+            elif mode == "random":  # a random moment after this run's first new checkpoint
+                delay, seen = rng.uniform(0.0, 0.6), {}
+
+                def later():
+                    if "t" not in seen and len(set(_committed(checkpoints)) - set(committed)) > 0:
+                        seen["t"] = time.monotonic()
+                    return "t" in seen and time.monotonic() - seen["t"] > delay
+
+                killed = _kill_when(proc, later)
+            else:  # inside the k-th checkpoint write of this run (k >= 2: the drill makes progress)
+                k, fresh = int(rng.integers(2, 4)), set()
+
+                def writing():
+                    fresh.update(_temporaries(checkpoints) - before)
+                    return len(fresh) >= k
+
+                killed = _kill_when(proc, writing)
+        log = log_path.read_text()
+        assert killed, f"run {i} ({mode}) finished before it was killed; raise epochs\n{log[-2000:]}"
+        if expected_resume is not None and _resumed_at(log) is not None:
+            assert _resumed_at(log) == expected_resume  # the latest committed checkpoint, not a temporary
+        if mode == "write" and _temporaries(checkpoints) - before:
+            hit_writes += 1
+        i += 1
+        epoch = _check_after_crash(workdir, log)
+        expected_resume = epoch + 1 if epoch else None
+
+    assert hit_writes >= write_kills, f"only {hit_writes} kills landed inside a checkpoint write"
+    final = subprocess.run(_command(workdir, epochs), env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert _resumed_at(final.stdout) == expected_resume
+    assert f"after epoch {epochs}" in final.stdout
+
+    # exactly the uninterrupted run: parameters, optimiser state, step, metrics, scalars
+    state_k, meta_k = ckpt.load(str(checkpoints))
+    state_c, meta_c = ckpt.load(str(clean / train.CHECKPOINT_DIR))
+    assert meta_k["epoch"] == meta_c["epoch"] == epochs and meta_k["digest"] == meta_c["digest"]
+    jax.tree.map(np.testing.assert_array_equal, state_k, state_c)
+    for name in (train.METRICS_FILE, mw.SCALARS_FILE):
+        killed_records, clean_records = (
+            [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in mw.read_jsonl(d / name)]
+            for d in (workdir, clean)
+        )
+        assert killed_records == clean_records, name
+    assert [r["epoch"] for r in mw.read_jsonl(workdir / train.METRICS_FILE)] == list(range(1, epochs + 1))
+    assert len(_committed(checkpoints)) <= 2  # keep_checkpoints honoured across restarts
+    return hit_writes
+
+
+def test_short_fault_drill(tmp_path):
+    drill(tmp_path, kills=2, write_kills=1, epochs=16, seed=0)
+
+
+@pytest.mark.slow
+def test_fault_drill_twelve_kills(tmp_path):
+    drill(tmp_path, kills=12, write_kills=4, epochs=60, seed=1)

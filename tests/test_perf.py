@@ -1,0 +1,352 @@
+"""Performance options (scan unrolling, ...) against the plain loop and the default path."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import naisnet_jax as nj
+import naisnet_jax.block_vjp
+from naisnet_jax import models as M
+
+KEY = jax.random.key(0, impl="rbg")
+
+
+def _f64(tree):
+    return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
+
+
+def _fc_system(rng, n=5, batch=3):
+    R = nj.project_fc(jnp.asarray(rng.standard_normal((n, n))), eps=0.05)
+    A = np.asarray(nj.fc_state_matrix(R, 0.05))
+    drive = rng.standard_normal((batch, n))
+    return A, drive
+
+
+# ------------------------------------------------------------------ scan_unroll
+
+
+@pytest.mark.parametrize("scan_unroll", [2, 3, True])
+def test_unroll_scan_unroll_matches_python_loop(scan_unroll):
+    rng = np.random.default_rng(0)
+    A, drive = _fc_system(rng)
+    step = functools.partial(nj.fc_step, drive=jnp.asarray(drive), A=jnp.asarray(A), h=0.6)
+    x, xs = nj.unroll(step, jnp.zeros((3, 5)), steps=7, trajectory=True, scan_unroll=scan_unroll)
+    ref, traj = np.zeros((3, 5)), []
+    for _ in range(7):
+        ref = ref + 0.6 * np.tanh(ref @ A.T + drive)
+        traj.append(ref)
+    np.testing.assert_allclose(x, ref, rtol=1e-12)
+    np.testing.assert_allclose(xs, np.stack(traj), rtol=1e-12)
+
+
+def test_unroll_untied_and_bounded_accept_scan_unroll():
+    rng = np.random.default_rng(1)
+    As = np.stack([_fc_system(rng)[0] for _ in range(4)])
+    drives = rng.standard_normal((4, 3, 5))
+    x = nj.unroll(lambda x, p: nj.fc_step(x, p[1], p[0]), jnp.zeros((3, 5)), steps=4,
+                  xs=(jnp.asarray(As), jnp.asarray(drives)), scan_unroll=3)
+    ref = np.zeros((3, 5))
+    for k in range(4):
+        ref = ref + np.tanh(ref @ As[k].T + drives[k])
+    np.testing.assert_allclose(x, ref, rtol=1e-12)
+
+    A, drive = _fc_system(rng, batch=6)
+    drive = drive * np.linspace(0.1, 5, 6)[:, None]
+    step = functools.partial(nj.fc_step, drive=jnp.asarray(drive), A=jnp.asarray(A))
+    x0 = jnp.zeros((6, 5))
+    ref_x, ref_depth = nj.unroll_adaptive(step, x0, tol=1e-3, max_steps=60)
+    for u in (4, True):
+        x, depth = nj.unroll_adaptive_bounded(step, x0, tol=1e-3, max_steps=60, scan_unroll=u)
+        np.testing.assert_array_equal(depth, ref_depth)
+        np.testing.assert_allclose(x, ref_x, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "2", None])
+def test_bad_scan_unroll_is_refused(bad):
+    with pytest.raises(ValueError, match="scan_unroll="):
+        nj.unroll(lambda x: x, jnp.zeros((1, 2)), steps=3, scan_unroll=bad)
+    with pytest.raises(ValueError, match="scan_unroll="):
+        M.NaisNetFC(scan_unroll=bad)
+    with pytest.raises(ValueError, match="scan_unroll="):
+        M.NaisConvBlock(4, scan_unroll=bad)
+
+
+def _value_and_grad(model, variables, x, train=True):
+    """Loss and parameter gradients of a model (float64 parameters)."""
+
+    def loss(params):
+        v = dict(variables, params=params)
+        if "batch_stats" in v:
+            logits, _ = model.apply(v, x, train=train, mutable=["batch_stats"])
+        else:
+            logits = model.apply(v, x, train=train)
+        return jnp.sum(jnp.sin(logits))
+
+    return jax.jit(jax.value_and_grad(loss))(variables["params"])
+
+
+def _init(model, x):
+    return _f64(jax.jit(model.init)(KEY, x))
+
+
+# ------------------------------------------------------- block VJP, remat, dtype
+
+
+@pytest.mark.parametrize("residuals", ["store", "recompute"])
+def test_unroll_tied_matches_python_loop_values_and_gradients(residuals):
+    """Values against a numpy loop; gradients against reverse mode through a Python loop."""
+    rng = np.random.default_rng(4)
+    cases = [  # (op, activation, x shape, W, drive)
+        (nj.block_vjp.dense_op, "tanh", (4, 5), 0.4 * rng.standard_normal((5, 5)),
+         rng.standard_normal((4, 5))),
+        (nj.block_vjp.dense_op, "relu", (4, 5), 0.4 * rng.standard_normal((5, 5)),
+         rng.standard_normal((5,))),  # a drive broadcast over the batch
+        (nj.block_vjp.conv_op, "relu", (2, 5, 6, 3), 0.3 * rng.standard_normal((3, 3, 3, 3)),
+         rng.standard_normal((2, 5, 6, 3))),
+    ]
+    for op, activation, shape, W, drive in cases:
+        act = jnp.tanh if activation == "tanh" else jax.nn.relu
+        x0 = rng.standard_normal(shape)
+
+        def loop(x0, drive, W):
+            x = x0
+            for _ in range(4):
+                x = x + 0.7 * act(op(x, W) + drive)
+            return x
+
+        def fast(x0, drive, W):
+            return nj.unroll_tied(op, x0, drive, W, steps=4, h=0.7, activation=activation,
+                                  residuals=residuals)
+
+        args = tuple(jnp.asarray(a) for a in (x0, drive, W))
+        ref_x = x0
+        for _ in range(4):
+            z = (ref_x @ W.T if op is nj.block_vjp.dense_op else
+                 np.asarray(jax.lax.conv_general_dilated(ref_x, W, (1, 1), "SAME",
+                            dimension_numbers=("NHWC", "HWIO", "NHWC")))) + drive
+            ref_x = ref_x + 0.7 * (np.tanh(z) if activation == "tanh" else np.maximum(z, 0))
+        np.testing.assert_allclose(jax.jit(fast)(*args), ref_x, rtol=1e-12, atol=1e-12)
+
+        def loss(f):
+            return lambda *a: jnp.sum(jnp.sin(f(*a)))
+
+        got = jax.jit(jax.grad(loss(fast), argnums=(0, 1, 2)))(*args)
+        ref = jax.grad(loss(loop), argnums=(0, 1, 2))(*args)
+        for a, b in zip(got, ref):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12)
+
+
+def test_unroll_tied_under_vmap():
+    """The sweep engine vmaps the training step over seeds: per-seed kernels and drives."""
+    rng = np.random.default_rng(12)
+    W = jnp.asarray(0.3 * rng.standard_normal((3, 3, 3, 3, 3)))  # 3 seeds
+    d = jnp.asarray(rng.standard_normal((3, 2, 5, 5, 3)))
+    x0 = jnp.zeros((2, 5, 5, 3))
+    conv = nj.block_vjp.conv_op
+
+    def loss(W, d, fast):
+        if fast:
+            x = nj.unroll_tied(conv, x0, d, W, steps=3, activation="relu", residuals="recompute")
+        else:
+            x = x0
+            for _ in range(3):
+                x = x + jax.nn.relu(conv(x, W) + d)
+        return jnp.sum(jnp.sin(x))
+
+    got = jax.jit(jax.vmap(jax.grad(lambda W, d: loss(W, d, True), argnums=(0, 1))))(W, d)
+    ref = jax.vmap(jax.grad(lambda W, d: loss(W, d, False), argnums=(0, 1)))(W, d)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12)
+
+
+def test_unroll_tied_bad_arguments():
+    x = jnp.zeros((2, 3))
+    with pytest.raises(ValueError, match="residuals='keep'"):
+        nj.unroll_tied(nj.block_vjp.dense_op, x, x, jnp.eye(3), steps=2, residuals="keep")
+    with pytest.raises(ValueError, match="steps=0"):
+        nj.unroll_tied(nj.block_vjp.dense_op, x, x, jnp.eye(3), steps=0)
+
+
+_X_FC = np.random.default_rng(5).standard_normal((4, 7))
+_X_CONV = np.random.default_rng(6).standard_normal((2, 6, 6, 3))
+MODEL_CASES = {  # name -> (constructor, input)
+    "fc_tanh": (functools.partial(M.NaisNetFC, num_classes=3, features=5, steps=4), _X_FC),
+    "fc_relu_untied": (functools.partial(M.NaisNetFC, num_classes=3, features=5, steps=3,
+                                         activation="relu", untied=True), _X_FC),
+    "conv_relu": (functools.partial(M.NaisConvBlock, 4, steps=3, learn_delta=True), _X_CONV),
+}
+FAST_PATHS = [  # (options, model cases checked in the default run)
+    (dict(scan_unroll=2), ["fc_relu_untied", "conv_relu"]),
+    (dict(block_vjp="stacked"), ["fc_tanh", "conv_relu"]),
+    (dict(block_vjp="stacked_recompute", scan_unroll=2), ["conv_relu"]),
+    (dict(remat="block"), ["conv_relu"]),
+    (dict(remat="step"), ["fc_relu_untied"]),
+    (dict(block_vjp="stacked", remat="block", scan_unroll=True), ["fc_tanh"]),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(case):
+    ctor, x = MODEL_CASES[case]
+    variables = _init(ctor(), x)
+    return variables, _value_and_grad(ctor(), variables, x)
+
+
+def _check_fast_path(options, case):
+    ctor, x = MODEL_CASES[case]
+    variables, ref = _reference(case)
+    out = _value_and_grad(ctor(**options), variables, x)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12), out, ref)
+
+
+def _ids(options):
+    return ",".join(f"{k}={v}" for k, v in options.items())
+
+
+@pytest.mark.parametrize("options, cases", FAST_PATHS, ids=[_ids(o) for o, _ in FAST_PATHS])
+def test_fast_paths_same_values_and_gradients_as_plain_scan(options, cases):
+    """Fast paths against the plain ``lax.scan`` path in float64: loss and every gradient."""
+    for case in cases:
+        _check_fast_path(options, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [o for o, _ in FAST_PATHS], ids=[_ids(o) for o, _ in FAST_PATHS])
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_fast_paths_every_model(options, case):
+    if case == "fc_relu_untied" and "block_vjp" in options:
+        pytest.skip("block_vjp needs tied weights")
+    _check_fast_path(options, case)
+
+
+def test_bfloat16_compute_within_tolerance_and_parameters_stay_float32():
+    """NAIS-Net conv (stem, BatchNorm, blocks) computing in bfloat16 against float32.
+
+    bfloat16 keeps 8 significant bits (relative rounding 2^-9); through BatchNorm
+    and ReLU masks the gradients move by a few percent, so the tolerance is 25%
+    per leaf and 10% over all of them, far below an O(1) error of a broken path.
+    """
+    model32 = M.NaisNetConvTiny(steps=3)
+    model16 = M.NaisNetConvTiny(steps=3, dtype="bfloat16", block_vjp="stacked")
+    x = np.random.default_rng(7).standard_normal((8, 6, 6, 3)).astype(np.float32)
+    variables = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), jax.jit(model32.init)(KEY, x))
+    assert "bf16[" in str(jax.make_jaxpr(model16.apply)(variables, x))  # really bfloat16
+    ref = _value_and_grad(model32, variables, x)
+    out = _value_and_grad(model16, variables, x)
+    np.testing.assert_allclose(out[0], ref[0], rtol=0.02)
+    diffs, norms = [], []
+    for a, b in zip(jax.tree.leaves(out[1]), jax.tree.leaves(ref[1])):
+        assert a.dtype == jnp.float32  # gradients of float32 parameters
+        diffs.append(np.linalg.norm(np.ravel(a - b)))
+        norms.append(np.linalg.norm(np.ravel(b)))
+        assert diffs[-1] <= 0.25 * norms[-1] + 1e-3
+    assert np.linalg.norm(diffs) <= 0.1 * np.linalg.norm(norms)
+    assert jax.eval_shape(model16.apply, variables, x).dtype == jnp.float32  # float32 logits
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(remat="all"), "remat='all'"),
+    (dict(block_vjp="fused"), "block_vjp='fused'"),
+    (dict(dtype="int8"), "dtype='int8'"),
+    (dict(block_vjp="stacked", untied=True), "tied block"),
+    (dict(block_vjp="stacked", adaptive_tol=1e-3), "tied block"),
+    (dict(block_vjp="stacked", remat="step"), "remat='step'"),
+])
+def test_bad_perf_options_are_refused(bad, match):
+    for ctor in (M.NaisNetFC, functools.partial(M.NaisConvBlock, 4), M.NaisNetConvTiny):
+        with pytest.raises(ValueError, match=match):
+            ctor(**bad)
+    if set(bad) == {"dtype"}:
+        with pytest.raises(ValueError, match=match):
+            M.ResNetConvTiny(**bad)
+
+
+# ------------------------------------------------------------- adaptive depth
+
+
+def _adaptive_system(batch=20, n=5, seed=8):
+    """A projected dense block whose patterns stop at many different depths."""
+    rng = np.random.default_rng(seed)
+    A, _ = _fc_system(rng, n=n)
+    drive = rng.standard_normal((batch, n)) * np.geomspace(0.01, 6, batch)[:, None]
+    return A, rng.permutation(drive)
+
+
+def _per_pattern_loop(A, drive, x0, tol, max_steps):
+    """The documented plain-Python meaning, one pattern at a time, in numpy."""
+    xs, depths = [], []
+    for i in range(drive.shape[0]):
+        x, depth = x0[i], 0
+        for _ in range(max_steps):
+            x_new = x + np.tanh(x @ A.T + drive[i])
+            depth += 1
+            done = np.linalg.norm(x_new - x) < tol
+            x = x_new
+            if done:
+                break
+        xs.append(x)
+        depths.append(depth)
+    return np.stack(xs), np.array(depths)
+
+
+@pytest.mark.parametrize("check_every, compact", [(4, False), (3, True), (1, True)])
+def test_unroll_adaptive_check_every_and_compact_match_per_pattern_loop(check_every, compact):
+    A, drive = _adaptive_system()
+    x0 = np.random.default_rng(9).standard_normal(drive.shape) * 0.1
+    ref_x, ref_depth = _per_pattern_loop(A, drive, x0, 1e-2, 60)
+    assert len(set(ref_depth.tolist())) > 8 and ref_depth.max() == 60  # many depths, some capped
+    step = lambda x, d: nj.fc_step(x, d, jnp.asarray(A))  # noqa: E731
+    run = jax.jit(lambda x0, d: nj.unroll_adaptive(step, x0, inputs=d, tol=1e-2, max_steps=60,
+                                                   check_every=check_every, compact=compact))
+    x, depth = run(jnp.asarray(x0), jnp.asarray(drive))
+    np.testing.assert_array_equal(depth, ref_depth)
+    np.testing.assert_allclose(x, ref_x, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("slots, check_every", [(6, 1), (7, 5)])
+def test_unroll_adaptive_stream_matches_per_pattern_loop(slots, check_every):
+    A, drive = _adaptive_system(batch=23)
+    x0 = np.zeros_like(drive)
+    ref_x, ref_depth = _per_pattern_loop(A, drive, x0, 1e-2, 60)
+    step = lambda x, d: nj.fc_step(x, d, jnp.asarray(A))  # noqa: E731
+    run = jax.jit(lambda d: nj.unroll_adaptive_stream(step, jnp.zeros(d.shape), d, tol=1e-2, max_steps=60,
+                                                      slots=slots, check_every=check_every))
+    x, depth = run(jnp.asarray(drive))
+    np.testing.assert_array_equal(depth, ref_depth)
+    np.testing.assert_allclose(x, ref_x, rtol=0, atol=1e-12)
+
+
+def test_models_adaptive_check_every_and_compact_same_outputs():
+    """The eval path (while loops) of the dense and conv blocks, fast options against default."""
+    x_fc = np.random.default_rng(10).standard_normal((12, 7)) * np.geomspace(0.05, 5, 12)[:, None]
+    x_conv = np.random.default_rng(11).standard_normal((6, 5, 5, 3)) * np.geomspace(0.1, 5, 6)[:, None, None, None]
+    cases = [
+        (functools.partial(M.NaisNetFC, num_classes=3, features=5, eps=0.05, adaptive_tol=1e-2,
+                           max_steps=50), x_fc),
+        (functools.partial(M.NaisConvBlock, 3, eps=0.05, adaptive_tol=1e-2, max_steps=30), x_conv),
+    ]
+    for ctor, x in cases:
+        variables = _init(ctor(), x)
+        ref = jax.jit(ctor().apply)(variables, x)
+        out = jax.jit(ctor(check_every=4, compact=True).apply)(variables, x)
+        np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12)
+
+
+def test_bad_adaptive_arguments_are_refused():
+    step = lambda x: x  # noqa: E731
+    with pytest.raises(ValueError, match="check_every=0"):
+        nj.unroll_adaptive(step, jnp.zeros((2, 3)), tol=0.1, max_steps=3, check_every=0)
+    with pytest.raises(ValueError, match="inputs=..."):
+        nj.unroll_adaptive(step, jnp.zeros((2, 3)), tol=0.1, max_steps=3, compact=True)
+    with pytest.raises(ValueError, match="disagree with the 2 patterns"):
+        nj.unroll_adaptive(lambda x, d: x + d, jnp.zeros((2, 3)), tol=0.1, max_steps=3,
+                           inputs=jnp.zeros((3, 3)))
+    with pytest.raises(ValueError, match="slots=0"):
+        nj.unroll_adaptive_stream(lambda x, d: x + d, jnp.zeros((2, 3)), jnp.zeros((2, 3)),
+                                  tol=0.1, max_steps=3, slots=0)
+    with pytest.raises(ValueError, match="check_every=0"):
+        M.NaisNetFC(adaptive_tol=0.1, check_every=0)

@@ -1,0 +1,89 @@
+"""Data-parallel training: the sharded step gives the single-device numbers.
+
+``--xla_force_host_platform_device_count`` must be set before jax initialises, so
+the comparison runs in a fresh Python process with two CPU devices.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, tempfile
+    import jax, numpy as np
+    from experiments.configs import digits_tiny
+    from naisnet_jax import train
+
+    assert jax.device_count() == 2, jax.devices()
+
+    def run(num_devices):
+        config = digits_tiny.get_config()
+        config.model = "naisnet_conv_tiny"   # convolutions, BatchNorm (synchronised), projection
+        config.model_kwargs = {"steps": 2}
+        config.limit_train, config.limit_test = 192, 100
+        config.batch_size, config.eval_batch_size = 32, 50
+        config.num_epochs, config.steps_per_chunk = 1, 3
+        config.augment = True                # per-example random crops must not depend on sharding
+        config.num_devices = num_devices
+        with tempfile.TemporaryDirectory() as workdir:
+            out = train.train_and_evaluate(config, workdir)
+        return out
+
+    one, two = run(1), run(2)
+    leaves = jax.tree.leaves(two["state"].params)
+    devices = {len(leaf.sharding.device_set) for leaf in leaves}
+    diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)) / (1e-3 + np.abs(np.asarray(b)))))
+             for a, b in zip(jax.tree.leaves(two["state"].params), jax.tree.leaves(one["state"].params))]
+    stats = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+             for a, b in zip(jax.tree.leaves(two["state"].batch_stats), jax.tree.leaves(one["state"].batch_stats))]
+    # the compiled step really splits the batch: it all-reduces the gradients
+    mesh = train.make_mesh(2)
+    chunk = train.make_train_chunk(0.0, 1.0, False, mesh)
+    state = train.replicate(one["state"], mesh)
+    rows = train.replicate(np.zeros((1, 32), np.int32), mesh)
+    hlo = chunk.lower(state, train.replicate(one["test_data"], mesh), rows,
+                      train.replicate(jax.random.PRNGKey(0), mesh)).compile().as_text()
+    print(json.dumps({
+        "devices": sorted(devices), "param_rel_diff": max(diffs), "batch_stats_diff": max(stats),
+        "loss": [one["train_loss"], two["train_loss"]], "test": [one["test_accuracy"], two["test_accuracy"]],
+        "all_reduce": "all-reduce" in hlo,
+    }))
+    """
+)
+
+
+def test_sharded_training_matches_single_device():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "src")]))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["devices"] == [2]  # parameters replicated over both devices
+    assert result["all_reduce"]
+    assert result["param_rel_diff"] < 1e-4, result
+    assert result["batch_stats_diff"] < 1e-5, result
+    assert result["loss"][0] == pytest.approx(result["loss"][1], rel=1e-5)
+    assert result["test"][0] == pytest.approx(result["test"][1], abs=0.011)  # one example of 100
+
+
+def test_bad_device_counts_are_refused():
+    import jax
+    import numpy as np
+
+    from naisnet_jax import train
+
+    two = types.SimpleNamespace(devices=np.empty(2, object))  # only .devices.size is read
+    train.check_batch_divides({"batch_size": 4, "eval_batch_size": 6}, two)
+    with pytest.raises(ValueError, match=r"config.eval_batch_size=5 is not a multiple of the 2 devices"):
+        train.check_batch_divides({"batch_size": 4, "eval_batch_size": 5}, two)
+    n = jax.device_count()
+    with pytest.raises(ValueError, match=rf"num_devices={n + 1} is outside \[1, {n}\]"):
+        train.make_mesh(n + 1)
