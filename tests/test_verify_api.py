@@ -184,3 +184,13 @@ def test_readme_audit_snippet_runs():
     assert cert.certified and scope["block"].parameter.inf_norm_bound_I_plus_hA < 1
     assert scope["fig"].axes
     plt.close("all")
+
+
+def test_non_finite_parameters_are_refused_naming_the_leaf():
+    net = TwoTowers()
+    variables = net.init(jax.random.PRNGKey(1), jnp.zeros((1, 12)))
+    R = np.array(variables["params"]["odd"]["R"])
+    R[0, 0] = np.inf
+    bad = {"params": {**variables["params"], "odd": {**variables["params"]["odd"], "R": R}}}
+    with pytest.raises(ValueError, match=r"'odd'\]\['R'\] \(1 of "):
+        audit_model(net, bad, inputs=np.ones((2, 12)))

@@ -152,9 +152,25 @@ def audit_model(model, variables, *, inputs=None, options: AuditOptions | None =
     :func:`naisnet_jax.verify._numerics.x64_scope`: JAX's global x64 setting is left as it was.
     """
     options = options or AuditOptions()
+    check_finite_variables(variables)
     with x64_scope():
         return _audit(model, variables, inputs, options, Source(kind="in-memory", model=type(model).__name__),
                       "in-memory inputs" if inputs is not None else "none")
+
+
+def check_finite_variables(variables) -> None:
+    """Refuse variables holding NaN or inf, naming each such leaf: no stability can be proven for
+    them, and the numerics would fail deep inside an eigen-solver instead."""
+    bad = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]:
+        values = np.asarray(leaf)
+        if np.issubdtype(values.dtype, np.inexact):
+            count = int(values.size - np.count_nonzero(np.isfinite(values)))
+            if count:
+                bad.append(f"{jax.tree_util.keystr(path)} ({count} of {values.size})")
+    if bad:
+        raise ValueError(f"non-finite values (NaN or inf) in {', '.join(bad)}: no stability can be proven "
+                         f"for such parameters; audit a checkpoint from before the divergence.")
 
 
 def _audit(model, variables, inputs, options: AuditOptions, source: Source, data_source: str,
@@ -341,6 +357,10 @@ def audit(checkpoint_dir: str, options: AuditOptions | None = None, *, step: int
         variables = {"params": state["params"]}
         if state.get("batch_stats"):
             variables["batch_stats"] = state["batch_stats"]
+        try:
+            check_finite_variables(variables)
+        except ValueError as e:
+            raise ckpt.CheckpointError(str(e)) from None
         inputs, data_source = _inputs(meta, options)
         options = dataclasses.replace(options, relaxed=meta.relaxed, input_shape=meta.input_shape)
         source = Source(kind="checkpoint", model=meta.model, path=str(checkpoint_dir), step=meta.step,
