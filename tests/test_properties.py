@@ -148,7 +148,11 @@ def _check_conv(case):
         radius_in, radius_out = np.abs(off_in).sum(axis=(0, 1, 2)), np.abs(off_out).sum(axis=(0, 1, 2))
         assert np.all(radius_out <= budget * (1 + TOL))
         scale = np.where(radius_in > budget, budget / np.where(radius_in > 0, radius_in, 1), 1.0)
-        np.testing.assert_allclose(off_out, off_in * scale, rtol=1e-12, atol=0)
+        # the projection rounds its budget down by a few units in the last place of 1 (so that the
+        # rounded result stays in the set): an absolute error of that size in the budget, relative
+        # to the radius, is allowed on top of the relative one (it matters when the budget is ~0)
+        slack = 16 * np.finfo(np.float64).eps * np.abs(off_in) / np.where(radius_in > 0, radius_in, 1)
+        assert np.all(np.abs(off_out - off_in * scale) <= 1e-12 * np.abs(off_in * scale) + slack)
         # the dense operator on a small image: Gershgorin discs, infinity norm, spectral radius
         side = max(k, 2)
         A = loop_conv_matrix(kout, side, side)
