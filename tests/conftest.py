@@ -1,8 +1,20 @@
 """Test configuration: float64 everywhere, so references are exact enough to compare."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+# One JAX compilation cache for the session, shared with the commands the tests start: many
+# tests train the same tiny configs, and a program compiled once is then read back instead of
+# compiled again (CI has two cores; compilation is most of the suite's time). Fresh per session.
+_JAX_CACHE = tempfile.mkdtemp(prefix="naisnet-jax-test-cache-")
+atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _JAX_CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
 
