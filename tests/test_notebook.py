@@ -2,7 +2,7 @@
 
 ``experiments/notebooks/quickstart.ipynb`` is executed with nbclient in quick mode
 (``NAISNET_NOTEBOOK_QUICK=1``), in a temporary working directory, by an IPython kernel of the
-interpreter running the tests. Any cell error fails the test. The figures the notebook wrote to
+interpreter running the tests (``experiments.notebooks.run.execute``, as ``make notebook``). Any cell error fails the test. The figures the notebook wrote to
 ``summary.json`` are then checked against the theory: the block reached its equilibrium, the 1-D
 claims hold for the stable map and break for the unstable one, the audit's bound is at least
 numpy's radius and below 1, and adaptive depths lie in ``[1, max_steps]`` and grow as the tolerance
@@ -10,20 +10,15 @@ shrinks. The committed file must carry no outputs.
 """
 
 import json
-import os
-import pathlib
 
 import nbformat
 import pytest
-from jupyter_client import KernelManager
-from jupyter_client.kernelspec import KernelSpecManager
-from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
+from experiments.notebooks import run
 from naisnet_jax import data as data_lib
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-NOTEBOOK = REPO / "experiments" / "notebooks" / "quickstart.ipynb"
+NOTEBOOK = run.QUICKSTART
 IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
              "t10k-labels-idx1-ubyte")
 
@@ -58,20 +53,13 @@ def executed(tmp_path_factory):
     _require_fashion_mnist()
     cwd = tmp_path_factory.mktemp("quickstart")
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    env = dict(os.environ, NAISNET_NOTEBOOK_QUICK="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    # kernel_dirs=[]: only ipykernel's own spec, whose command is this interpreter
-    km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[]))
-    client = NotebookClient(nb, km=km, timeout=600, resources={"metadata": {"path": str(cwd)}})
     try:
-        client.execute(env=env)
+        run.execute(nb, cwd=cwd, quick=True)
     except CellExecutionError as error:
         pytest.fail(f"{NOTEBOOK.name} failed in quick mode (executed copy: {cwd / 'executed.ipynb'}):\n{error}",
                     pytrace=False)
     finally:
         nbformat.write(nb, cwd / "executed.ipynb")
-        if km.has_kernel:
-            km.shutdown_kernel(now=True)
     return nb, json.loads((cwd / "runs" / "quickstart-quick" / "summary.json").read_text())
 
 
