@@ -31,6 +31,13 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+# The quickstart notebook, executed top to bottom into runs/quickstart.ipynb (the committed
+# experiments/notebooks/quickstart.ipynb stays without outputs); its work directory is
+# runs/quickstart. `make notebook QUICK=1`: the small run the test suite makes.
+.PHONY: notebook
+notebook: $(STAMP) data
+	$(PY) -m experiments.notebooks.run --out=runs/quickstart$(if $(QUICK),-quick,).ipynb $(if $(QUICK),--quick,)
+
 demo: $(STAMP) data
 	$(PY) -m experiments.demo --workdir=$(WORKDIR)
 

@@ -1,0 +1,1 @@
+"""Notebooks (committed without outputs) and the runner that executes them (``run.py``)."""
