@@ -644,9 +644,7 @@ def fft_conv_spectrum(kernel, image_hw) -> np.ndarray:
     """
     K = np.asarray(kernel)
     check_kernel_shape(K.shape, leading_axes=False)
-    height, width = (int(s) for s in image_hw)
-    if height < 1 or width < 1:
-        raise ValueError(f"image_hw must be positive; got {tuple(image_hw)}")
+    height, width = (check_int(f"image_hw[{i}]", int(s)) for i, s in enumerate(image_hw))
     K = K.astype(np.complex128)
     p = (K.shape[0] - 1) // 2
     offsets = np.arange(K.shape[0]) - p

@@ -133,8 +133,8 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
     """A 1-D mesh (axis ``"data"``) over the first ``num_devices`` devices (all if None)."""
     devices = jax.devices()
     if num_devices is not None:
-        if not 1 <= num_devices <= len(devices):
-            raise ValueError(f"num_devices={num_devices} is outside [1, {len(devices)}] (the devices present).")
+        check_int("num_devices", num_devices)
+        check_number("num_devices", num_devices, 1, len(devices), why=" (the devices present)")
         devices = devices[:num_devices]
     return Mesh(np.asarray(devices), (DATA_AXIS,))
 

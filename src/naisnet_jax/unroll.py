@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from naisnet_jax.checks import check_int, check_positive
+from naisnet_jax.checks import check_bool, check_int, check_positive
 
 Array = jax.Array
 
@@ -234,8 +234,7 @@ def unroll_adaptive(
     tol = float(check_positive("tol", tol))
     check_int("max_steps", max_steps)
     check_int("check_every", check_every)
-    if not isinstance(compact, bool):
-        raise ValueError(f"compact={compact!r} must be a bool.")
+    check_bool("compact", compact)
     if compact and inputs is None:
         raise ValueError(
             "compact=True moves patterns between buffers, so their per-pattern data must be "
