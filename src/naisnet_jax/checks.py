@@ -43,6 +43,14 @@ def _real(value: Any) -> float | None:
     return float(array)
 
 
+def check_real(name: str, value: Any) -> float:
+    """``value`` is a real number (not a bool; NaN and inf allowed); returns it as a float."""
+    x = _real(value)
+    if x is None:
+        raise ValueError(f"{name}={value!r} is not a number.")
+    return x
+
+
 def interval(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> str:
     """``"(0, 1]"``-style text of an interval."""
     return f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"

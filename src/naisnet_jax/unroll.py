@@ -25,8 +25,8 @@ def check_scan_unroll(scan_unroll: Any) -> int | bool:
         return scan_unroll
     if not isinstance(scan_unroll, int) or scan_unroll < 1:
         raise ValueError(
-            f"scan_unroll={scan_unroll!r} must be a positive integer (steps per loop "
-            f"iteration) or a bool (True unrolls every step)."
+            f"scan_unroll={scan_unroll!r} must be a bool (True unrolls every step) or an int >= 1 "
+            f"(steps per loop iteration)."
         )
     return scan_unroll
 
