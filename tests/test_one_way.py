@@ -320,4 +320,5 @@ def test_non_finite_values_get_one_message_everywhere():
         lambda p, v: v.at[0, 0].set(jnp.inf) if jax.tree_util.keystr(p).endswith("['R']") else v, variables)
     message, origin = message_of(lambda: audit_model(model, variables, inputs=jnp.zeros((1, 5))))
     assert origin == ("checks.py", "check_finite")
-    assert message.startswith("variables has 1 non-finite entries (NaN or inf): variables['params']['block']['R'] (1 of ")
+    assert message.startswith("variables has 1 non-finite entries (NaN or inf): "
+                              "variables['params']['block']['R'] (1 of ")

@@ -254,7 +254,7 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
                 "state matrix / kernel never acts and gets an exactly zero gradient, so the block is "
                 "a plain layer. Use initial_state='input' (x_0 = u) or steps > 1 to use it.",
                 StateUnusedWarning,
-                stacklevel=5,
+                stacklevel=6,
             )
 
 
