@@ -20,27 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from naisnet_jax.cell import check_kernel_shape, check_step_size
 from naisnet_jax.stability import conv_block_figures, kernel_gershgorin
 
 Array = jax.Array
-
-
-def _check_state_kernel(kernel) -> None:
-    shape = tuple(kernel.shape)
-    if len(shape) < 4:
-        raise ValueError(
-            f"a conv state kernel must be (..., k, k, C, C) HWIO with optional leading axes; "
-            f"got shape {shape}"
-        )
-    kh, kw, c_in, c_out = shape[-4:]
-    if kh != kw or kh % 2 != 1:
-        raise ValueError(
-            f"a conv state kernel needs an odd square filter (kh == kw, odd); got shape {shape}"
-        )
-    if c_in != c_out:
-        raise ValueError(
-            f"a conv state kernel needs square channels (C_in == C_out); got shape {shape}"
-        )
 
 
 def gershgorin(kernel) -> tuple[Array, Array]:
@@ -53,7 +36,7 @@ def gershgorin(kernel) -> tuple[Array, Array]:
     `(K, k, k, C, C)` gives `(K, C)` arrays. Computed with jnp in the kernel's dtype.
     """
     kernel = jnp.asarray(kernel)
-    _check_state_kernel(kernel)
+    check_kernel_shape(kernel.shape)
     return kernel_gershgorin(kernel)
 
 
@@ -68,11 +51,9 @@ def conv_inf_norm_bound(kernel, h: float = 1.0) -> float:
     `|1 + h s centre| + h s radius` is convex in s, so `||J||_inf <= max(1, bound)`.
     Computed on the host in float64.
     """
-    h = float(h)
-    if not 0.0 < h <= 1.0:
-        raise ValueError(f"h must be in (0, 1]; got {h}")
+    h = float(check_step_size(h))
     kernel = np.asarray(kernel, dtype=np.float64)
-    _check_state_kernel(kernel)
+    check_kernel_shape(kernel.shape)
     return conv_block_figures(kernel, h=h)["inf_norm_bound_I_plus_hA"]
 
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from naisnet_jax import checkpoint as ckpt
+from naisnet_jax.checks import check_finite, check_int, check_number, check_positive
 from naisnet_jax.probe import AUDIT_COLLECTION, BlockProbe
 
 from . import _baseline, _conv, _dense
@@ -52,6 +53,21 @@ from .certificate import (
     Trajectory,
     Verdict,
 )
+
+
+# The numeric audit options and their ranges, stated once: AuditOptions and naisnet-verify's flags
+# (named ``--samples``, ...) are checked with these.
+OPTION_CHECKS = {
+    "samples": check_int,
+    "sigma_min": functools.partial(check_number, lo=0.0, hi=1.0, lo_open=True),
+    "perturbation": check_positive,
+    "jacobian_samples": functools.partial(check_int, minimum=0),
+}
+
+
+def check_option(field: str, value: Any, name: str | None = None) -> Any:
+    """Check audit option ``field`` (reported as ``name``, by default the field)."""
+    return OPTION_CHECKS[field](name or field, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +99,8 @@ class AuditOptions:
     seed: int = 0
 
     def __post_init__(self):
-        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
-            raise ValueError(f"samples={self.samples!r} must be a positive integer")
-        if not 0 < self.sigma_min <= 1:
-            raise ValueError(f"sigma_min={self.sigma_min!r} must be in (0, 1]")
-        if not self.perturbation > 0:
-            raise ValueError(f"perturbation={self.perturbation!r} must be positive")
-        if isinstance(self.jacobian_samples, bool) or not isinstance(self.jacobian_samples, int) \
-                or self.jacobian_samples < 0:
-            raise ValueError(f"jacobian_samples={self.jacobian_samples!r} must be an integer >= 0")
+        for field in OPTION_CHECKS:
+            check_option(field, getattr(self, field))
         if self.data not in (None, "random", "none") and not isinstance(self.data, str):
             raise ValueError(f"data={self.data!r} must be None, 'random', 'none' or a dataset name")
 
@@ -161,16 +170,8 @@ def audit_model(model, variables, *, inputs=None, options: AuditOptions | None =
 def check_finite_variables(variables) -> None:
     """Refuse variables holding NaN or inf, naming each such leaf: no stability can be proven for
     them, and the numerics would fail deep inside an eigen-solver instead."""
-    bad = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]:
-        values = np.asarray(leaf)
-        if np.issubdtype(values.dtype, np.inexact):
-            count = int(values.size - np.count_nonzero(np.isfinite(values)))
-            if count:
-                bad.append(f"{jax.tree_util.keystr(path)} ({count} of {values.size})")
-    if bad:
-        raise ValueError(f"non-finite values (NaN or inf) in {', '.join(bad)}: no stability can be proven "
-                         f"for such parameters; audit a checkpoint from before the divergence.")
+    check_finite("variables", variables, ": no stability can be proven for such parameters; audit a "
+                                         "checkpoint from before the divergence")
 
 
 def _audit(model, variables, inputs, options: AuditOptions, source: Source, data_source: str,

@@ -12,7 +12,7 @@ import sys
 
 from naisnet_jax.checkpoint import CheckpointError
 
-from .certify import AuditOptions, audit
+from .certify import AuditOptions, audit, check_option
 from .report import write_figures, write_json
 
 
@@ -62,12 +62,11 @@ def main(argv=None) -> None:
                         help="conv blocks: trajectory Jacobians in P whose radius is estimated (the worst by the "
                         "inf-norm first)")
     args = parser.parse_args(argv)
-    if args.samples < 1:
-        parser.error(f"--samples={args.samples} must be a positive integer")
-    if args.jacobian_samples < 0:
-        parser.error(f"--jacobian-samples={args.jacobian_samples} must be >= 0")
-    if not 0 < args.sigma_min <= 1:
-        parser.error(f"--sigma-min={args.sigma_min} must be in (0, 1]")
+    for field in ("samples", "jacobian_samples", "sigma_min"):
+        try:
+            check_option(field, getattr(args, field), "--" + field.replace("_", "-"))
+        except ValueError as e:
+            parser.error(str(e))
     options = AuditOptions(samples=args.samples, data=args.data, data_dir=args.data_dir, sigma_min=args.sigma_min,
                            jacobian_samples=args.jacobian_samples)
     sys.exit(audit_and_report(args.checkpoint_dir, json_path=args.json, figures_dir=args.figures, options=options))

@@ -20,20 +20,12 @@ import numpy as np
 from jax import lax
 from jax.tree_util import Partial
 
+from naisnet_jax.cell import check_kernel_shape
+from naisnet_jax.checks import check_choice, check_int
+
 Array = jax.Array
 _HIGHEST = lax.Precision.HIGHEST
 _PADDINGS = ("SAME", "CIRCULAR")
-
-
-def _check_conv_kernel(kernel) -> None:
-    shape = tuple(kernel.shape)
-    if len(shape) != 4:
-        raise ValueError(f"conv kernel must be HWIO (kh, kw, C_in, C_out); got shape {shape}")
-    kh, kw = shape[:2]
-    if kh != kw or kh % 2 != 1:
-        raise ValueError(
-            f"conv kernel must have an odd square filter (kh == kw, odd); got shape {shape}"
-        )
 
 
 def _image_hw(image_shape) -> tuple[int, int]:
@@ -83,7 +75,7 @@ def conv_operator(kernel, image_shape, *, padding: str = "SAME") -> Callable[[Ar
     spectrum `fft_conv_spectrum` gives exactly).
     """
     kernel = jnp.asarray(kernel)
-    _check_conv_kernel(kernel)
+    check_kernel_shape(kernel.shape, square_channels=False, leading_axes=False)
     height, width = _image_hw(image_shape)
     if len(tuple(image_shape)) == 3 and int(image_shape[2]) != kernel.shape[2]:
         raise ValueError(
@@ -91,8 +83,7 @@ def conv_operator(kernel, image_shape, *, padding: str = "SAME") -> Callable[[Ar
             f"shape {tuple(kernel.shape)} expects C_in={kernel.shape[2]}"
         )
     padding = padding.upper()
-    if padding not in _PADDINGS:
-        raise ValueError(f"padding must be one of {_PADDINGS}; got {padding!r}")
+    check_choice("padding", padding, _PADDINGS)
     return Partial(_conv_flat_fn(height, width, padding), kernel)
 
 
@@ -170,9 +161,7 @@ def operator_matrix(op, n: int, *, dtype=None, chunk: int = 256) -> Array:
     under x64).
     """
     op = as_operator(op)
-    n = int(n)
-    if n < 1:
-        raise ValueError(f"n must be a positive vector length; got {n}")
+    n = check_int("n", int(n))
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.zeros((), float).dtype
     chunk = max(1, min(int(chunk), n))
     blocks = []

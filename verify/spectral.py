@@ -28,8 +28,11 @@ from jax import lax
 
 from jax.tree_util import Partial
 
+from naisnet_jax.cell import check_kernel_shape
+from naisnet_jax.checks import check_choice, check_finite, check_int, check_positive
+
 from ._numerics import single_threaded_blas
-from .operators import _check_conv_kernel, as_operator, dense_operator, operator_matrix
+from .operators import as_operator, dense_operator, operator_matrix
 
 Array = jax.Array
 _HIGHEST = lax.Precision.HIGHEST
@@ -281,11 +284,8 @@ def arnoldi_eigs_batch(
     if not leaves:
         raise ValueError("ops must be an operator pytree with batched array leaves (see stack_operators)")
     B = int(jnp.shape(leaves[0])[0])
-    n = int(n)
-    if n < 1:
-        raise ValueError(f"n must be a positive vector length; got {n}")
-    if not 1 <= k <= n:
-        raise ValueError(f"k must be in [1, n={n}]; got {k}")
+    n = check_int("n", int(n))
+    check_int("k", k, 1, n)
     m = min(n, krylov_dim if krylov_dim is not None else max(2 * k + 2, 64))
     if m < min(n, k + 2):
         raise ValueError(f"krylov_dim must be at least k + 2 = {k + 2} (or n); got {krylov_dim}")
@@ -304,8 +304,7 @@ def arnoldi_eigs_batch(
     host_dtype = np.float64 if real_basis else np.complex128
     if tol is None:
         tol = max(1e-10, 100 * float(jnp.finfo(basis_dtype).eps))
-    if not tol > 0:
-        raise ValueError(f"tol must be positive; got {tol}")
+    check_positive("tol", tol)
 
     split = jax.vmap(jax.random.split)(keys)
     keys, start_keys = split[:, 0], split[:, 1]
@@ -452,8 +451,7 @@ def _dense_spectrum(A: np.ndarray, iterations: int) -> tuple[SpectralResult, np.
     """`_dense_result` and every eigenvalue (one eigen-decomposition)."""
     A = np.asarray(A)
     A = A.astype(np.complex128 if np.iscomplexobj(A) else np.float64)
-    if not np.all(np.isfinite(A)):
-        raise ValueError("the matrix has non-finite entries; no spectral radius")
+    check_finite("the matrix", A, "; no spectral radius")
     lam = np.linalg.eigvals(A)
     all_eigenvalues = lam
     i = int(np.argmax(np.abs(lam)))
@@ -502,8 +500,7 @@ def spectral_radius_info(
     (its default: 1e-10 in float64);
     `"auto"`: dense when `n <= dense_max_n`, Arnoldi otherwise.
     """
-    if method not in _METHODS:
-        raise ValueError(f"method must be one of {_METHODS}; got {method!r}")
+    check_choice("method", method, _METHODS)
     if _is_matrix(op):
         shape = tuple(np.shape(op))
         if len(shape) != 2 or shape[0] != shape[1]:
@@ -646,14 +643,8 @@ def fft_conv_spectrum(kernel, image_hw) -> np.ndarray:
     periodic `rho(I + hA)` was below the SAME one 4 times, by up to 0.5%.
     """
     K = np.asarray(kernel)
-    _check_conv_kernel(K)
-    if K.shape[2] != K.shape[3]:
-        raise ValueError(
-            f"fft_conv_spectrum needs square channels (C_in == C_out); got shape {K.shape}"
-        )
-    height, width = (int(s) for s in image_hw)
-    if height < 1 or width < 1:
-        raise ValueError(f"image_hw must be positive; got {tuple(image_hw)}")
+    check_kernel_shape(K.shape, leading_axes=False)
+    height, width = (check_int(f"image_hw[{i}]", int(s)) for i, s in enumerate(image_hw))
     K = K.astype(np.complex128)
     p = (K.shape[0] - 1) // 2
     offsets = np.arange(K.shape[0]) - p

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from naisnet_jax.cell import ACTIVATIONS, check_activation, check_step_size, conv_same
-from naisnet_jax.unroll import _check_positive_int, check_scan_unroll
+from naisnet_jax.checks import check_choice, check_int
+from naisnet_jax.unroll import check_scan_unroll
 
 Array = jax.Array
 RESIDUALS = ("store", "recompute")
@@ -140,12 +141,11 @@ def unroll_tied(
     ``(x0, drive, W)`` only and reruns the forward scan in the backward pass.
     ``scan_unroll`` as in :func:`naisnet_jax.unroll.unroll`.
     """
-    _check_positive_int("steps", steps)
+    check_int("steps", steps)
     check_step_size(h)
     check_activation(activation)
     check_scan_unroll(scan_unroll)
-    if residuals not in RESIDUALS:
-        raise ValueError(f"residuals={residuals!r} must be one of {RESIDUALS}.")
+    check_choice("residuals", residuals, RESIDUALS)
     if isinstance(h, jax.core.Tracer):
         raise ValueError("unroll_tied needs a static step size h (a Python float), not a traced value.")
     dtype = jnp.result_type(x0, drive, W)

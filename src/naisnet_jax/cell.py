@@ -21,12 +21,12 @@ with the step's own parameters; ``unroll(..., xs=(As, drives))`` feeds them.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from naisnet_jax.checks import check_choice, check_number
 
 Array = jax.Array
 
@@ -36,23 +36,17 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 }
 
 
-def check_activation(activation: str) -> str:
-    if activation not in ACTIVATIONS:
-        raise ValueError(
-            f"activation={activation!r} is not supported; expected one of "
-            f"{sorted(ACTIVATIONS)}."
-        )
-    return activation
+def check_activation(activation: str, name: str = "activation") -> str:
+    """``activation`` names an entry of :data:`ACTIVATIONS`."""
+    return check_choice(name, activation, sorted(ACTIVATIONS))
 
 
-def check_step_size(h: float) -> float:
-    """``h`` must lie in (0, 1]: the stability proofs need ``h <= 1``."""
+def check_step_size(h: float, name: str = "h") -> float:
+    """``h`` must lie in (0, 1]: the stability proofs need ``h <= 1``. A traced ``h`` passes."""
     if isinstance(h, jax.core.Tracer):  # a traced h cannot be checked here
         return h
-    value = float(np.asarray(h)) if np.ndim(h) == 0 else None
-    if value is None or not (0.0 < value <= 1.0 and math.isfinite(value)):
-        raise ValueError(f"step size h={h!r} is outside (0, 1].")
-    return h
+    return check_number(name, h, 0.0, 1.0, lo_open=True,
+                        why=": h must be positive and at most 1 (the stability proofs need h <= 1)")
 
 
 def activation_slope(activation: str, z: Array) -> Array:
@@ -125,7 +119,7 @@ def conv_step(
     """
     check_step_size(h)
     act = ACTIVATIONS[check_activation(activation)]
-    check_state_kernel_shape(kernel.shape)
+    check_kernel_shape(kernel.shape)
     if x.shape[-1] != kernel.shape[-1]:
         raise ValueError(
             f"state x has {x.shape[-1]} channels but the state kernel has shape "
@@ -134,20 +128,24 @@ def conv_step(
     return x + h * act(conv_same(x, kernel, precision=precision) + drive)
 
 
-def check_state_kernel_shape(shape: tuple[int, ...]) -> None:
-    """A state kernel is HWIO ``(k, k, C, C)`` with odd ``k`` (leading axes allowed)."""
-    if len(shape) < 4:
-        raise ValueError(f"state kernel must be HWIO (k, k, C, C); got shape {shape}.")
+def check_kernel_shape(shape: tuple[int, ...], *, square_channels: bool = True,
+                       leading_axes: bool = True) -> None:
+    """A conv kernel is HWIO ``(k, k, C_in, C_out)`` with an odd ``k = 2p+1`` (every channel has a
+    centre tap); a state kernel also has ``C_in == C_out`` (``square_channels``).
+    ``leading_axes`` allows ``(..., k, k, C, C)`` (untied per-step kernels)."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 4 or (not leading_axes and len(shape) != 4):
+        axes = "(..., k, k, C_in, C_out) HWIO with optional leading axes" if leading_axes else \
+            "(k, k, C_in, C_out) HWIO"
+        raise ValueError(f"kernel of shape {shape} is not {axes}.")
     kh, kw, cin, cout = shape[-4:]
-    if kh != kw:
-        raise ValueError(f"state kernel filter must be square; got {kh}x{kw} (shape {shape}).")
-    if kh % 2 == 0:
+    if kh != kw or kh % 2 == 0:
         raise ValueError(
-            f"state kernel filter size {kh} is even; an odd size (2p+1) is required "
-            f"so that the centre tap exists (shape {shape})."
+            f"kernel of shape {shape} has a {kh}x{kw} filter ({'even' if kh == kw else 'not square'}); "
+            f"expected an odd square filter k x k (k = 2p+1, so that every channel has a centre tap)."
         )
-    if cin != cout:
+    if square_channels and cin != cout:
         raise ValueError(
-            f"state kernel must map C channels to C channels; got C_in={cin}, "
-            f"C_out={cout} (shape {shape})."
+            f"state kernel of shape {shape} has C_in={cin}, C_out={cout}; expected square channels "
+            f"(C_in == C_out: the state maps C channels to C channels)."
         )

@@ -29,6 +29,8 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from naisnet_jax.checks import check_bool, check_int, check_number
+
 FORMAT = "naisnet-jax"
 FORMAT_VERSION = 1
 
@@ -92,69 +94,10 @@ class CheckpointMetadata:
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        from naisnet_jax.parametrize import check_eps
-        from naisnet_jax.projection import check_eta
-
-        def fail(field, expected):
-            raise CheckpointError(f"checkpoint metadata {field}={getattr(self, field)!r}: expected {expected}.")
-
-        def positive_int(x):
-            return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x > 0
-
-        for field in ("model", "dataset"):
-            if not isinstance(getattr(self, field), str) or not getattr(self, field):
-                fail(field, "a non-empty string")
-        if not positive_int(self.num_classes):
-            fail("num_classes", "a positive integer")
         try:
-            shape = tuple(self.input_shape)
-        except TypeError:
-            fail("input_shape", "a sequence of positive integers")
-        if not shape or not all(positive_int(d) for d in shape):
-            fail("input_shape", "a non-empty sequence of positive integers")
-        object.__setattr__(self, "input_shape", tuple(int(d) for d in shape))
-        for field, positive in (("channel_mean", False), ("channel_std", True)):
-            try:
-                values = tuple(float(v) for v in getattr(self, field))
-            except (TypeError, ValueError):
-                fail(field, "a sequence of numbers, one per input channel")
-            if len(values) != self.input_shape[-1] or not all(math.isfinite(v) and (v > 0 or not positive)
-                                                              for v in values):
-                fail(field, f"{self.input_shape[-1]} finite numbers (one per input channel)"
-                            + (", all positive" if positive else ""))
-            object.__setattr__(self, field, values)
-        for field in ("eps", "h", "eta"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
-                fail(field, "a number")
-            object.__setattr__(self, field, float(value))
-        try:
-            check_eps(self.eps)
-            check_eta(self.eta, self.eps)
+            self._check_and_normalise()
         except ValueError as e:
             raise CheckpointError(f"checkpoint metadata: {e}") from None
-        if not 0.0 < self.h <= 1.0:
-            fail("h", "a step size in (0, 1]")
-        if not isinstance(self.relaxed, (bool, np.bool_)):
-            fail("relaxed", "a bool")
-        for field in ("model_kwargs", "config", "extra"):  # ConfigDicts become plain dicts
-            if hasattr(getattr(self, field), "to_dict"):
-                object.__setattr__(self, field, getattr(self, field).to_dict())
-        if not isinstance(self.model_kwargs, Mapping) or not all(isinstance(k, str) for k in self.model_kwargs):
-            fail("model_kwargs", "a mapping of keyword arguments")
-        repeated = sorted(set(self.model_kwargs) & set(_STORED_ONCE))
-        if repeated:
-            fail("model_kwargs", f"no {repeated} (stored once, as top-level fields)")
-        for field in ("config", "extra"):
-            if not isinstance(getattr(self, field), Mapping):
-                fail(field, "a mapping")
-        for field in ("epoch", "step"):
-            value = getattr(self, field)
-            if value is not None and not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-                                          and value >= 0):
-                fail(field, "a non-negative integer or None")
-        if self.digest is not None and not isinstance(self.digest, str):
-            fail("digest", "a hex string or None")
         object.__setattr__(self, "model_kwargs", _json_ready(self.model_kwargs))
         object.__setattr__(self, "config", _json_ready(self.config))
         object.__setattr__(self, "extra", _json_ready(self.extra))
@@ -162,6 +105,62 @@ class CheckpointMetadata:
             json.dumps(self.to_json(), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"checkpoint metadata is not JSON: {e}") from None
+
+    def _check_and_normalise(self):
+        """Check every field with the package's shared checks (``ValueError`` naming it) and
+        store tuples, floats and plain dicts."""
+        from naisnet_jax.cell import check_step_size
+        from naisnet_jax.parametrize import check_eps
+        from naisnet_jax.projection import check_eta
+
+        for field in ("model", "dataset"):
+            if not isinstance(getattr(self, field), str) or not getattr(self, field):
+                raise ValueError(f"{field}={getattr(self, field)!r} must be a non-empty string.")
+        check_int("num_classes", self.num_classes)
+        try:
+            shape = tuple(self.input_shape)
+        except TypeError:
+            shape = ()
+        if not shape:
+            raise ValueError(f"input_shape={self.input_shape!r} must be a non-empty sequence of positive integers.")
+        for i, d in enumerate(shape):
+            check_int(f"input_shape[{i}]", d)
+        object.__setattr__(self, "input_shape", tuple(int(d) for d in shape))
+        channels = self.input_shape[-1]
+        for field, lo in (("channel_mean", -math.inf), ("channel_std", 0.0)):
+            try:
+                values = tuple(getattr(self, field))
+            except TypeError:
+                values = None
+            if values is None or len(values) != channels:
+                raise ValueError(f"{field}={getattr(self, field)!r} must be {channels} numbers, one per "
+                                 f"input channel.")
+            for i, v in enumerate(values):
+                check_number(f"{field}[{i}]", v, lo, math.inf, lo_open=True, hi_open=True)
+            object.__setattr__(self, field, tuple(float(v) for v in values))
+        check_eps(self.eps)
+        check_eta(self.eta, self.eps)
+        check_step_size(self.h)
+        for field in ("eps", "h", "eta"):
+            object.__setattr__(self, field, float(getattr(self, field)))
+        check_bool("relaxed", self.relaxed)
+        for field in ("model_kwargs", "config", "extra"):  # ConfigDicts become plain dicts
+            if hasattr(getattr(self, field), "to_dict"):
+                object.__setattr__(self, field, getattr(self, field).to_dict())
+        if not isinstance(self.model_kwargs, Mapping) or not all(isinstance(k, str) for k in self.model_kwargs):
+            raise ValueError(f"model_kwargs={self.model_kwargs!r} must be a mapping of keyword arguments.")
+        repeated = sorted(set(self.model_kwargs) & set(_STORED_ONCE))
+        if repeated:
+            raise ValueError(f"model_kwargs={self.model_kwargs!r} must hold no {repeated} (stored once, "
+                             f"as top-level fields).")
+        for field in ("config", "extra"):
+            if not isinstance(getattr(self, field), Mapping):
+                raise ValueError(f"{field}={getattr(self, field)!r} must be a mapping.")
+        for field in ("epoch", "step"):
+            if getattr(self, field) is not None:
+                check_int(field, getattr(self, field), 0)
+        if self.digest is not None and not isinstance(self.digest, str):
+            raise ValueError(f"digest={self.digest!r} must be a hex string or None.")
 
     # ------------------------------------------------------------ constructors
 

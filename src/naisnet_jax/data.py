@@ -49,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from naisnet_jax.checks import check_choice, check_int
+
 FASHION_MNIST_ENV = "NAISNET_FASHION_MNIST_DIR"
 DEBIAN_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 _FASHION_MNIST_HINT = (
@@ -133,9 +135,8 @@ class Dataset:
 def _take(ds: Dataset, limit_train: int | None, limit_test: int | None) -> Dataset:
     """The first ``limit_train`` / ``limit_test`` examples of each split (None keeps all)."""
     for label, limit in (("limit_train", limit_train), ("limit_test", limit_test)):
-        integral = isinstance(limit, (int, np.integer)) and not isinstance(limit, bool)
-        if limit is not None and (not integral or limit < 1):
-            raise ValueError(f"{label} must be a positive int or None, got {limit!r}")
+        if limit is not None:
+            check_int(label, limit)
     return dataclasses.replace(
         ds,
         train_images=ds.train_images[:limit_train],
@@ -786,7 +787,7 @@ def load_dataset(
     elif name in TFDS_NAMES:
         ds = load_tfds(name, data_dir=default_tfds_data_dir() if data_dir is None else data_dir)
     else:
-        raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASET_NAMES)}")
+        check_choice("dataset", name, DATASET_NAMES)
     return _take(ds, limit_train, limit_test)
 
 

@@ -21,6 +21,8 @@ import math
 import os
 from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 
+from naisnet_jax.checks import check_real
+
 SCALARS_FILE = "scalars.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -34,10 +36,7 @@ class MetricWriter(Protocol):
 
 def _scalar(name: str, value: Any) -> float | None:
     """``value`` as a JSON-safe float (``None`` for NaN / inf, which JSON cannot hold)."""
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"scalar {name!r} = {value!r} is not a number.") from None
+    value = check_real(f"scalar {name!r}", value)
     return value if math.isfinite(value) else None
 
 

@@ -54,10 +54,11 @@ memory or compile time, never the maths:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -66,6 +67,7 @@ import jax.numpy as jnp
 from naisnet_jax import probe
 from naisnet_jax.block_vjp import conv_op, dense_op, unroll_tied
 from naisnet_jax.cell import ACTIVATIONS, check_activation, check_step_size, conv_step, fc_step
+from naisnet_jax.checks import check_bool, check_choice, check_int, check_positive
 from naisnet_jax.parametrize import check_eps, conv_state_kernel, fc_state_matrix
 from naisnet_jax.projection import check_eta, project_conv, project_fc
 from naisnet_jax.unroll import check_scan_unroll, unroll, unroll_adaptive, unroll_adaptive_bounded
@@ -76,87 +78,218 @@ BN_EPSILON = 1e-5
 PARAM_DTYPE = jnp.float32  # as Flax's own layers, also when x64 is enabled
 
 
-# ----------------------------------------------------------------- validation
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer.")
-    return value
-
-
-def _check_kernel_size(kernel_size: Any) -> int:
-    _check_positive_int("kernel_size", kernel_size)
-    if kernel_size % 2 == 0:
-        raise ValueError(
-            f"kernel_size={kernel_size} is even; the state convolution needs an odd "
-            f"size 2p+1 so that every channel has a centre tap."
-        )
-    return kernel_size
-
-
-def _check_unroll(*, steps, h, eps, activation, untied, adaptive_tol, max_steps) -> None:
-    _check_positive_int("steps", steps)
-    check_step_size(h)
-    check_eps(eps)
-    check_activation(activation)
-    _check_positive_int("max_steps", max_steps)
-    if adaptive_tol is None:
-        return
-    if isinstance(adaptive_tol, bool) or not isinstance(adaptive_tol, (int, float)) or not (
-        adaptive_tol > 0
-    ):
-        raise ValueError(f"adaptive_tol={adaptive_tol!r} must be a positive number or None.")
-    if untied:
-        raise ValueError(
-            f"adaptive_tol={adaptive_tol!r} with untied=True: pattern-dependent depth "
-            f"needs tied weights (an untied block has parameters for `steps` steps only)."
-        )
-
-
-def _check_dense_attrs(m) -> None:
-    """Checks shared by :class:`NaisDenseBlock` and :class:`NaisNetFC` (same attribute names)."""
-    _check_positive_int("features", m.features)
-    if m.rank is not None:
-        _check_positive_int("rank", m.rank)
-        if m.rank > m.features:
-            raise ValueError(
-                f"rank={m.rank} exceeds features={m.features}; R is (rank, n) with rank <= n."
-            )
-    _check_unroll(
-        steps=m.steps, h=m.h, eps=m.eps, activation=m.activation, untied=m.untied,
-        adaptive_tol=m.adaptive_tol, max_steps=m.max_steps,
-    )
-
+# ----------------------------------------------------- hyper-parameters, once
+#
+# Every hyper-parameter is a field of exactly one option class below, with its
+# default, its meaning and its check; blocks and networks inherit the classes,
+# so adding an option means editing one class. The fields are keyword-only
+# (``NaisDenseBlock(4, h=0.5)``); a network hands its blocks their options with
+# :func:`options_of`. ConvOptions restates two defaults (the paper's CIFAR
+# blocks: ``steps=10``, ``activation="relu"``) and nothing else.
 
 INITIAL_STATES = ("zero", "input")
+REMAT = ("none", "block", "step")
+BLOCK_VJP = {"autodiff": None, "stacked": "store", "stacked_recompute": "recompute"}
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+# Options that change speed or memory, never the maths (``dtype`` changes the rounding only).
+PERF_OPTIONS = ("scan_unroll", "remat", "block_vjp", "dtype", "check_every", "compact")
 
 
 class StateUnusedWarning(UserWarning):
     """A NAIS block with one step and ``x_0 = 0`` has a state matrix that never acts."""
 
 
-def _check_initial_state(initial_state: Any, steps: int | None = None) -> None:
-    """Validates ``initial_state``; a block (``steps`` given: the most steps it unrolls) warns
-    when ``steps == 1`` with ``x_0 = 0``."""
-    if initial_state not in INITIAL_STATES:
-        raise ValueError(
-            f"initial_state={initial_state!r} must be one of {INITIAL_STATES}: 'zero' is the "
-            f"paper's x_0 = 0, 'input' starts the block at its input u."
-        )
-    if steps == 1 and initial_state == "zero":
-        warnings.warn(
-            "a NAIS block with steps=1 and initial_state='zero' computes x_1 = h act(drive): its "
-            "state matrix / kernel never acts and gets an exactly zero gradient, so the block is "
-            "a plain layer. Use initial_state='input' (x_0 = u) or steps > 1 to use it.",
-            StateUnusedWarning,
-            stacklevel=3,
-        )
+class HyperParameters(nn.Module, kw_only=True):
+    """Root of the option classes. Each class checks the fields it declares in its own
+    ``_check_fields`` (a :func:`flax.linen.nowrap` method); construction runs them all, base
+    classes first (so ``eps`` is checked before ``eta``, which depends on it)."""
+
+    def __post_init__(self):
+        for cls in reversed(type(self).__mro__):
+            check = cls.__dict__.get("_check_fields")
+            if check is not None:
+                check(self)
+        super().__post_init__()
 
 
-def _unrolled_steps(block) -> int:
-    """The most steps a block takes: ``max_steps`` when adaptive, else ``steps``."""
-    return block.steps if block.adaptive_tol is None else block.max_steps
+def options_of(module: nn.Module, options: type) -> dict:
+    """The values on ``module`` of every field that the option class ``options`` declares
+    (inherited ones included), as keyword arguments for a block of that class."""
+    return {f.name: getattr(module, f.name) for f in dataclasses.fields(options)
+            if f.name not in ("parent", "name")}
+
+
+class Classifier(HyperParameters, kw_only=True):
+    """``num_classes``: outputs of the final Dense layer (``"classifier"``)."""
+
+    num_classes: int = 10
+
+    @nn.nowrap
+    def _check_fields(self):
+        check_int("num_classes", self.num_classes)
+
+
+class ComputeDtype(HyperParameters, kw_only=True):
+    """``dtype``: the compute dtype (``"bfloat16"``, ...; ``None`` keeps the inputs' dtype).
+    Parameters stay float32, pooling and the classifier compute in float32."""
+
+    dtype: str | None = None
+
+    @nn.nowrap
+    def _check_fields(self):
+        check_choice("dtype", self.dtype, (None,) + COMPUTE_DTYPES,
+                     why="; None keeps the inputs' dtype, and parameters stay float32 whatever it is")
+
+
+class KernelSize(HyperParameters, kw_only=True):
+    """``kernel_size``: the odd side ``k = 2p+1`` of the ``k x k`` convolutions."""
+
+    kernel_size: int = 3
+
+    @nn.nowrap
+    def _check_fields(self):
+        check_int("kernel_size", self.kernel_size)
+        if self.kernel_size % 2 == 0:
+            raise ValueError(
+                f"kernel_size={self.kernel_size} is even; the convolutions need an odd size 2p+1 "
+                f"(a centre tap for every channel, and SAME padding that keeps the resolution)."
+            )
+
+
+class Stages(HyperParameters, kw_only=True):
+    """``stage_sizes[i]`` blocks of ``filters[i]`` channels in stage ``i`` (the paper's CIFAR
+    nets: 3 stages of 18 blocks, 16/32/64 filters)."""
+
+    stage_sizes: Sequence[int] = (18, 18, 18)
+    filters: Sequence[int] = (16, 32, 64)
+
+    @nn.nowrap
+    def _check_fields(self):
+        if len(self.stage_sizes) == 0 or len(self.stage_sizes) != len(self.filters):
+            raise ValueError(
+                f"stage_sizes={tuple(self.stage_sizes)} and filters={tuple(self.filters)} must be "
+                f"non-empty and of equal length."
+            )
+        for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):
+            check_int(f"stage_sizes[{i}]", size)
+            check_int(f"filters[{i}]", width)
+
+
+class StepOptions(HyperParameters, kw_only=True):
+    """One residual step ``x + h act(x A^T + drive)``: step size ``h`` in (0, 1], stability
+    margin ``eps`` in ``[EPS_MIN, 0.5)`` (``A = -R^T R - eps I``), ``activation`` ("tanh", "relu")."""
+
+    h: float = 1.0
+    eps: float = 0.01
+    activation: str = "tanh"
+
+    @nn.nowrap
+    def _check_fields(self):
+        check_step_size(self.h)
+        check_eps(self.eps)
+        check_activation(self.activation)
+
+
+class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
+    """Options of every NAIS block (and net, which hands them to its blocks).
+
+    - ``steps``: K, the steps a block unrolls; ``untied``: per-step weights ``A(k), B(k), b(k)``.
+    - ``initial_state``: ``"zero"`` (the paper's ``x_0 = 0``) or ``"input"`` (``x_0 = u``).
+    - ``adaptive_tol``: ``None`` (fixed depth K) or the tolerance at which a pattern stops,
+      after at most ``max_steps`` steps (tied weights only).
+    - performance (:data:`PERF_OPTIONS`, see the module docstring): ``scan_unroll``, ``remat``,
+      ``block_vjp``, ``check_every``, ``compact`` and ``dtype``.
+    """
+
+    steps: int = 30
+    initial_state: str = "zero"
+    untied: bool = False
+    adaptive_tol: float | None = None
+    max_steps: int = 100
+    scan_unroll: int | bool = 1
+    remat: str = "none"
+    block_vjp: str = "autodiff"
+    check_every: int = 1
+    compact: bool = False
+
+    @nn.nowrap
+    def _check_fields(self):
+        check_int("steps", self.steps)
+        check_int("max_steps", self.max_steps)
+        check_choice("initial_state", self.initial_state, INITIAL_STATES,
+                     why=": 'zero' is the paper's x_0 = 0, 'input' starts the block at its input u")
+        check_bool("untied", self.untied)
+        if self.adaptive_tol is not None:
+            check_positive("adaptive_tol", self.adaptive_tol)
+            if self.untied:
+                raise ValueError(
+                    f"adaptive_tol={self.adaptive_tol!r} with untied=True: pattern-dependent depth "
+                    f"needs tied weights (an untied block has parameters for `steps` steps only)."
+                )
+        check_scan_unroll(self.scan_unroll)
+        check_int("check_every", self.check_every)
+        check_bool("compact", self.compact)
+        check_choice("remat", self.remat, REMAT)
+        check_choice("block_vjp", self.block_vjp, BLOCK_VJP)
+        if self.block_vjp == "autodiff":
+            return
+        if self.untied or self.adaptive_tol is not None:
+            raise ValueError(
+                f"block_vjp={self.block_vjp!r} needs a tied block of fixed depth; got "
+                f"untied={self.untied}, adaptive_tol={self.adaptive_tol!r}. Use block_vjp='autodiff'."
+            )
+        if self.remat == "step":
+            raise ValueError(
+                f"remat='step' with block_vjp={self.block_vjp!r}: the custom VJP chooses its own "
+                f"residuals; use block_vjp='stacked_recompute' to recompute the steps."
+            )
+
+    @nn.nowrap
+    def _warn_if_state_unused(self):
+        """A block (not a net: its blocks warn when they are built) with one step from ``x_0 = 0``."""
+        most = self.steps if self.adaptive_tol is None else self.max_steps
+        if most == 1 and self.initial_state == "zero":
+            warnings.warn(
+                "a NAIS block with steps=1 and initial_state='zero' computes x_1 = h act(drive): its "
+                "state matrix / kernel never acts and gets an exactly zero gradient, so the block is "
+                "a plain layer. Use initial_state='input' (x_0 = u) or steps > 1 to use it.",
+                StateUnusedWarning,
+                stacklevel=6,
+            )
+
+
+class DenseOptions(NaisOptions, kw_only=True):
+    """Dense NAIS options: ``rank`` of ``R`` (``(rank, n)``, ``None`` for ``n``; at most the
+    ``features`` that every dense block and net declares)."""
+
+    rank: int | None = None
+
+    @nn.nowrap
+    def _check_fields(self):
+        check_int("features", self.features)
+        if self.rank is None:
+            return
+        check_int("rank", self.rank)
+        if self.rank > self.features:
+            raise ValueError(
+                f"rank={self.rank} exceeds features={self.features}; R is (rank, n) with rank <= n."
+            )
+
+
+class ConvOptions(KernelSize, NaisOptions, kw_only=True):
+    """Conv NAIS options: Algorithm 2's ``eta`` in ``(eps, 1)``; ``learn_delta`` (train the
+    centre-tap shifts ``delta``, else ``delta = 0``); ``kernel_size``. Defaults of the paper's
+    CIFAR blocks: ``steps=10``, ``activation="relu"``."""
+
+    steps: int = 10
+    activation: str = "relu"
+    eta: float = 0.5
+    learn_delta: bool = False
+
+    @nn.nowrap
+    def _check_fields(self):
+        check_eta(self.eta, self.eps)
+        check_bool("learn_delta", self.learn_delta)
 
 
 def initial_state_x0(u: Array, state_shape: tuple, dtype, initial_state: str, block: str) -> Array:
@@ -176,66 +309,8 @@ def initial_state_x0(u: Array, state_shape: tuple, dtype, initial_state: str, bl
     return u.astype(dtype)
 
 
-def _check_stages(stage_sizes: Sequence[int], filters: Sequence[int]) -> None:
-    if len(stage_sizes) == 0 or len(stage_sizes) != len(filters):
-        raise ValueError(
-            f"stage_sizes={tuple(stage_sizes)} and filters={tuple(filters)} must be "
-            f"non-empty and of equal length."
-        )
-    for size in stage_sizes:
-        _check_positive_int("stage size", size)
-    for width in filters:
-        _check_positive_int("filters entry", width)
-
-
-# ------------------------------------------------------ performance options
-
-# Options that change speed or memory, never the maths (``dtype`` changes the
-# rounding only). NAIS nets pass them to their blocks unchanged.
-PERF_OPTIONS = ("scan_unroll", "remat", "block_vjp", "dtype", "check_every", "compact")
-REMAT = ("none", "block", "step")
-BLOCK_VJP = {"autodiff": None, "stacked": "store", "stacked_recompute": "recompute"}
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
-
-
-def _check_dtype(dtype) -> None:
-    if dtype is not None and dtype not in COMPUTE_DTYPES:
-        raise ValueError(
-            f"dtype={dtype!r} must be None (the inputs' and parameters' dtype) or one of "
-            f"{COMPUTE_DTYPES}; parameters stay float32 whatever the compute dtype."
-        )
-
-
 def _compute_dtype(dtype):
     return None if dtype is None else jnp.dtype(dtype)
-
-
-def _check_perf(m) -> None:
-    check_scan_unroll(m.scan_unroll)
-    _check_dtype(m.dtype)
-    _check_positive_int("check_every", m.check_every)
-    if not isinstance(m.compact, bool):
-        raise ValueError(f"compact={m.compact!r} must be a bool.")
-    if m.remat not in REMAT:
-        raise ValueError(f"remat={m.remat!r} must be one of {REMAT}.")
-    if m.block_vjp not in BLOCK_VJP:
-        raise ValueError(f"block_vjp={m.block_vjp!r} must be one of {tuple(BLOCK_VJP)}.")
-    if m.block_vjp == "autodiff":
-        return
-    if m.untied or m.adaptive_tol is not None:
-        raise ValueError(
-            f"block_vjp={m.block_vjp!r} needs a tied block of fixed depth; got untied={m.untied}, "
-            f"adaptive_tol={m.adaptive_tol!r}. Use block_vjp='autodiff'."
-        )
-    if m.remat == "step":
-        raise ValueError(
-            f"remat='step' with block_vjp={m.block_vjp!r}: the custom VJP chooses its own "
-            f"residuals; use block_vjp='stacked_recompute' to recompute the steps."
-        )
-
-
-def _perf_kwargs(m) -> dict:
-    return {name: getattr(m, name) for name in PERF_OPTIONS}
 
 
 # ----------------------------------------------------------- initialisation
@@ -333,7 +408,7 @@ def _block_output(x, depth, states, return_aux):
 # --------------------------------------------------------------- NAIS blocks
 
 
-class NaisDenseBlock(nn.Module):
+class NaisDenseBlock(DenseOptions):
     """Fully connected NAIS block: ``x_{k+1} = x_k + h act(x_k A^T + u B^T + b)``, ``x_0 = 0``
     (or ``x_0 = u`` with ``initial_state="input"``, which needs ``m = n``).
 
@@ -346,27 +421,10 @@ class NaisDenseBlock(nn.Module):
     """
 
     features: int
-    steps: int = 30
-    initial_state: str = "zero"
-    h: float = 1.0
-    eps: float = 0.01
-    activation: str = "tanh"
-    untied: bool = False
-    rank: int | None = None
-    adaptive_tol: float | None = None
-    max_steps: int = 100
-    scan_unroll: int | bool = 1
-    remat: str = "none"
-    block_vjp: str = "autodiff"
-    dtype: str | None = None
-    check_every: int = 1
-    compact: bool = False
 
-    def __post_init__(self):
-        _check_dense_attrs(self)
-        _check_initial_state(self.initial_state, _unrolled_steps(self))
-        _check_perf(self)
-        super().__post_init__()
+    @nn.nowrap
+    def _check_fields(self):
+        self._warn_if_state_unused()
 
     @nn.compact
     def __call__(self, u: Array, *, train: bool = False, return_aux: bool = False):
@@ -403,7 +461,7 @@ class NaisDenseBlock(nn.Module):
         return _block_output(x, depth, states, return_aux)
 
 
-class NaisConvBlock(nn.Module):
+class NaisConvBlock(ConvOptions):
     """Convolutional NAIS block: ``X_{k+1} = X_k + h act(conv(X_k, C) + conv(U, D) + E)``.
 
     ``X_0 = 0``, or ``X_0 = U`` with ``initial_state="input"`` (needs ``strides == 1``
@@ -422,43 +480,20 @@ class NaisConvBlock(nn.Module):
     """
 
     features: int
-    steps: int = 10
-    initial_state: str = "zero"
-    h: float = 1.0
-    eps: float = 0.01
-    eta: float = 0.5
-    kernel_size: int = 3
-    strides: int = 1
-    activation: str = "relu"
-    learn_delta: bool = False
-    untied: bool = False
-    normalize_drive: bool = False
-    adaptive_tol: float | None = None
-    max_steps: int = 100
-    scan_unroll: int | bool = 1
-    remat: str = "none"
-    block_vjp: str = "autodiff"
-    dtype: str | None = None
-    check_every: int = 1
-    compact: bool = False
+    strides: int = dataclasses.field(default=1, kw_only=True)
+    normalize_drive: bool = dataclasses.field(default=False, kw_only=True)
 
-    def __post_init__(self):
-        _check_positive_int("features", self.features)
-        _check_kernel_size(self.kernel_size)
-        _check_positive_int("strides", self.strides)
-        _check_unroll(
-            steps=self.steps, h=self.h, eps=self.eps, activation=self.activation,
-            untied=self.untied, adaptive_tol=self.adaptive_tol, max_steps=self.max_steps,
-        )
-        check_eta(self.eta, self.eps)
-        _check_initial_state(self.initial_state, _unrolled_steps(self))
+    @nn.nowrap
+    def _check_fields(self):
+        check_int("features", self.features)
+        check_int("strides", self.strides)
+        check_bool("normalize_drive", self.normalize_drive)
         if self.initial_state == "input" and self.strides != 1:
             raise ValueError(
                 f"initial_state='input' with strides={self.strides}: x_0 = U needs the input at "
                 f"the state's resolution (strides=1); use initial_state='zero'."
             )
-        _check_perf(self)
-        super().__post_init__()
+        self._warn_if_state_unused()
 
     @nn.compact
     def __call__(self, u: Array, *, train: bool = False, return_aux: bool = False):
@@ -518,48 +553,19 @@ class NaisConvBlock(nn.Module):
 # ----------------------------------------------------------------- NAIS-Nets
 
 
-class NaisNetFC(nn.Module):
+class NaisNetFC(DenseOptions, Classifier, kw_only=True):
     """The paper's MNIST net: flatten, one NaisDenseBlock (``"block"``), Dense classifier.
 
     Parameters: ``"block"`` (see :class:`NaisDenseBlock`) and ``"classifier"``.
     ``initial_state="input"`` (``x_0 = u``) needs ``features`` equal to the flattened input size.
     """
 
-    num_classes: int = 10
     features: int = 128
-    steps: int = 30
-    initial_state: str = "zero"
-    h: float = 1.0
-    eps: float = 0.01
-    activation: str = "tanh"
-    untied: bool = False
-    rank: int | None = None
-    adaptive_tol: float | None = None
-    max_steps: int = 100
-    scan_unroll: int | bool = 1
-    remat: str = "none"
-    block_vjp: str = "autodiff"
-    dtype: str | None = None
-    check_every: int = 1
-    compact: bool = False
-
-    def __post_init__(self):
-        _check_positive_int("num_classes", self.num_classes)
-        _check_dense_attrs(self)
-        _check_initial_state(self.initial_state)  # the block warns when it is built
-        _check_perf(self)
-        super().__post_init__()
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
         u = x.reshape(x.shape[0], -1)
-        block = NaisDenseBlock(
-            self.features, steps=self.steps, h=self.h, eps=self.eps,
-            initial_state=self.initial_state,
-            activation=self.activation, untied=self.untied, rank=self.rank,
-            adaptive_tol=self.adaptive_tol, max_steps=self.max_steps, name="block",
-            **_perf_kwargs(self),
-        )
+        block = NaisDenseBlock(self.features, name="block", **options_of(self, DenseOptions))
         classifier = nn.Dense(self.num_classes, name="classifier")
         if not return_aux:
             return classifier(block(u, train=train))
@@ -573,7 +579,7 @@ class NaisNetFC(nn.Module):
         }
 
 
-class NaisNetConv(nn.Module):
+class NaisNetConv(ConvOptions, Classifier, Stages, kw_only=True):
     """Stacked convolutional NAIS-Net: stem, stages of NaisConvBlocks, pool, Dense.
 
     ``stem`` (3x3 conv to ``filters[0]``) -> BatchNorm (``"stem_bn"``) -> act;
@@ -592,40 +598,6 @@ class NaisNetConv(nn.Module):
     has ``filters[0]`` channels at full resolution.
     """
 
-    num_classes: int = 10
-    stage_sizes: Sequence[int] = (18, 18, 18)
-    filters: Sequence[int] = (16, 32, 64)
-    steps: int = 10
-    initial_state: str = "zero"
-    h: float = 1.0
-    eps: float = 0.01
-    eta: float = 0.5
-    kernel_size: int = 3
-    activation: str = "relu"
-    learn_delta: bool = False
-    untied: bool = False
-    adaptive_tol: float | None = None
-    max_steps: int = 100
-    scan_unroll: int | bool = 1
-    remat: str = "none"
-    block_vjp: str = "autodiff"
-    dtype: str | None = None
-    check_every: int = 1
-    compact: bool = False
-
-    def __post_init__(self):
-        _check_positive_int("num_classes", self.num_classes)
-        _check_stages(self.stage_sizes, self.filters)
-        _check_kernel_size(self.kernel_size)
-        _check_unroll(
-            steps=self.steps, h=self.h, eps=self.eps, activation=self.activation,
-            untied=self.untied, adaptive_tol=self.adaptive_tol, max_steps=self.max_steps,
-        )
-        check_eta(self.eta, self.eps)
-        _check_initial_state(self.initial_state)  # the blocks warn when they are built
-        _check_perf(self)
-        super().__post_init__()
-
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
         dtype = _compute_dtype(self.dtype)
@@ -633,17 +605,14 @@ class NaisNetConv(nn.Module):
                     name="stem")(x)
         x = ACTIVATIONS[self.activation](_batch_norm(train, "stem_bn", self.dtype)(x))
         states, depths = [], []
+        options = options_of(self, ConvOptions)
         for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):
             for j in range(size):
                 change = i > 0 and j == 0
                 block = NaisConvBlock(
-                    width, steps=self.steps, h=self.h, eps=self.eps, eta=self.eta,
-                    initial_state="zero" if change else self.initial_state,
-                    kernel_size=self.kernel_size, strides=2 if change else 1,
-                    activation=self.activation, learn_delta=self.learn_delta,
-                    untied=self.untied, normalize_drive=change,
-                    adaptive_tol=self.adaptive_tol, max_steps=self.max_steps,
-                    name=f"stage{i}_block{j}", **_perf_kwargs(self),
+                    width, strides=2 if change else 1, normalize_drive=change,
+                    name=f"stage{i}_block{j}",
+                    **{**options, "initial_state": "zero" if change else self.initial_state},
                 )
                 if return_aux:
                     x, aux = block(x, train=train, return_aux=True)
@@ -661,7 +630,7 @@ class NaisNetConv(nn.Module):
 # ------------------------------------------------------------ ResNet baselines
 
 
-class ResNetFC(nn.Module):
+class ResNetFC(StepOptions, Classifier, kw_only=True):
     """The 30-layer fully connected ResNets of the paper's MNIST ablation.
 
     Layer ``k``: ``x_{k+1} = x_k + h act(BN_k(x_k W_k^T [+ u B_k^T] + b_k))``.
@@ -685,24 +654,19 @@ class ResNetFC(nn.Module):
     parametrisation. Parameters also include ``"classifier"``.
     """
 
-    num_classes: int = 10
     features: int = 128
     depth: int = 30
-    h: float = 1.0
-    eps: float = 0.01
-    activation: str = "tanh"
     shared: bool = False
     nonautonomous: bool = False
     batch_norm: bool = False
     stable: bool = False
 
-    def __post_init__(self):
-        _check_positive_int("num_classes", self.num_classes)
-        _check_positive_int("features", self.features)
-        _check_positive_int("depth", self.depth)
-        check_step_size(self.h)
-        check_eps(self.eps)
-        check_activation(self.activation)
+    @nn.nowrap
+    def _check_fields(self):
+        check_int("features", self.features)
+        check_int("depth", self.depth)
+        for switch in ("shared", "nonautonomous", "batch_norm", "stable"):
+            check_bool(switch, getattr(self, switch))
         if self.stable and self.batch_norm:
             raise ValueError(
                 "stable=True with batch_norm=True is refused: BatchNorm inside the dynamics makes "
@@ -711,7 +675,6 @@ class ResNetFC(nn.Module):
                 "no stability guarantee holds. Use batch_norm=False (NAIS-Net normalises only where "
                 "the dimension changes)."
             )
-        super().__post_init__()
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
@@ -774,7 +737,11 @@ class ResNetFC(nn.Module):
                         input_kernel=variables["input"]["kernel"] if self.nonautonomous else None, **common)
 
 
-class ResNetConvBlock(nn.Module):
+class ResNetConvOptions(KernelSize, ComputeDtype, kw_only=True):
+    """Options of :class:`ResNetConvBlock`, which :class:`ResNetConv` hands to its blocks."""
+
+
+class ResNetConvBlock(ResNetConvOptions):
     """Single-convolution residual block ``x + relu(BN(conv(x)))``.
 
     Where width or resolution changes, the shortcut is a strided 1x1
@@ -782,9 +749,12 @@ class ResNetConvBlock(nn.Module):
     """
 
     features: int
-    strides: int = 1
-    kernel_size: int = 3
-    dtype: str | None = None
+    strides: int = dataclasses.field(default=1, kw_only=True)
+
+    @nn.nowrap
+    def _check_fields(self):
+        check_int("features", self.features)
+        check_int("strides", self.strides)
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False) -> Array:
@@ -803,7 +773,7 @@ class ResNetConvBlock(nn.Module):
         return x + y
 
 
-class ResNetConv(nn.Module):
+class ResNetConv(ResNetConvOptions, Classifier, Stages, kw_only=True):
     """The paper's CIFAR ResNet baseline (one convolution per block, section 5.2).
 
     ``stem`` -> ``"stem_bn"`` -> relu, stages of :class:`ResNetConvBlock`
@@ -812,33 +782,18 @@ class ResNetConv(nn.Module):
     ``aux["trajectory"]`` holds ``(1, batch, H, W, C)`` per block.
     """
 
-    num_classes: int = 10
-    stage_sizes: Sequence[int] = (18, 18, 18)
-    filters: Sequence[int] = (16, 32, 64)
-    kernel_size: int = 3
-    dtype: str | None = None  # compute dtype; parameters stay float32
-
-    def __post_init__(self):
-        _check_positive_int("num_classes", self.num_classes)
-        _check_stages(self.stage_sizes, self.filters)
-        _check_kernel_size(self.kernel_size)
-        _check_dtype(self.dtype)
-        super().__post_init__()
-
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
         dtype = _compute_dtype(self.dtype)
         x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype,
                     name="stem")(x)
         x = nn.relu(_batch_norm(train, "stem_bn", self.dtype)(x))
-        states = []
+        states, options = [], options_of(self, ResNetConvOptions)
         for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):
             for j in range(size):
                 strides = 2 if i > 0 and j == 0 else 1
-                x = ResNetConvBlock(
-                    width, strides=strides, kernel_size=self.kernel_size, dtype=self.dtype,
-                    name=f"stage{i}_block{j}",
-                )(x, train=train)
+                x = ResNetConvBlock(width, strides=strides, name=f"stage{i}_block{j}", **options)(
+                    x, train=train)
                 states.append(x[None])
         x = x if dtype is None else x.astype(jnp.float32)  # pool and classify in float32
         logits = nn.Dense(self.num_classes, name="classifier")(jnp.mean(x, axis=(1, 2)))

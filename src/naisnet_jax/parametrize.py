@@ -20,7 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from naisnet_jax.cell import check_state_kernel_shape
+from naisnet_jax.cell import check_kernel_shape
+from naisnet_jax.checks import check_number
 
 Array = jax.Array
 
@@ -41,17 +42,12 @@ float32 operator the model actually runs and certifies only what it proves.
 """
 
 
-def check_eps(eps: float) -> float:
+def check_eps(eps: float, name: str = "eps") -> float:
     """``eps`` must lie in ``[EPS_MIN, 0.5)`` (see :data:`EPS_MIN` for the floor)."""
-    try:
-        value = float(eps)
-    except (TypeError, ValueError):
-        raise ValueError(f"eps={eps!r} is not a number; expected one in [{EPS_MIN:g}, 0.5).") from None
-    if not (0.0 < value < 0.5):
-        raise ValueError(f"eps={eps!r} is outside (0, 0.5).")
-    if value < EPS_MIN:
+    check_number(name, eps, 0.0, 0.5, lo_open=True, hi_open=True)
+    if float(eps) < EPS_MIN:
         raise ValueError(
-            f"eps={eps!r} is below the float32 floor EPS_MIN={EPS_MIN:g} (the margin it gives would be "
+            f"{name}={eps!r} is below the float32 floor EPS_MIN={EPS_MIN:g} (the margin it gives would be "
             f"lost in float32 rounding); use eps in [{EPS_MIN:g}, 0.5)."
         )
     return eps
@@ -69,7 +65,7 @@ def fc_state_matrix(R: Array, eps: float) -> Array:
 
 def centre_mask(shape: tuple[int, ...], dtype=jnp.float32) -> Array:
     """Mask of the taps ``[p, p, c, c]`` of an HWIO ``(k, k, C, C)`` kernel."""
-    check_state_kernel_shape(shape)
+    check_kernel_shape(shape)
     k, _, c, _ = shape[-4:]
     p = (k - 1) // 2
     mask = jnp.zeros((k, k, c, c), dtype).at[p, p].set(jnp.eye(c, dtype=dtype))
@@ -82,7 +78,7 @@ def conv_state_kernel(kernel: Array, delta: Array) -> Array:
     ``kernel`` is ``(..., k, k, C, C)`` and ``delta`` is ``(..., C)`` with the
     same leading axes. The result does not depend on the stored centre taps.
     """
-    check_state_kernel_shape(kernel.shape)
+    check_kernel_shape(kernel.shape)
     c = kernel.shape[-1]
     if delta.shape[-1:] != (c,) or delta.shape[:-1] != kernel.shape[:-4]:
         raise ValueError(

@@ -21,6 +21,8 @@ import flax.linen as nn
 import jax
 from flax import struct
 
+from naisnet_jax.checks import check_choice
+
 Array = jax.Array
 AUDIT_COLLECTION = "nais_audit"
 KINDS = ("dense", "conv", "dense-baseline", "conv-baseline")
@@ -82,8 +84,7 @@ def sow_block(module: nn.Module, **fields) -> None:
     """Sow a :class:`BlockProbe` built from ``fields`` when auditing; otherwise nothing."""
     if not auditing(module):
         return
-    if fields.get("kind") not in KINDS:
-        raise ValueError(f"kind={fields.get('kind')!r} must be one of {KINDS}.")
+    check_choice("kind", fields.get("kind"), KINDS)
     module.sow(AUDIT_COLLECTION, "probe", BlockProbe(**fields))
 
 

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from naisnet_jax.cell import check_state_kernel_shape
+from naisnet_jax.cell import check_kernel_shape
+from naisnet_jax.checks import check_finite, check_number
 from naisnet_jax.parametrize import centre_mask, check_eps
 
 Array = jax.Array
@@ -43,10 +44,9 @@ def fc_delta(eps: float, relaxed: bool = False) -> float:
     return 2.0 * (1.0 - eps) if relaxed else 1.0 - 2.0 * eps
 
 
-def check_eta(eta: float, eps: float) -> float:
-    if not (eps < float(eta) < 1.0):
-        raise ValueError(f"eta={eta!r} is outside (eps, 1) = ({eps}, 1).")
-    return eta
+def check_eta(eta: float, eps: float, name: str = "eta") -> float:
+    """``eta`` must lie in ``(eps, 1)`` (Algorithm 2's target for the centre taps)."""
+    return check_number(name, eta, float(eps), 1.0, lo_open=True, hi_open=True, label="(eps, 1)")
 
 
 # ------------------------------------------------- rounding-aware arithmetic
@@ -122,17 +122,8 @@ def _pairwise_sum(x: Array) -> tuple[Array, int]:
     return x[..., 0], depth
 
 
-def _check_finite(name: str, x) -> None:
-    """Refuse NaN / inf outside ``jit``; a traced value cannot be checked here."""
-    if isinstance(x, jax.core.Tracer):
-        return
-    values = np.asarray(x)
-    bad = int(np.size(values) - np.count_nonzero(np.isfinite(values)))
-    if bad:
-        raise ValueError(
-            f"{name} has {bad} non-finite entries (NaN or inf) out of {values.size}; the projection "
-            f"needs finite values (under jax.jit it cannot check and returns NaN instead)."
-        )
+_FINITE_WHY = ("; the projection needs finite values (under jax.jit it cannot check and returns NaN "
+               "instead)")
 
 
 def _nan_unless_finite(out: Array, *inputs: Array) -> Array:
@@ -166,7 +157,7 @@ def project_fc(R: Array, *, eps: float, relaxed: bool = False) -> Array:
     delta = fc_delta(eps, relaxed)
     if R.ndim < 2:
         raise ValueError(f"R must have shape (..., r, n); got shape {R.shape}.")
-    _check_finite("R", R)
+    check_finite("R", R, _FINITE_WHY)
     R = jnp.asarray(R)
     return _project_fc(R, jnp.asarray(_round_down(delta, R.dtype), R.dtype))
 
@@ -231,15 +222,15 @@ def project_conv(
     """
     check_eps(eps)
     check_eta(eta, eps)
-    check_state_kernel_shape(kernel.shape)
+    check_kernel_shape(kernel.shape)
     c = kernel.shape[-1]
     if delta.shape != kernel.shape[:-4] + (c,):
         raise ValueError(
             f"delta must have shape {kernel.shape[:-4] + (c,)} for a state kernel of "
             f"shape {kernel.shape}; got {delta.shape}."
         )
-    _check_finite("kernel", kernel)
-    _check_finite("delta", delta)
+    check_finite("kernel", kernel, _FINITE_WHY)
+    check_finite("delta", delta, _FINITE_WHY)
     kernel, delta = jnp.asarray(kernel), jnp.asarray(delta)
     dtype = kernel.dtype
     return _project_conv(kernel, delta, jnp.asarray(_round_down(1.0 - eps, dtype), dtype),
@@ -326,7 +317,7 @@ def _project_block(leaves: list, block: dict[str, int], eps: float, eta: float, 
     if CONV_KERNEL_KEY in block:
         i = block[CONV_KERNEL_KEY]
         kernel = jnp.asarray(leaves[i])
-        check_state_kernel_shape(kernel.shape)
+        check_kernel_shape(kernel.shape)
         j = block.get(CONV_DELTA_KEY)
         if j is None:
             zeros = jnp.zeros(kernel.shape[:-4] + kernel.shape[-1:], kernel.dtype)

@@ -48,6 +48,7 @@ from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
 from naisnet_jax import metric_writers
 from naisnet_jax import train
+from naisnet_jax.checks import check_int
 from naisnet_jax.projection import count_projected_blocks
 from naisnet_jax.stability import max_radius_bound
 
@@ -142,20 +143,20 @@ class SweepResult:
 
 def default_seeds(config) -> tuple[int, ...]:
     """``config.seed + range(config.num_seeds)``."""
-    num = config.get("num_seeds", 1)
-    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
-        raise ValueError(f"config.num_seeds={num!r} must be a positive integer.")
+    num = check_int("config.num_seeds", config.get("num_seeds", 1))
     return tuple(int(config.seed) + i for i in range(num))
 
 
 def check_seeds(seeds: Sequence[int]) -> tuple[int, ...]:
+    """Seeds of a sweep: a non-empty sequence of distinct integers in [0, 2**32 - 2] (the data
+    stream of seed ``s`` uses ``s + 1``)."""
     seeds = tuple(seeds)
-    if not seeds or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in seeds):
-        raise ValueError(f"seeds={seeds!r} must be a non-empty sequence of integers.")
+    if not seeds:
+        raise ValueError("seeds=() must be a non-empty sequence of integers.")
+    for i, s in enumerate(seeds):
+        check_int(f"seeds[{i}]", s, 0, 2**32 - 2)
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds={seeds!r} repeats a seed; every seed of a sweep must differ.")
-    if any(s < 0 or s + 1 >= 2**32 for s in seeds):
-        raise ValueError(f"seeds={seeds!r} must lie in [0, 2**32 - 1).")
     return tuple(int(s) for s in seeds)
 
 

@@ -30,8 +30,10 @@ from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
 from naisnet_jax import metric_writers
 from naisnet_jax import models
-from naisnet_jax.projection import check_eta, count_projected_blocks, project_params, stability_projection
+from naisnet_jax.cell import check_step_size
+from naisnet_jax.checks import check_bool, check_choice, check_int, check_number, check_positive
 from naisnet_jax.parametrize import check_eps
+from naisnet_jax.projection import check_eta, count_projected_blocks, project_params, stability_projection
 from naisnet_jax.stability import max_radius_bound
 
 METRICS_FILE = "metrics.jsonl"
@@ -49,67 +51,37 @@ class TrainState(train_state.TrainState):
 # --------------------------------------------------------------------------- config
 
 
-def _positive_int(config, field):
-    value = config[field]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"config.{field}={value!r} must be a positive integer.")
-
-
-def _number(config, field, lo, hi, *, lo_open=False, hi_open=False):
-    value = config[field]
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
-    if not ok:
-        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-        raise ValueError(f"config.{field}={value!r} is outside {interval}.")
-
-
 def validate_config(config) -> None:
     """Refuse invalid configs before anything is loaded or compiled, naming the field."""
-    if config.model not in models.MODELS:
-        raise ValueError(f"config.model={config.model!r} is unknown; valid: {sorted(models.MODELS)}.")
-    if config.dataset not in data_lib.DATASET_NAMES:
-        raise ValueError(f"config.dataset={config.dataset!r} is unknown; valid: {list(data_lib.DATASET_NAMES)}.")
+    def number(field, lo, hi, **open_ends):
+        check_number(f"config.{field}", config[field], lo, hi, **open_ends)
+
+    check_choice("config.model", config.model, sorted(models.MODELS))
+    check_choice("config.dataset", config.dataset, data_lib.DATASET_NAMES)
     for field in ("batch_size", "eval_batch_size", "num_epochs", "checkpoint_every_epochs",
-                  "keep_checkpoints", "steps_per_chunk"):
-        _positive_int(config, field)
-    _number(config, "learning_rate", 0, math.inf, lo_open=True, hi_open=True)
-    _number(config, "momentum", 0, 1, hi_open=True)
-    _number(config, "weight_decay", 0, math.inf, hi_open=True)
-    _number(config, "lr_decay_factor", 0, 1, lo_open=True)
-    _number(config, "h", 0, 1, lo_open=True)
-    try:
-        check_eps(config.eps)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"config.{e}") from None
-    try:
-        check_eta(config.eta, config.eps)
-    except (ValueError, TypeError):
-        raise ValueError(f"config.eta={config.eta!r} is outside (eps, 1) = ({config.eps}, 1).") from None
+                  "keep_checkpoints", "steps_per_chunk", "max_steps"):
+        check_int(f"config.{field}", config[field])
+    number("learning_rate", 0, math.inf, lo_open=True, hi_open=True)
+    number("momentum", 0, 1, hi_open=True)
+    number("weight_decay", 0, math.inf, hi_open=True)
+    number("lr_decay_factor", 0, 1, lo_open=True)
+    check_step_size(config.h, "config.h")
+    check_eps(config.eps, "config.eps")
+    check_eta(config.eta, config.eps, "config.eta")
     bounds = list(config.lr_boundaries_epochs)
     if any(not isinstance(b, int) or b < 1 for b in bounds) or any(a >= b for a, b in zip(bounds, bounds[1:])):
         raise ValueError(
             f"config.lr_boundaries_epochs={bounds!r} must be strictly increasing positive epoch numbers."
         )
-    if not isinstance(config.get("standardize", True), bool):
-        raise ValueError(f"config.standardize={config.standardize!r} must be True or False.")
-    for field in ("limit_train", "limit_test"):
-        if config.get(field) is not None:
-            _positive_int(config, field)
-    if config.adaptive_tol is not None:
-        _number(config, "adaptive_tol", 0, math.inf, lo_open=True, hi_open=True)
-    if config.get("num_devices") is not None:
-        _positive_int(config, "num_devices")
-    if config.get("num_seeds") is not None:
-        _positive_int(config, "num_seeds")
-    _positive_int(config, "max_steps")
-    seed = config.seed
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise ValueError(f"config.seed={seed!r} must be an integer in [0, 2**32).")
     for field in ("relaxed", "augment", "progress"):
-        if not isinstance(config[field], bool):
-            raise ValueError(f"config.{field}={config[field]!r} must be true or false.")
+        check_bool(f"config.{field}", config[field])
+    check_bool("config.standardize", config.get("standardize", True))
+    for field in ("limit_train", "limit_test", "num_devices", "num_seeds"):
+        if config.get(field) is not None:
+            check_int(f"config.{field}", config[field])
+    if config.adaptive_tol is not None:
+        check_positive("config.adaptive_tol", config.adaptive_tol)
+    check_int("config.seed", config.seed, 0, 2**32 - 1)
 
 
 def model_kwargs(config) -> dict:
@@ -161,8 +133,8 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
     """A 1-D mesh (axis ``"data"``) over the first ``num_devices`` devices (all if None)."""
     devices = jax.devices()
     if num_devices is not None:
-        if not 1 <= num_devices <= len(devices):
-            raise ValueError(f"num_devices={num_devices} is outside [1, {len(devices)}] (the devices present).")
+        check_int("num_devices", num_devices)
+        check_number("num_devices", num_devices, 1, len(devices), why=" (the devices present)")
         devices = devices[:num_devices]
     return Mesh(np.asarray(devices), (DATA_AXIS,))
 

@@ -13,13 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from naisnet_jax.checks import check_bool, check_int, check_positive
+
 Array = jax.Array
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer.")
-    return value
 
 
 def check_scan_unroll(scan_unroll: Any) -> int | bool:
@@ -29,16 +25,10 @@ def check_scan_unroll(scan_unroll: Any) -> int | bool:
         return scan_unroll
     if not isinstance(scan_unroll, int) or scan_unroll < 1:
         raise ValueError(
-            f"scan_unroll={scan_unroll!r} must be a positive integer (steps per loop "
-            f"iteration) or a bool (True unrolls every step)."
+            f"scan_unroll={scan_unroll!r} must be a bool (True unrolls every step) or an int >= 1 "
+            f"(steps per loop iteration)."
         )
     return scan_unroll
-
-
-def _check_tol(tol: Any) -> float:
-    if not isinstance(tol, (int, float)) or not (tol > 0):
-        raise ValueError(f"tol={tol!r} must be a positive number.")
-    return float(tol)
 
 
 def unroll(
@@ -67,7 +57,7 @@ def unroll(
     iteration; ``True``: all of them); it changes speed and compile time, not
     the result.
     """
-    _check_positive_int("steps", steps)
+    check_int("steps", steps)
     check_scan_unroll(scan_unroll)
     if xs is not None:
         lengths = {leaf.shape[0] for leaf in jax.tree_util.tree_leaves(xs)}
@@ -241,11 +231,10 @@ def unroll_adaptive(
     Reverse-mode differentiation raises an error: use
     :func:`unroll_adaptive_bounded` for training.
     """
-    tol = _check_tol(tol)
-    _check_positive_int("max_steps", max_steps)
-    _check_positive_int("check_every", check_every)
-    if not isinstance(compact, bool):
-        raise ValueError(f"compact={compact!r} must be a bool.")
+    tol = float(check_positive("tol", tol))
+    check_int("max_steps", max_steps)
+    check_int("check_every", check_every)
+    check_bool("compact", compact)
     if compact and inputs is None:
         raise ValueError(
             "compact=True moves patterns between buffers, so their per-pattern data must be "
@@ -297,10 +286,10 @@ def unroll_adaptive_stream(
     ones are written out and their slots take the next patterns, so the cost follows
     the mean depth times ``N / slots``. Returns ``(out_x, out_depth)``.
     """
-    tol = _check_tol(tol)
-    _check_positive_int("max_steps", max_steps)
-    _check_positive_int("check_every", check_every)
-    _check_positive_int("slots", slots)
+    tol = float(check_positive("tol", tol))
+    check_int("max_steps", max_steps)
+    check_int("check_every", check_every)
+    check_int("slots", slots)
     n = x0.shape[0]
     _check_inputs(inputs, n, "x0")
     s = min(slots, n)
@@ -350,8 +339,8 @@ def unroll_adaptive_bounded(
     where ``xs[k]`` is the (frozen) state after step ``k + 1``. ``scan_unroll``
     as in :func:`unroll`.
     """
-    tol = _check_tol(tol)
-    _check_positive_int("max_steps", max_steps)
+    tol = float(check_positive("tol", tol))
+    check_int("max_steps", max_steps)
     check_scan_unroll(scan_unroll)
     batch = x0.shape[0]
 
