@@ -41,7 +41,7 @@ from naisnet_jax.probe import AUDIT_COLLECTION, BlockProbe
 
 from . import _baseline, _conv, _dense
 from ._common import Block
-from ._numerics import float32_h, x64_scope
+from ._numerics import float32_h, single_threaded_blas, x64_scope
 from .certificate import (
     SCHEMA,
     BlockReport,
@@ -209,11 +209,13 @@ def _audit(model, variables, inputs, options: AuditOptions, source: Source, data
     reports: dict[int, BlockReport] = {}
     dense_par = _dense.parameters(by_kind["dense"], options)
     t = lap("dense: proofs", t)
-    dense_traj = _dense.trajectories([b for b in by_kind["dense"] if b.p64 is not None], dense_par, options)
+    with single_threaded_blas():  # small host eigenproblems: BLAS threads only fight XLA's
+        dense_traj = _dense.trajectories([b for b in by_kind["dense"] if b.p64 is not None], dense_par, options)
     t = lap("dense: trajectories", t)
     conv_par = _conv.parameters(by_kind["conv"], options)
     t = lap("conv: proofs and radius estimates", t)
-    conv_traj = _conv.trajectories([b for b in by_kind["conv"] if b.p64 is not None], conv_par, options)
+    with single_threaded_blas():
+        conv_traj = _conv.trajectories([b for b in by_kind["conv"] if b.p64 is not None], conv_par, options)
     t = lap("conv: trajectories", t)
     base = {**_baseline.dense(by_kind["dense-baseline"], options), **_baseline.conv(by_kind["conv-baseline"], options)}
     t = lap("baselines", t)
