@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 WORKDIR ?= runs/demo
 
-.PHONY: demo test test-slow install data clean bench bench-smoke
+.PHONY: demo test test-slow install data clean bench bench-smoke format
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,15 @@ data:
 mnist: $(STAMP)
 	$(PY) scripts/fetch_mnist.py $(MNIST_DIR)
 
+# Lint and format check first (seconds), then the default suite on every core.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -m "not slow" -n auto --dist loadfile
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

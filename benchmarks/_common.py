@@ -15,7 +15,8 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,8 +88,13 @@ def memory_analysis(compiled) -> dict:
     if m is None:
         return {}
     out = {}
-    for field in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
-                  "alias_size_in_bytes", "generated_code_size_in_bytes"):
+    for field in (
+        "temp_size_in_bytes",
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "generated_code_size_in_bytes",
+    ):
         value = getattr(m, field, None)
         if value is not None:
             out[field] = int(value)
@@ -275,8 +281,9 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> tuple[str, s
             continue
         cells.append([fmt(r.get(k), f) for k, _, f in columns])
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    text = "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-                     for row in cells)
+    text = "\n".join(
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells
+    )
     md = ["| " + " | ".join(cells[0]) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     md += ["| " + " | ".join(row) + " |" for row in cells[1:]]
     return text, "\n".join(md)
@@ -289,8 +296,16 @@ def write_results(out: str, stem: str, payload: dict, markdown: str) -> None:
         f.write(markdown.rstrip() + "\n")
 
 
-def bar_chart(path: str, labels: list[str], values: list[float], *, xlabel: str, title: str,
-              reference: float | None = None, reference_label: str = "") -> None:
+def bar_chart(
+    path: str,
+    labels: list[str],
+    values: list[float],
+    *,
+    xlabel: str,
+    title: str,
+    reference: float | None = None,
+    reference_label: str = "",
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

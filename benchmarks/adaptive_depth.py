@@ -36,8 +36,10 @@ import _common  # noqa: E402
 TARGET = 1.25
 FLAG_SETS = {
     "default": "",
-    "cmdbuf_while": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,"
-                     "CONDITIONAL,WHILE --xla_gpu_graph_min_graph_size=1"),
+    "cmdbuf_while": (
+        "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,"
+        "CONDITIONAL,WHILE --xla_gpu_graph_min_graph_size=1"
+    ),
 }
 CHECKS = (1, 5, 10, 25, 50)
 
@@ -78,12 +80,22 @@ def _rows_for(label, step, x0, inputs, *, max_steps, tol, repeats, fixed_s, mean
         for compact in (False, True):
             if check == 1 and compact:
                 continue
-            run = jax.jit(lambda x0, d, c=check, k=compact: nj.unroll_adaptive(
-                step, x0, inputs=d, tol=tol, max_steps=max_steps, check_every=c, compact=k))
+            run = jax.jit(
+                lambda x0, d, c=check, k=compact: nj.unroll_adaptive(
+                    step, x0, inputs=d, tol=tol, max_steps=max_steps, check_every=c, compact=k
+                )
+            )
             seconds = _time(run, x0, inputs, repeats=repeats)
             ratio = seconds / (mean_depth / max_steps * fixed_s)
-            rows.append({"case": label, "name": f"{label}: check_every={check}{', compact' if compact else ''}",
-                         "ms": 1000 * seconds, "ratio": ratio, "pass": ratio <= TARGET})
+            rows.append(
+                {
+                    "case": label,
+                    "name": f"{label}: check_every={check}{', compact' if compact else ''}",
+                    "ms": 1000 * seconds,
+                    "ratio": ratio,
+                    "pass": ratio <= TARGET,
+                }
+            )
     return rows
 
 
@@ -123,12 +135,29 @@ def synthetic(*, width, batch, max_steps, target_depth, repeats, seed=0):
     mean_depth = float(d.mean())
     fixed = jax.jit(lambda x0, dr: nj.unroll(lambda x: step(x, dr), x0, steps=max_steps))
     fixed_s = _time(fixed, x0, drive, repeats=repeats)
-    info = {"case": "synthetic", "tol": tol, "mean_depth": mean_depth, "max_steps": max_steps,
-            "easy_mean_depth": float(d[::2].mean()), "hard_mean_depth": float(d[1::2].mean()),
-            "fraction_at_max": float((d == max_steps).mean()), "fixed_ms": 1000 * fixed_s,
-            "width": width, "batch": batch}
-    rows = _rows_for("synthetic", step, x0, drive, max_steps=max_steps, tol=tol, repeats=repeats,
-                     fixed_s=fixed_s, mean_depth=mean_depth)
+    info = {
+        "case": "synthetic",
+        "tol": tol,
+        "mean_depth": mean_depth,
+        "max_steps": max_steps,
+        "easy_mean_depth": float(d[::2].mean()),
+        "hard_mean_depth": float(d[1::2].mean()),
+        "fraction_at_max": float((d == max_steps).mean()),
+        "fixed_ms": 1000 * fixed_s,
+        "width": width,
+        "batch": batch,
+    }
+    rows = _rows_for(
+        "synthetic",
+        step,
+        x0,
+        drive,
+        max_steps=max_steps,
+        tol=tol,
+        repeats=repeats,
+        fixed_s=fixed_s,
+        mean_depth=mean_depth,
+    )
 
     # streaming: 8 batches' worth of patterns through a fixed batch of slots
     n_batches = 8
@@ -138,12 +167,22 @@ def synthetic(*, width, batch, max_steps, target_depth, repeats, seed=0):
     stream_mean = float(d[perm].mean())
     fixed_all = n_batches * fixed_s
     for check in (10, 25):
-        run = jax.jit(lambda x0s, ds, c=check: nj.unroll_adaptive_stream(
-            step, x0s, ds, tol=tol, max_steps=max_steps, slots=batch, check_every=c))
+        run = jax.jit(
+            lambda x0s, ds, c=check: nj.unroll_adaptive_stream(
+                step, x0s, ds, tol=tol, max_steps=max_steps, slots=batch, check_every=c
+            )
+        )
         seconds = _time(run, x0s, drives, repeats=max(1, repeats // 4))
         ratio = seconds / (stream_mean / max_steps * fixed_all)
-        rows.append({"case": "stream", "name": f"stream {n_batches}x{batch}, slots={batch}, check_every={check}",
-                     "ms": 1000 * seconds, "ratio": ratio, "pass": ratio <= TARGET})
+        rows.append(
+            {
+                "case": "stream",
+                "name": f"stream {n_batches}x{batch}, slots={batch}, check_every={check}",
+                "ms": 1000 * seconds,
+                "ratio": ratio,
+                "pass": ratio <= TARGET,
+            }
+        )
     info["stream_fixed_ms"] = 1000 * fixed_all
     return info, rows
 
@@ -174,7 +213,7 @@ def trained(*, width, max_steps, batch, repeats, epochs):
     def model(**kw):
         return models.NaisNetFC(**common, **kw)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def mean_depth(tol):
         m = model(adaptive_tol=tol, max_steps=max_steps)
         _, aux = jax.jit(functools.partial(m.apply, return_aux=True))({"params": params}, x)
@@ -183,8 +222,16 @@ def trained(*, width, max_steps, batch, repeats, epochs):
     tol = _bisect_tol(mean_depth, max_steps / 2, iters=12)  # each probe compiles the model
     depth = mean_depth(tol)
     fixed_s = _time(jax.jit(model(steps=max_steps).apply), {"params": params}, x, repeats=repeats)
-    info = {"case": "trained", "tol": tol, "mean_depth": depth, "max_steps": max_steps,
-            "fixed_ms": 1000 * fixed_s, "test_accuracy": out["test_accuracy"], "batch": batch, "width": width}
+    info = {
+        "case": "trained",
+        "tol": tol,
+        "mean_depth": depth,
+        "max_steps": max_steps,
+        "fixed_ms": 1000 * fixed_s,
+        "test_accuracy": out["test_accuracy"],
+        "batch": batch,
+        "width": width,
+    }
     rows = []
     for check in CHECKS:
         for compact in (False, True):
@@ -193,8 +240,15 @@ def trained(*, width, max_steps, batch, repeats, epochs):
             m = model(adaptive_tol=tol, max_steps=max_steps, check_every=check, compact=compact)
             seconds = _time(jax.jit(m.apply), {"params": params}, x, repeats=repeats)
             ratio = seconds / (depth / max_steps * fixed_s)
-            rows.append({"case": "trained", "name": f"trained: check_every={check}{', compact' if compact else ''}",
-                         "ms": 1000 * seconds, "ratio": ratio, "pass": ratio <= TARGET})
+            rows.append(
+                {
+                    "case": "trained",
+                    "name": f"trained: check_every={check}{', compact' if compact else ''}",
+                    "ms": 1000 * seconds,
+                    "ratio": ratio,
+                    "pass": ratio <= TARGET,
+                }
+            )
     return info, rows
 
 
@@ -215,8 +269,9 @@ def main(argv=None):
     parser.add_argument("--flags", default=",".join(FLAG_SETS), help="XLA flag sets, one process each")
     parser.add_argument("--timeout", type=float, default=400)
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--budget", type=float, default=540,
-                        help="seconds for the whole run (a rerun resumes); 0: no limit")
+    parser.add_argument(
+        "--budget", type=float, default=540, help="seconds for the whole run (a rerun resumes); 0: no limit"
+    )
     parser.add_argument("--fresh", action="store_true")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -227,10 +282,15 @@ def main(argv=None):
         return
     names = args.flags.split(",")
     results = _common.run_variants(
-        os.path.abspath(__file__), names, args.out, budget=args.budget or None, fresh=args.fresh,
+        os.path.abspath(__file__),
+        names,
+        args.out,
+        budget=args.budget or None,
+        fresh=args.fresh,
         child_args=[f"--repeats={args.repeats}"] + (["--smoke"] if args.smoke else []),
         env_for=lambda n: {"XLA_FLAGS": FLAG_SETS[n]} if FLAG_SETS[n] else {},
-        timeout_for=lambda n: args.timeout)
+        timeout_for=lambda n: args.timeout,
+    )
     text_all, md_all = [], []
     for res in results:
         if "error" in res:
@@ -238,11 +298,20 @@ def main(argv=None):
             md_all.append(f"- {res['name']}: FAILED ({res['error']})")
             continue
         rows = [dict(r, name=r["name"]) for r in res["rows"]]
-        text, md = _common.table(rows, [("name", "variant", ""), ("ms", "ms", ".2f"),
-                                        ("ratio", "t / (mean/max x fixed)", ".2f"), ("pass", f"<= {TARGET}", "")])
+        text, md = _common.table(
+            rows,
+            [
+                ("name", "variant", ""),
+                ("ms", "ms", ".2f"),
+                ("ratio", "t / (mean/max x fixed)", ".2f"),
+                ("pass", f"<= {TARGET}", ""),
+            ],
+        )
         cases = "\n".join(
             f"{c['case']}: mean depth {c['mean_depth']:.1f} of {c['max_steps']} (tol {c['tol']:.3g}), "
-            f"fixed scan {c['fixed_ms']:.2f} ms" for c in res["cases"])
+            f"fixed scan {c['fixed_ms']:.2f} ms"
+            for c in res["cases"]
+        )
         head = f"XLA flags: {res['name']} ({FLAG_SETS.get(res['name']) or 'none'}); device {res['device_kind']}"
         text_all.append(head + "\n" + cases + "\n" + text)
         md_all.append(f"### {head}\n\n" + cases.replace("\n", "  \n") + "\n\n" + md)

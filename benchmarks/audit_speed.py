@@ -68,12 +68,21 @@ def write_checkpoint(path: str, size: dict, seed: int = 0) -> str:
     variables = model.init(jax.random.PRNGKey(seed), jnp.zeros((1,) + shape))
     # random state kernels well outside the set, then Algorithm 2: on the boundary, as after training
     params = jax.tree_util.tree_map_with_path(
-        lambda p, x: x * 50.0 if "state_kernel" in jax.tree_util.keystr(p) else x, variables["params"])
+        lambda p, x: x * 50.0 if "state_kernel" in jax.tree_util.keystr(p) else x, variables["params"]
+    )
     params = project_params(params, eps=eps)
     meta = ckpt.CheckpointMetadata(
-        model="naisnet_cifar10", num_classes=10, input_shape=shape, dataset="cifar10",
-        channel_mean=(0.0, 0.0, 0.0), channel_std=(1.0, 1.0, 1.0), eps=eps, h=h,
-        model_kwargs={k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}, epoch=0)
+        model="naisnet_cifar10",
+        num_classes=10,
+        input_shape=shape,
+        dataset="cifar10",
+        channel_mean=(0.0, 0.0, 0.0),
+        channel_std=(1.0, 1.0, 1.0),
+        eps=eps,
+        h=h,
+        model_kwargs={k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()},
+        epoch=0,
+    )
     mngr = ckpt.manager(path)
     ckpt.save(mngr, 0, {"params": params, "batch_stats": variables.get("batch_stats", {})}, meta)
     mngr.close()
@@ -86,7 +95,6 @@ def write_checkpoint(path: str, size: dict, seed: int = 0) -> str:
 def worker(args) -> None:
     """In a fresh process: audit ``args.mode`` twice (cold, warm) and record the timings."""
     import jax
-
     from naisnet_jax.verify import AuditOptions, audit
 
     size = SIZES[args.size]
@@ -95,14 +103,21 @@ def worker(args) -> None:
     for label in ("cold", "warm"):
         t0, c0 = time.perf_counter(), time.process_time()
         cert = audit(os.path.join(args.out, "checkpoint"), options)
-        runs.append({"run": label, "wall": time.perf_counter() - t0, "cpu": time.process_time() - c0,
-                     "phases": cert.timings})
+        runs.append(
+            {"run": label, "wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "phases": cert.timings}
+        )
     with open(os.path.join(args.out, f"certificate_{args.mode}.json"), "w") as f:
         f.write(cert.to_json())
     device = jax.devices()[0]
-    _dump({"device": f"{device.device_kind} ({device.platform})", "runs": runs,
-           "blocks": len(cert.blocks), "certified": cert.certified},
-          os.path.join(args.out, f"runs_{args.mode}.json"))
+    _dump(
+        {
+            "device": f"{device.device_kind} ({device.platform})",
+            "runs": runs,
+            "blocks": len(cert.blocks),
+            "certified": cert.certified,
+        },
+        os.path.join(args.out, f"runs_{args.mode}.json"),
+    )
 
 
 # ------------------------------------------------------------------ reference figures
@@ -113,12 +128,12 @@ def reference(args) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from naisnet_jax.verify import conv_operator, jacobian_operator, spectral_radius_info
+    from naisnet_jax.verify._numerics import x64_scope
 
     from naisnet_jax import checkpoint as ckpt
     from naisnet_jax.cell import activation_slope, conv_same
     from naisnet_jax.probe import AUDIT_COLLECTION, BlockProbe
-    from naisnet_jax.verify import conv_operator, jacobian_operator, spectral_radius_info
-    from naisnet_jax.verify._numerics import x64_scope
 
     size = SIZES[args.size]
     out = _load(os.path.join(args.out, "reference.json"), {})
@@ -129,8 +144,9 @@ def reference(args) -> None:
         variables = {"params": state["params"], "batch_stats": state["batch_stats"]}
         x = np.random.default_rng(0).standard_normal((size["samples"],) + tuple(meta.input_shape))
         _, mutated = model.apply(variables, jnp.asarray(x), train=False, mutable=[AUDIT_COLLECTION])
-        probes = jax.tree_util.tree_flatten_with_path(mutated[AUDIT_COLLECTION],
-                                                      is_leaf=lambda v: isinstance(v, BlockProbe))[0]
+        probes = jax.tree_util.tree_flatten_with_path(
+            mutated[AUDIT_COLLECTION], is_leaf=lambda v: isinstance(v, BlockProbe)
+        )[0]
         for path, p in probes:
             name = "/".join(str(getattr(k, "key", k)) for k in path[:-2])
             if name in out:
@@ -141,8 +157,9 @@ def reference(args) -> None:
             r = np.abs(K).sum(axis=(0, 1, 2)) - np.abs(c)
             H, W = p.states.shape[2:4]
             h = float(np.float32(p.h))
-            res = spectral_radius_info(jacobian_operator(conv_operator(jnp.asarray(K), (H, W, C)),
-                                                         jnp.ones(H * W * C), h), n=H * W * C)
+            res = spectral_radius_info(
+                jacobian_operator(conv_operator(jnp.asarray(K), (H, W, C)), jnp.ones(H * W * C), h), n=H * W * C
+            )
             X = np.concatenate([np.asarray(p.x0)[None], np.asarray(p.states)])
             slopes, inf_norm = [], []
             ones = jnp.ones((1, H, W, C))
@@ -198,8 +215,9 @@ def main(argv=None) -> None:
     parser.add_argument("--no-reference", action="store_true", help="skip the float64 reference check")
     parser.add_argument("--worker", choices=list(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--reference-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--size", default=None, choices=list(SIZES),
-                        help="model size (default cifar; --tiny is --size=tiny)")
+    parser.add_argument(
+        "--size", default=None, choices=list(SIZES), help="model size (default cifar; --tiny is --size=tiny)"
+    )
     args = parser.parse_args(argv)
     args.size = args.size or ("tiny" if args.tiny else "cifar")
     os.makedirs(args.out, exist_ok=True)
@@ -223,22 +241,45 @@ def main(argv=None) -> None:
         runs = _load(os.path.join(args.out, f"runs_{mode}.json"))
         device = runs["device"]
         for r in runs["runs"]:
-            rows.append({"audit": mode, "run": r["run"], "wall_s": r["wall"], "cpu_s": r["cpu"],
-                         "blocks": runs["blocks"], "certified": runs["certified"],
-                         "phases": {k: v for k, v in r["phases"].items()}})
-    result = {"device": device, "size": args.size, **SIZES[args.size], "rows": rows,
-              "max_relative_difference_vs_reference": diffs}
+            rows.append(
+                {
+                    "audit": mode,
+                    "run": r["run"],
+                    "wall_s": r["wall"],
+                    "cpu_s": r["cpu"],
+                    "blocks": runs["blocks"],
+                    "certified": runs["certified"],
+                    "phases": {k: v for k, v in r["phases"].items()},
+                }
+            )
+    result = {
+        "device": device,
+        "size": args.size,
+        **SIZES[args.size],
+        "rows": rows,
+        "max_relative_difference_vs_reference": diffs,
+    }
     _dump(result, os.path.join(args.out, "audit_speed.json"))
-    lines = [f"device: {device}; model: {args.size} shape, {rows[0]['blocks']} blocks, "
-             f"{SIZES[args.size]['samples']} inputs", "",
-             "| audit | run | wall s | CPU s | certified |", "|---|---|---|---|---|"]
+    lines = [
+        f"device: {device}; model: {args.size} shape, {rows[0]['blocks']} blocks, {SIZES[args.size]['samples']} inputs",
+        "",
+        "| audit | run | wall s | CPU s | certified |",
+        "|---|---|---|---|---|",
+    ]
     lines += [f"| {r['audit']} | {r['run']} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['certified']} |" for r in rows]
     full = [r for r in rows if r["audit"] == "full"]
     phases = [k for k in full[0]["phases"] if not k.endswith("(cpu)") and not k.startswith("total")]
-    lines += ["", "| phase (full audit) | cold wall s | cold CPU s | warm wall s | warm CPU s |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| phase (full audit) | cold wall s | cold CPU s | warm wall s | warm CPU s |",
+        "|---|---|---|---|---|",
+    ]
     for ph in phases:
-        lines.append(f"| {ph} | " + " | ".join(f"{r['phases'].get(ph, 0):.2f} | {r['phases'].get(ph + ' (cpu)', 0):.2f}"
-                                               for r in full) + " |")
+        lines.append(
+            f"| {ph} | "
+            + " | ".join(f"{r['phases'].get(ph, 0):.2f} | {r['phases'].get(ph + ' (cpu)', 0):.2f}" for r in full)
+            + " |"
+        )
     if diffs:
         lines += ["", "| figure | max relative difference vs float64 reference |", "|---|---|"]
         lines += [f"| {k} | {v:.2e} |" for k, v in sorted(diffs.items())]

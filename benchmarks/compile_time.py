@@ -62,8 +62,15 @@ def compile_once(block: str, depth: int, unroll: int, *, batch: int) -> dict:
     low, trace_s = lowered(depth, batch)
     t0 = time.perf_counter()
     low.compile()
-    return {"block": block, "depth": depth, "scan_unroll": unroll, "batch": batch,
-            "trace_lower_s": trace_s, "compile_s": time.perf_counter() - t0, **_common.device_summary()}
+    return {
+        "block": block,
+        "depth": depth,
+        "scan_unroll": unroll,
+        "batch": batch,
+        "trace_lower_s": trace_s,
+        "compile_s": time.perf_counter() - t0,
+        **_common.device_summary(),
+    }
 
 
 def main(argv=None):
@@ -73,8 +80,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=2, help="processes per unroll=1 row (min is kept)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--smoke", action="store_true", help="batch 8, K up to 100")
-    parser.add_argument("--budget", type=float, default=540,
-                        help="seconds for the whole run (a rerun resumes); 0: no limit")
+    parser.add_argument(
+        "--budget", type=float, default=540, help="seconds for the whole run (a rerun resumes); 0: no limit"
+    )
     parser.add_argument("--fresh", action="store_true")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -91,10 +99,15 @@ def main(argv=None):
     names = _names(args.repeats)
     if args.smoke:
         names = [n for n in names if "_K1000_" not in n]
-    rows = _common.run_variants(os.path.abspath(__file__), names, args.out, fresh=args.fresh,
-                                budget=args.budget or None,
-                                child_args=[f"--batch={batch}"] + (["--smoke"] if args.smoke else []),
-                                timeout_for=lambda n: args.timeout)
+    rows = _common.run_variants(
+        os.path.abspath(__file__),
+        names,
+        args.out,
+        fresh=args.fresh,
+        budget=args.budget or None,
+        child_args=[f"--batch={batch}"] + (["--smoke"] if args.smoke else []),
+        timeout_for=lambda n: args.timeout,
+    )
     ok = [r for r in rows if "error" not in r]
     best = {}
     for r in ok:  # min over repeats
@@ -102,8 +115,9 @@ def main(argv=None):
         if key not in best or r["compile_s"] < best[key]["compile_s"]:
             best[key] = dict(r, name=f"{r['block']} K={r['depth']} unroll={r['scan_unroll']}")
     table_rows = [best[k] for k in sorted(best)] + [r for r in rows if "error" in r]
-    text, md = _common.table(table_rows, [("name", "step", ""), ("trace_lower_s", "trace+lower s", ".2f"),
-                                          ("compile_s", "compile s", ".2f")])
+    text, md = _common.table(
+        table_rows, [("name", "step", ""), ("trace_lower_s", "trace+lower s", ".2f"), ("compile_s", "compile s", ".2f")]
+    )
     verdicts = {}
     top = max(k for _, k, _ in best) if best else None
     for block in BLOCKS:
@@ -111,8 +125,10 @@ def main(argv=None):
         if one and deep and top > 1:
             ratio = deep["compile_s"] / one["compile_s"]
             verdicts[block] = {"ratio": ratio, "depth": top, "pass": ratio < TARGET}
-            line = (f"{block}: compile K={top} / K=1 = {ratio:.2f} (target < {TARGET}): "
-                    f"{'PASS' if ratio < TARGET else 'FAIL'}")
+            line = (
+                f"{block}: compile K={top} / K=1 = {ratio:.2f} (target < {TARGET}): "
+                f"{'PASS' if ratio < TARGET else 'FAIL'}"
+            )
             text += "\n" + line
             md += "\n\n" + line
     device = ok[0]["device_kind"] if ok else "?"

@@ -45,8 +45,8 @@ def _spec(depth: int, remat: str) -> dict:
 def measure(spec, *, batch: int, smoke: bool, steps: int = 2) -> dict:
     """Compile and run ``steps`` training steps at ``batch``; peak and XLA buffer sizes."""
     import jax
-
     import train_step as ts
+
     from naisnet_jax import train
 
     _, _, state = ts._model_and_state(spec, smoke)
@@ -77,14 +77,16 @@ def measure(spec, *, batch: int, smoke: bool, steps: int = 2) -> dict:
         row["oom"] = str(e).splitlines()[0][:300]
     peak = _common.peak_bytes()
     stats = jax.devices()[0].memory_stats() or {}
-    row.update({
-        "peak_bytes": peak,
-        "bytes_limit": float(stats.get("bytes_limit", math.nan)),
-        # the step's own memory: the peak less parameters, momentum and the batch itself
-        "peak_mib_per_image": (peak - 2 * param_bytes - x.nbytes) / batch / 2**20,
-        "temp_mib_per_image": mem.get("temp_size_in_bytes", math.nan) / batch / 2**20,
-        **_common.device_summary(),
-    })
+    row.update(
+        {
+            "peak_bytes": peak,
+            "bytes_limit": float(stats.get("bytes_limit", math.nan)),
+            # the step's own memory: the peak less parameters, momentum and the batch itself
+            "peak_mib_per_image": (peak - 2 * param_bytes - x.nbytes) / batch / 2**20,
+            "temp_mib_per_image": mem.get("temp_size_in_bytes", math.nan) / batch / 2**20,
+            **_common.device_summary(),
+        }
+    )
     return row
 
 
@@ -103,8 +105,9 @@ def _predict_largest(row: dict) -> int | None:
     mem, limit = row.get("memory_analysis", {}), row.get("bytes_limit", math.nan)
     if not mem or not math.isfinite(limit):
         return None
-    per_image = (mem.get("temp_size_in_bytes", 0) + mem.get("output_size_in_bytes", 0)
-                 - mem.get("alias_size_in_bytes", 0)) / row["batch"]
+    per_image = (
+        mem.get("temp_size_in_bytes", 0) + mem.get("output_size_in_bytes", 0) - mem.get("alias_size_in_bytes", 0)
+    ) / row["batch"]
     fixed = mem.get("argument_size_in_bytes", 0)
     return int((limit - fixed) / per_image) if per_image > 0 else None
 
@@ -116,8 +119,15 @@ def search_largest(script, out, remat, guess, *, probes, smoke, timeout, deadlin
     for _ in range(probes):
         name = f"probe_K10_{remat}_b{b}"
         budget = None if deadline is None else deadline - time.time()
-        rows = _common.run_variants(script, [name], out, child_args=["--smoke"] if smoke else [],
-                                    timeout_for=lambda n: timeout, budget=budget, env_for=lambda n: ENV)
+        rows = _common.run_variants(
+            script,
+            [name],
+            out,
+            child_args=["--smoke"] if smoke else [],
+            timeout_for=lambda n: timeout,
+            budget=budget,
+            env_for=lambda n: ENV,
+        )
         if "time budget" in rows[0].get("error", ""):
             break
         fits = rows[0].get("fits", False)  # a crash counts as "does not fit"
@@ -143,8 +153,9 @@ def main(argv=None):
     parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--budget", type=float, default=540,
-                        help="seconds for the whole run (a rerun resumes); 0: no limit")
+    parser.add_argument(
+        "--budget", type=float, default=540, help="seconds for the whole run (a rerun resumes); 0: no limit"
+    )
     parser.add_argument("--fresh", action="store_true")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -167,35 +178,64 @@ def main(argv=None):
     names = args.variants.split(",") if args.variants else _variant_names()
     if args.smoke:
         names = [n for n in names if _parse(n)[0] <= 10]
-    rows = _common.run_variants(script, names, args.out, budget=args.budget or None, env_for=lambda n: ENV,
-                                child_args=[f"--batch={batch}"] +
-                                (["--smoke"] if args.smoke else []), fresh=args.fresh,
-                                timeout_for=lambda n: args.timeout)
+    rows = _common.run_variants(
+        script,
+        names,
+        args.out,
+        budget=args.budget or None,
+        env_for=lambda n: ENV,
+        child_args=[f"--batch={batch}"] + (["--smoke"] if args.smoke else []),
+        fresh=args.fresh,
+        timeout_for=lambda n: args.timeout,
+    )
     searches = []
     on_gpu = any(r.get("platform") == "gpu" for r in rows)
     if not args.no_search and on_gpu:
         for remat in SEARCH:
-            base = next((r for r in rows if r.get("depth") == 10 and r.get("remat") == remat
-                         and "error" not in r), None)
+            base = next(
+                (r for r in rows if r.get("depth") == 10 and r.get("remat") == remat and "error" not in r), None
+            )
             guess = _predict_largest(base) if base else None
             if guess:
-                searches.append(search_largest(script, args.out, remat, guess, probes=args.probes,
-                                               smoke=args.smoke, timeout=args.timeout, deadline=deadline))
-    columns = [("name", "variant", ""), ("depth", "K", "d"), ("remat", "remat", ""),
-               ("peak_mib_per_image", "peak MiB/img", ".2f"), ("temp_mib_per_image", "XLA temp MiB/img", ".2f"),
-               ("fits", "fits", ""), ("compile_s", "compile s", ".1f")]
+                searches.append(
+                    search_largest(
+                        script,
+                        args.out,
+                        remat,
+                        guess,
+                        probes=args.probes,
+                        smoke=args.smoke,
+                        timeout=args.timeout,
+                        deadline=deadline,
+                    )
+                )
+    columns = [
+        ("name", "variant", ""),
+        ("depth", "K", "d"),
+        ("remat", "remat", ""),
+        ("peak_mib_per_image", "peak MiB/img", ".2f"),
+        ("temp_mib_per_image", "XLA temp MiB/img", ".2f"),
+        ("fits", "fits", ""),
+        ("compile_s", "compile s", ".1f"),
+    ]
     text, md = _common.table(rows, columns)
     lines = []
     for s in searches:
-        lines.append(f"K=10, remat={s['remat']}: largest batch that fits {s['largest_fitting']}"
-                     f" (fails at {s['smallest_failing'] or '-'}; XLA-predicted {s['guess']};"
-                     f" probes {s['probes']})")
+        lines.append(
+            f"K=10, remat={s['remat']}: largest batch that fits {s['largest_fitting']}"
+            f" (fails at {s['smallest_failing'] or '-'}; XLA-predicted {s['guess']};"
+            f" probes {s['probes']})"
+        )
     if not on_gpu:
         lines.append("largest-batch search skipped: no GPU memory limit on this platform")
     device = next((r.get("device_kind") for r in rows if "error" not in r), "?")
     head = f"device: {device}; batch {batch}; peak = allocator peak less parameters, momentum and batch"
-    _common.write_results(args.out, "memory", {"rows": rows, "largest_batch": searches},
-                          head + "\n\n" + md + "\n\n" + "\n".join(f"- {line}" for line in lines))
+    _common.write_results(
+        args.out,
+        "memory",
+        {"rows": rows, "largest_batch": searches},
+        head + "\n\n" + md + "\n\n" + "\n".join(f"- {line}" for line in lines),
+    )
     _plot(args.out, rows)
     print()
     print(head)
@@ -214,8 +254,11 @@ def _plot(out, rows):
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for remat in REMAT:
-        pts = sorted((r["depth"], r["peak_mib_per_image"] if math.isfinite(r["peak_mib_per_image"])
-                      else r["temp_mib_per_image"]) for r in ok if r.get("remat") == remat)
+        pts = sorted(
+            (r["depth"], r["peak_mib_per_image"] if math.isfinite(r["peak_mib_per_image"]) else r["temp_mib_per_image"])
+            for r in ok
+            if r.get("remat") == remat
+        )
         if pts:
             ax.plot(*zip(*pts), marker="o", label=f"remat={remat}")
     ax.set_xscale("log")

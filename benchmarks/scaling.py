@@ -29,8 +29,7 @@ import _common  # noqa: E402
 TARGET = 0.85
 
 
-def measure(n_devices: int, global_batch: int, *, model: str, model_kwargs: dict, steps: int,
-            repeats: int) -> dict:
+def measure(n_devices: int, global_batch: int, *, model: str, model_kwargs: dict, steps: int, repeats: int) -> dict:
     import jax
     import ml_collections
     import numpy as np
@@ -64,9 +63,15 @@ def measure(n_devices: int, global_batch: int, *, model: str, model_kwargs: dict
         state, metrics = chunk(state, data, idx, key)
         jax.block_until_ready(metrics)
         best = min(best, time.perf_counter() - t)
-    return {"devices": n_devices, "global_batch": global_batch, "per_device_batch": global_batch // n_devices,
-            "ms_per_step": 1000 * best / steps, "images_per_s": global_batch * steps / best,
-            "compile_and_first_s": first, "loss": float(metrics["loss"])}
+    return {
+        "devices": n_devices,
+        "global_batch": global_batch,
+        "per_device_batch": global_batch // n_devices,
+        "ms_per_step": 1000 * best / steps,
+        "images_per_s": global_batch * steps / best,
+        "compile_and_first_s": first,
+        "loss": float(metrics["loss"]),
+    }
 
 
 def main(argv=None):
@@ -80,7 +85,7 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="2 CPU devices, tiny model, batch 8 per device")
     args = parser.parse_args(argv)
     if args.smoke:  # before jax starts
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2")
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         args.model, args.per_device_batch, args.steps, args.repeats = "naisnet_conv_tiny", 8, 2, 1
     _common.importable()
@@ -94,14 +99,19 @@ def main(argv=None):
     if os.path.exists(path):  # resume
         with open(path) as f:
             runs = json.load(f)
-    plan = [("weak", 1, args.per_device_batch), ("weak", n, args.per_device_batch * n),
-            ("strong", 1, args.per_device_batch * n), ("strong", n, args.per_device_batch * n)]
+    plan = [
+        ("weak", 1, args.per_device_batch),
+        ("weak", n, args.per_device_batch * n),
+        ("strong", 1, args.per_device_batch * n),
+        ("strong", n, args.per_device_batch * n),
+    ]
     for mode, devices, batch in plan:
         key = f"{devices}x{batch}"
         if key not in runs:
             print(f"[{mode}] {devices} device(s), global batch {batch}", flush=True)
-            runs[key] = measure(devices, batch, model=args.model, model_kwargs=kwargs, steps=args.steps,
-                                repeats=args.repeats)
+            runs[key] = measure(
+                devices, batch, model=args.model, model_kwargs=kwargs, steps=args.steps, repeats=args.repeats
+            )
             with open(path, "w") as f:
                 json.dump(runs, f, indent=2)
     rows = []
@@ -109,20 +119,38 @@ def main(argv=None):
         one = runs[f"1x{args.per_device_batch if mode == 'weak' else args.per_device_batch * n}"]
         many = runs[f"{n}x{args.per_device_batch * n}"]
         eff = many["images_per_s"] / (n * one["images_per_s"])
-        rows.append({"name": f"{mode}: 1 -> {n} devices", "images_per_s_1": one["images_per_s"],
-                     "images_per_s_n": many["images_per_s"], "batch_1": one["global_batch"],
-                     "batch_n": many["global_batch"], "efficiency": 100 * eff,
-                     "pass": eff >= TARGET if n > 1 else None})
-    text, md = _common.table(rows, [("name", "scaling", ""), ("batch_1", "batch (1)", "d"),
-                                    ("images_per_s_1", "images/s (1)", ".0f"), ("batch_n", "batch (n)", "d"),
-                                    ("images_per_s_n", "images/s (n)", ".0f"), ("efficiency", "efficiency %", ".1f"),
-                                    ("pass", f">= {100 * TARGET:.0f}%", "")])
-    head = (f"device: {jax.devices()[0].device_kind} x {n}; model {args.model} {kwargs or ''}; "
-            f"per-device batch {args.per_device_batch}; best of {args.repeats} chunks of {args.steps} steps")
+        rows.append(
+            {
+                "name": f"{mode}: 1 -> {n} devices",
+                "images_per_s_1": one["images_per_s"],
+                "images_per_s_n": many["images_per_s"],
+                "batch_1": one["global_batch"],
+                "batch_n": many["global_batch"],
+                "efficiency": 100 * eff,
+                "pass": eff >= TARGET if n > 1 else None,
+            }
+        )
+    text, md = _common.table(
+        rows,
+        [
+            ("name", "scaling", ""),
+            ("batch_1", "batch (1)", "d"),
+            ("images_per_s_1", "images/s (1)", ".0f"),
+            ("batch_n", "batch (n)", "d"),
+            ("images_per_s_n", "images/s (n)", ".0f"),
+            ("efficiency", "efficiency %", ".1f"),
+            ("pass", f">= {100 * TARGET:.0f}%", ""),
+        ],
+    )
+    head = (
+        f"device: {jax.devices()[0].device_kind} x {n}; model {args.model} {kwargs or ''}; "
+        f"per-device batch {args.per_device_batch}; best of {args.repeats} chunks of {args.steps} steps"
+    )
     if n == 1:
         head += " (one device: nothing to scale; run on a machine with several GPUs)"
-    _common.write_results(args.out, "scaling", {"runs": runs, "rows": rows, **_common.device_summary()},
-                          head + "\n\n" + md)
+    _common.write_results(
+        args.out, "scaling", {"runs": runs, "rows": rows, **_common.device_summary()}, head + "\n\n" + md
+    )
     print()
     print(head)
     print(text)

@@ -29,8 +29,9 @@ def centre_mask(channels: int, k: int, device=None) -> torch.Tensor:
 
 
 class NaisConvBlock(tnn.Module):
-    def __init__(self, c_in: int, c: int, *, steps: int, stride: int, normalize_drive: bool,
-                 h: float = 1.0, k: int = 3):
+    def __init__(
+        self, c_in: int, c: int, *, steps: int, stride: int, normalize_drive: bool, h: float = 1.0, k: int = 3
+    ):
         super().__init__()
         self.steps, self.h = steps, h
         self.input = tnn.Conv2d(c_in, c, k, stride=stride, padding=k // 2, bias=not normalize_drive)
@@ -55,8 +56,7 @@ class NaisConvBlock(tnn.Module):
 
 
 class NaisNetConv(tnn.Module):
-    def __init__(self, *, num_classes=10, stage_sizes=(18, 18, 18), filters=(16, 32, 64), steps=10,
-                 in_channels=3):
+    def __init__(self, *, num_classes=10, stage_sizes=(18, 18, 18), filters=(16, 32, 64), steps=10, in_channels=3):
         super().__init__()
         self.stem = tnn.Conv2d(in_channels, filters[0], 3, padding=1, bias=False)
         self.stem_bn = tnn.BatchNorm2d(filters[0], momentum=0.1, eps=1e-5)
@@ -64,8 +64,9 @@ class NaisNetConv(tnn.Module):
         for i, (size, width) in enumerate(zip(stage_sizes, filters)):
             for j in range(size):
                 change = i > 0 and j == 0
-                blocks.append(NaisConvBlock(c_in, width, steps=steps, stride=2 if change else 1,
-                                            normalize_drive=change))
+                blocks.append(
+                    NaisConvBlock(c_in, width, steps=steps, stride=2 if change else 1, normalize_drive=change)
+                )
                 c_in = width
         self.blocks = tnn.ModuleList(blocks)
         self.classifier = tnn.Linear(c_in, num_classes)

@@ -93,20 +93,36 @@ def main(argv=None):
         return
     rows = []
     for name in args.models.split(","):
-        subprocess.run([sys.executable, __file__, f"--one={name}", f"--out={args.out}", f"--steps={args.steps}",
-                        f"--batch={args.batch}", f"--repeats={args.repeats}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                f"--one={name}",
+                f"--out={args.out}",
+                f"--steps={args.steps}",
+                f"--batch={args.batch}",
+                f"--repeats={args.repeats}",
+            ],
+            check=True,
+        )
         with open(os.path.join(args.out, f"train_speed_{name}.json")) as f:
             rows.append(json.load(f))
         with open(os.path.join(args.out, "train_speed.json"), "w") as f:
             json.dump(rows, f, indent=2)
     device = jax.devices()[0]
-    print(f"\ndevice: {device.device_kind} ({device.platform}); batch {args.batch}, best of {args.repeats} chunks "
-          f"of {args.steps} steps, augmentation and projection included")
-    print(f"{'model':18s} {'params':>9s} {'compile s':>9s} {'ms/step':>8s} {'images/s':>9s} {'peak GiB':>8s} "
-          f"{'rho_max':>8s}")
+    print(
+        f"\ndevice: {device.device_kind} ({device.platform}); batch {args.batch}, best of {args.repeats} chunks "
+        f"of {args.steps} steps, augmentation and projection included"
+    )
+    print(
+        f"{'model':18s} {'params':>9s} {'compile s':>9s} {'ms/step':>8s} {'images/s':>9s} {'peak GiB':>8s} "
+        f"{'rho_max':>8s}"
+    )
     for r in rows:
-        print(f"{r['model']:18s} {r['parameters']:9d} {r['compile_and_first_chunk_s']:9.1f} {r['ms_per_step']:8.2f} "
-              f"{r['images_per_s']:9.0f} {r['peak_memory_gib']:8.2f} {r['rho_max_after']:8.4f}")
+        print(
+            f"{r['model']:18s} {r['parameters']:9d} {r['compile_and_first_chunk_s']:9.1f} {r['ms_per_step']:8.2f} "
+            f"{r['images_per_s']:9.0f} {r['peak_memory_gib']:8.2f} {r['rho_max_after']:8.4f}"
+        )
 
 
 if __name__ == "__main__":

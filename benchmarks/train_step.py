@@ -38,8 +38,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
-CMDBUF_WHILE = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,"
-                "CONDITIONAL,WHILE --xla_gpu_graph_min_graph_size=1")
+CMDBUF_WHILE = (
+    "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,"
+    "CONDITIONAL,WHILE --xla_gpu_graph_min_graph_size=1"
+)
 N10 = "naisnet_cifar10"
 
 # name -> spec. kind "jax": model name, model kwargs, precision, XLA flags;
@@ -60,13 +62,14 @@ VARIANTS = {
     "nais10_xla_autotune0": dict(model=N10, xla_flags="--xla_gpu_autotune_level=0"),
     "nais10_xla_runtime_fusion": dict(model=N10, xla_flags="--xla_gpu_use_runtime_fusion=true"),
     "nais10_xla_double_buffer": dict(
-        model=N10, xla_flags="--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER"),
+        model=N10, xla_flags="--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER"
+    ),
     "nais10_unroll10_cmdbuf_while": dict(model=N10, kwargs=dict(scan_unroll=10), xla_flags=CMDBUF_WHILE),
     "nais10_xla_cmdbuf_unroll_loops": dict(  # WHILE commands lowered to unrolled CUDA graphs (newer XLA)
-        model=N10, xla_flags=CMDBUF_WHILE + " --xla_gpu_command_buffer_unroll_loops=true"),
+        model=N10, xla_flags=CMDBUF_WHILE + " --xla_gpu_command_buffer_unroll_loops=true"
+    ),
     "nais10_bf16": dict(model=N10, kwargs=dict(dtype="bfloat16")),
-    "nais10_bf16_stacked_unroll10": dict(
-        model=N10, kwargs=dict(dtype="bfloat16", block_vjp="stacked", scan_unroll=10)),
+    "nais10_bf16_stacked_unroll10": dict(model=N10, kwargs=dict(dtype="bfloat16", block_vjp="stacked", scan_unroll=10)),
     "nais1": dict(model="naisnet_cifar1"),
     "nais1_bf16": dict(model="naisnet_cifar1", kwargs=dict(dtype="bfloat16")),
     "resnet": dict(model="resnet_cifar"),
@@ -79,8 +82,17 @@ VARIANTS = {
 }
 PRESETS = {
     "all": list(VARIANTS),
-    "quick": ["nais10", "nais10_unroll10", "nais10_stacked", "nais10_stacked_unroll10", "nais10_bf16",
-              "nais1", "resnet", "torch_eager", "torch_compile"],
+    "quick": [
+        "nais10",
+        "nais10_unroll10",
+        "nais10_stacked",
+        "nais10_stacked_unroll10",
+        "nais10_bf16",
+        "nais1",
+        "resnet",
+        "torch_eager",
+        "torch_compile",
+    ],
 }
 SMOKE_MODELS = {  # the same code paths at a size a CPU runs in seconds
     N10: ("naisnet_conv_tiny", dict(steps=2, num_classes=10)),
@@ -131,7 +143,6 @@ def step_flops(state, x, y) -> dict:
 
 def run_jax(spec, *, batch, steps, repeats, smoke) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     if spec.get("precision"):
@@ -199,7 +210,6 @@ def run_torch(spec, *, batch, steps, repeats, smoke) -> dict:
     import numpy as np
     import torch
     import torch.nn.functional as F
-
     import torch_naisnet as tn
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -213,8 +223,9 @@ def run_torch(spec, *, batch, steps, repeats, smoke) -> dict:
     tn.project_state_kernels(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=2e-4)
     rng = np.random.default_rng(0)
-    x = torch.tensor((rng.integers(0, 256, (batch, 3, 32, 32)) / 255.0 - 0.5) / 0.25,
-                     dtype=torch.float32, device=device).contiguous(memory_format=torch.channels_last)
+    x = torch.tensor(
+        (rng.integers(0, 256, (batch, 3, 32, 32)) / 255.0 - 0.5) / 0.25, dtype=torch.float32, device=device
+    ).contiguous(memory_format=torch.channels_last)
     y = torch.tensor(rng.integers(0, 10, batch), device=device)
     forward, project, projection_mode = model, tn.project_state_kernels, "eager"
     if spec["mode"] == "compile":
@@ -276,8 +287,7 @@ def run_torch(spec, *, batch, steps, repeats, smoke) -> dict:
         "platform": device,
         "torch": torch.__version__,
         "projection": projection_mode,
-        "allow_tf32": {"cudnn": torch.backends.cudnn.allow_tf32,
-                       "matmul": torch.backends.cuda.matmul.allow_tf32},
+        "allow_tf32": {"cudnn": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32},
     }
 
 
@@ -295,8 +305,9 @@ def summarise(rows: list[dict]) -> tuple[str, str, dict]:
         if set(r.get("kwargs", {})) <= {"dtype", "scan_unroll"}:
             floors.setdefault(r["model"], r["counted_gflop_per_image"])
     floor = floors.get(N10)
-    torch_compile = next((r["images_per_s"] for r in ok if r.get("mode") == "compile"
-                          and r["precision"] == "tf32"), None)
+    torch_compile = next(
+        (r["images_per_s"] for r in ok if r.get("mode") == "compile" and r["precision"] == "tf32"), None
+    )
     for r in ok:
         is_bf16 = r.get("precision") == "bf16" or r.get("kwargs", {}).get("dtype") == "bfloat16"
         flops = floors.get(r.get("model", N10)) or r.get("counted_gflop_per_image")
@@ -308,29 +319,53 @@ def summarise(rows: list[dict]) -> tuple[str, str, dict]:
         if torch_compile:
             r["x_torch_compile"] = r["images_per_s"] / torch_compile
     columns = [
-        ("name", "variant", ""), ("images_per_s", "images/s", ".0f"), ("ms_per_step", "ms/step", ".2f"),
-        ("x_torch_compile", "x compile", ".2f"), ("tflops_achieved", "TFLOP/s", ".1f"),
-        ("floor_pct_fp32", "% fp32 peak", ".0f"), ("floor_pct_tensor", "% tensor peak", ".1f"),
-        ("peak_mib_per_image", "peak MiB/img", ".2f"), ("temp_mib_per_image", "XLA temp MiB/img", ".2f"),
+        ("name", "variant", ""),
+        ("images_per_s", "images/s", ".0f"),
+        ("ms_per_step", "ms/step", ".2f"),
+        ("x_torch_compile", "x compile", ".2f"),
+        ("tflops_achieved", "TFLOP/s", ".1f"),
+        ("floor_pct_fp32", "% fp32 peak", ".0f"),
+        ("floor_pct_tensor", "% tensor peak", ".1f"),
+        ("peak_mib_per_image", "peak MiB/img", ".2f"),
+        ("temp_mib_per_image", "XLA temp MiB/img", ".2f"),
         ("compile_s", "compile s", ".1f"),
     ]
     text, md = _common.table(rows, columns)
-    best = max((r for r in jax_rows if r["model"] == N10 and r.get("precision") != "bf16"
-                and r.get("kwargs", {}).get("dtype") != "bfloat16"), key=lambda r: r["images_per_s"], default=None)
+    best = max(
+        (
+            r
+            for r in jax_rows
+            if r["model"] == N10 and r.get("precision") != "bf16" and r.get("kwargs", {}).get("dtype") != "bfloat16"
+        ),
+        key=lambda r: r["images_per_s"],
+        default=None,
+    )
     verdict = {}
     if best and torch_compile:
         ratio = best["images_per_s"] / torch_compile
-        verdict = {"best_float32_variant": best["name"], "ratio_to_torch_compile": ratio, "target": 3.0,
-                   "pass": ratio >= 3.0}
-        line = (f"target: best float32 NAIS-Net10 ({best['name']}) at {ratio:.2f} x torch.compile "
-                f"(>= 3.0): {'PASS' if ratio >= 3.0 else 'FAIL'}")
+        verdict = {
+            "best_float32_variant": best["name"],
+            "ratio_to_torch_compile": ratio,
+            "target": 3.0,
+            "pass": ratio >= 3.0,
+        }
+        line = (
+            f"target: best float32 NAIS-Net10 ({best['name']}) at {ratio:.2f} x torch.compile "
+            f"(>= 3.0): {'PASS' if ratio >= 3.0 else 'FAIL'}"
+        )
         text += "\n" + line
         md += "\n\n" + line
-    head = (f"device: {kind or 'unknown'}; batch {ok[0]['batch'] if ok else '?'}; floor (counted on the "
-            f"plain NAIS-Net10 step): {floor:.2f} GFLOP per image" if floor else "")
+    head = (
+        f"device: {kind or 'unknown'}; batch {ok[0]['batch'] if ok else '?'}; floor (counted on the "
+        f"plain NAIS-Net10 step): {floor:.2f} GFLOP per image"
+        if floor
+        else ""
+    )
     if peaks:
-        head += (f"; peaks used: fp32 {peaks['fp32'] / 1e12:.0f}, tf32 {peaks['tf32'] / 1e12:.0f}, "
-                 f"bf16 {peaks['bf16'] / 1e12:.0f} TFLOP/s")
+        head += (
+            f"; peaks used: fp32 {peaks['fp32'] / 1e12:.0f}, tf32 {peaks['tf32'] / 1e12:.0f}, "
+            f"bf16 {peaks['bf16'] / 1e12:.0f} TFLOP/s"
+        )
     return head + "\n" + text, head + "\n\n" + md, {"peaks": peaks, "floor_gflop_per_image": floor, **verdict}
 
 
@@ -344,8 +379,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per variant (torch.compile: 2x)")
     parser.add_argument("--smoke", action="store_true", help="tiny models, batch 4: a CPU check")
-    parser.add_argument("--budget", type=float, default=540,
-                        help="seconds for the whole run (a rerun resumes); 0: no limit")
+    parser.add_argument(
+        "--budget", type=float, default=540, help="seconds for the whole run (a rerun resumes); 0: no limit"
+    )
     parser.add_argument("--fresh", action="store_true", help="rerun variants already done")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -366,20 +402,31 @@ def main(argv=None):
     child = [f"--batch={args.batch}", f"--steps={args.steps}", f"--repeats={args.repeats}"]
     child += ["--smoke"] if args.smoke else []
     rows = _common.run_variants(
-        os.path.abspath(__file__), names, args.out, budget=args.budget or None, child_args=child, fresh=args.fresh,
+        os.path.abspath(__file__),
+        names,
+        args.out,
+        budget=args.budget or None,
+        child_args=child,
+        fresh=args.fresh,
         env_for=lambda n: {"XLA_FLAGS": VARIANTS[n]["xla_flags"]} if VARIANTS[n].get("xla_flags") else {},
         timeout_for=lambda n: args.timeout * (2 if VARIANTS[n].get("mode") == "compile" else 1),
     )
     text, md, summary = summarise(rows)
     _common.write_results(args.out, "train_step", {"rows": rows, "summary": summary}, md)
     ok = [r for r in rows if "error" not in r]
-    compiled_torch = next((r["images_per_s"] for r in ok if r.get("mode") == "compile"
-                           and r["precision"] == "tf32"), None)
+    compiled_torch = next(
+        (r["images_per_s"] for r in ok if r.get("mode") == "compile" and r["precision"] == "tf32"), None
+    )
     if ok:
-        _common.bar_chart(os.path.join(args.out, "train_step.png"), [r["name"] for r in ok],
-                          [r["images_per_s"] for r in ok], xlabel=f"images/s (batch {args.batch})",
-                          title="Training step", reference=3 * compiled_torch if compiled_torch else None,
-                          reference_label="3 x torch.compile (target)")
+        _common.bar_chart(
+            os.path.join(args.out, "train_step.png"),
+            [r["name"] for r in ok],
+            [r["images_per_s"] for r in ok],
+            xlabel=f"images/s (batch {args.batch})",
+            title="Training step",
+            reference=3 * compiled_torch if compiled_torch else None,
+            reference_label="3 x torch.compile (target)",
+        )
     print()
     print(text)
 

@@ -26,7 +26,15 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from experiments.sweep_report import as_array, curve, enable_compilation_cache, pm, read_summary, stat_row, write_summary
+from experiments.sweep_report import (
+    as_array,
+    curve,
+    enable_compilation_cache,
+    pm,
+    read_summary,
+    stat_row,
+    write_summary,
+)
 
 # Paper label -> MODELS name; the switches are read off the label.
 LABELS = {
@@ -51,8 +59,12 @@ TRAJECTORY_SAMPLES = 3  # test images per class in the neuron trajectory figure
 def switches(label: str) -> dict:
     nais = label == "NAIS-Net"
     parts = set(label.split("-")[1:])
-    return {"SH": nais or "SH" in parts, "NA": nais or "NA" in parts, "BN": "BN" in parts,
-            "Stable": nais or "Stable" in parts}
+    return {
+        "SH": nais or "SH" in parts,
+        "NA": nais or "NA" in parts,
+        "BN": "BN" in parts,
+        "Stable": nais or "Stable" in parts,
+    }
 
 
 def make_config(model: str, *, dataset: str, seeds: int, epochs: int | None, h: float | None, smoke: bool):
@@ -155,14 +167,19 @@ def summarise(label: str, result, config, seconds: float) -> dict:
     curves = [r.per_step_loss for r in ok if r.per_step_loss is not None]
     if curves:
         curves = np.stack(curves)
-        row["per_layer_loss"] = {"mean": curves.mean(0).tolist(), "std": curves.std(0).tolist(),
-                                 "per_seed": curves.tolist()}
+        row["per_layer_loss"] = {
+            "mean": curves.mean(0).tolist(),
+            "std": curves.std(0).tolist(),
+            "per_seed": curves.tolist(),
+        }
         row["monotonicity"] = monotonicity(curves)
     row["test_accuracy_curve"] = curve(result.history, "test_accuracy")
     row["train_accuracy_curve"] = curve(result.history, "train_accuracy")
     row["epochs"] = result.epoch
     row["seconds"] = seconds
-    row["epoch_seconds_median"] = float(np.median([r["epoch_seconds"] for r in result.history])) if result.history else None
+    row["epoch_seconds_median"] = (
+        float(np.median([r["epoch_seconds"] for r in result.history])) if result.history else None
+    )
     row["device"] = sweep.device_description()
     return row
 
@@ -176,8 +193,10 @@ def run_model(label: str, config, workdir: str, audit_options) -> dict:
     if row is not None:
         print(f"== {label}: finished earlier, read from {summary_path}", flush=True)
         return row
-    print(f"== {label} ({config.model}): {config.num_seeds} seeds x {config.num_epochs} epochs on "
-          f"{config.dataset}", flush=True)
+    print(
+        f"== {label} ({config.model}): {config.num_seeds} seeds x {config.num_epochs} epochs on {config.dataset}",
+        flush=True,
+    )
     t0 = time.time()
     result = sweep.train_sweep(config, model_dir, audit_options=audit_options, audit_baselines=False)
     row = summarise(label, result, config, time.time() - t0)
@@ -192,9 +211,11 @@ def run_model(label: str, config, workdir: str, audit_options) -> dict:
 
 def table(rows: list[dict], *, paper: dict | None) -> str:
     tick = lambda b: "x" if b else ""  # noqa: E731
-    head = ("| model | SH | NA | BN | Stable | test acc (%) | paper test acc (%) | train acc (%) | gap (pp) | "
-            "diverged | certified | loss x(1) | loss x(K) | per-layer loss monotone (seeds) | mean-curve rises "
-            "(largest) |")
+    head = (
+        "| model | SH | NA | BN | Stable | test acc (%) | paper test acc (%) | train acc (%) | gap (pp) | "
+        "diverged | certified | loss x(1) | loss x(K) | per-layer loss monotone (seeds) | mean-curve rises "
+        "(largest) |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         n_seeds = len(r["seeds"])
@@ -206,8 +227,12 @@ def table(rows: list[dict], *, paper: dict | None) -> str:
             f"| {r['label']} | {tick(r['SH'])} | {tick(r['NA'])} | {tick(r['BN'])} | {tick(r['Stable'])} | "
             f"{pm(r['test_accuracy'])} | {paper_acc} | {pm(r['train_accuracy'])} | "
             f"{pm(r['generalisation_gap'])} | {r['diverged']}/{n_seeds} | {cert} | "
-            + (f"{pl['mean'][0]:.3f} | {pl['mean'][-1]:.3f} | {mono['monotone_seeds']}/{len(pl['per_seed'])} | "
-               f"{mono['mean_curve_rises']} ({mono['largest_rise']:.2g}) |" if pl else "- | - | - | - |")
+            + (
+                f"{pl['mean'][0]:.3f} | {pl['mean'][-1]:.3f} | {mono['monotone_seeds']}/{len(pl['per_seed'])} | "
+                f"{mono['mean_curve_rises']} ({mono['largest_rise']:.2g}) |"
+                if pl
+                else "- | - | - | - |"
+            )
         )
     return "\n".join(lines)
 
@@ -221,11 +246,15 @@ def monotonicity_text(rows: list[dict]) -> str:
         if m["mean_curve_monotone"]:
             what = "non-increasing over every layer"
         else:
-            what = (f"rises {m['mean_curve_rises']} times (largest step +{m['largest_rise']:.3g}); its minimum "
-                    f"{m['min_loss']:.4f} is at layer {m['argmin_layer']} and the last layer is "
-                    f"{m['rise_min_to_last']:+.4f} above it")
-        lines.append(f"- {r['label']}: mean per-layer test loss {what}; "
-                     f"{m['monotone_seeds']}/{len(r['per_layer_loss']['per_seed'])} seeds monotone.")
+            what = (
+                f"rises {m['mean_curve_rises']} times (largest step +{m['largest_rise']:.3g}); its minimum "
+                f"{m['min_loss']:.4f} is at layer {m['argmin_layer']} and the last layer is "
+                f"{m['rise_min_to_last']:+.4f} above it"
+            )
+        lines.append(
+            f"- {r['label']}: mean per-layer test loss {what}; "
+            f"{m['monotone_seeds']}/{len(r['per_layer_loss']['per_seed'])} seeds monotone."
+        )
     return "\n".join(lines)
 
 
@@ -234,11 +263,20 @@ def write_outputs(rows, workdir, *, header: dict, paper) -> str:
         json.dump({"header": header, "rows": rows}, f, indent=1)
     md = ["# Section 5.1: NAIS-Net against the ResNet variants", ""]
     md += [f"- {k}: {v}" for k, v in header.items()]
-    md += ["", "Mean ± std over the seeds that did not diverge (population std); a diverged seed is frozen at "
-           "its last finite epoch and counted in 'diverged'. 'certified': seeds the verifier certifies stable. "
-           "Per-layer loss: test cross-entropy of each layer's state x(i) through the classifier, mean over seeds; "
-           f"a rise is a step up by more than {RISE_TOL:g} relative.", "", table(rows, paper=paper), "",
-           "Monotonicity of the per-layer loss:", "", monotonicity_text(rows), ""]
+    md += [
+        "",
+        "Mean ± std over the seeds that did not diverge (population std); a diverged seed is frozen at "
+        "its last finite epoch and counted in 'diverged'. 'certified': seeds the verifier certifies stable. "
+        "Per-layer loss: test cross-entropy of each layer's state x(i) through the classifier, mean over seeds; "
+        f"a rise is a step up by more than {RISE_TOL:g} relative.",
+        "",
+        table(rows, paper=paper),
+        "",
+        "Monotonicity of the per-layer loss:",
+        "",
+        monotonicity_text(rows),
+        "",
+    ]
     text = "\n".join(md)
     with open(os.path.join(workdir, "results.md"), "w") as f:
         f.write(text)
@@ -261,8 +299,12 @@ def plot(rows, workdir) -> None:
         color = "k" if r["label"] == "NAIS-Net" else f"C{i % 10}"
         ax.plot(layers, mean, color=color, lw=2.5 if color == "k" else 1.2, label=r["label"])
         ax.fill_between(layers, np.maximum(mean - std, 1e-6), mean + std, color=color, alpha=0.15, lw=0)
-    ax.set(xlabel="layer / unroll step i", ylabel="test cross-entropy of x(i)", yscale="log",
-           title="Loss of each layer's state through the classifier (mean ± std over seeds)")
+    ax.set(
+        xlabel="layer / unroll step i",
+        ylabel="test cross-entropy of x(i)",
+        yscale="log",
+        title="Loss of each layer's state through the classifier (mean ± std over seeds)",
+    )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -276,8 +318,12 @@ def plot(rows, workdir) -> None:
         for c, samples in traj["classes"].items():
             for j, t in enumerate(samples):
                 ax.plot(range(len(t)), t, color=f"C{int(c) % 10}", lw=1.2, label=f"class {c}" if j == 0 else None)
-        ax.set(xlabel="unroll step k", ylabel=f"x_k[{traj['neuron']}]",
-               title=f"NAIS-Net (seed {nais['seeds'][0]}): neuron {traj['neuron']}, {TRAJECTORY_SAMPLES} test images per class")
+        ax.set(
+            xlabel="unroll step k",
+            ylabel=f"x_k[{traj['neuron']}]",
+            title=f"NAIS-Net (seed {nais['seeds'][0]}): neuron {traj['neuron']}, "
+            f"{TRAJECTORY_SAMPLES} test images per class",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
@@ -308,8 +354,10 @@ def short_table(rows, paper) -> str:
         cert = f"{r['certified_seeds']}/{n}" if r["has_nais_block"] else "n/a"
         mono = r.get("monotonicity")
         mono = f"{mono['monotone_seeds']}/{len(r['per_layer_loss']['per_seed'])}" if mono else "-"
-        lines.append(f"{r['label']:<18} {pm(r['test_accuracy']):>16} {paper_acc:>7} "
-                     f"{pm(r['generalisation_gap']):>14} {r['diverged']:>4} {cert:>6} {mono:>5}")
+        lines.append(
+            f"{r['label']:<18} {pm(r['test_accuracy']):>16} {paper_acc:>7} "
+            f"{pm(r['generalisation_gap']):>14} {r['diverged']:>4} {cert:>6} {mono:>5}"
+        )
     return "\n".join(lines)
 
 
@@ -325,23 +373,39 @@ def time_models(labels, make, steps: int, workdir: str) -> None:
         t = sweep.time_steps(config, steps=steps)
         t["label"] = label
         rows.append(t)
-        print(f"{label:<18} {t['steps_per_second']:8.1f} steps/s  {t['step_ms']:6.3f} ms/step  "
-              f"eval {t['eval_seconds']:.3f}s  compile {t['compile_seconds']:.1f}s  "
-              f"projected {t['projected_seconds'] / 60:6.2f} min  kernels {sum(t['kernels'].values())}", flush=True)
+        print(
+            f"{label:<18} {t['steps_per_second']:8.1f} steps/s  {t['step_ms']:6.3f} ms/step  "
+            f"eval {t['eval_seconds']:.3f}s  compile {t['compile_seconds']:.1f}s  "
+            f"projected {t['projected_seconds'] / 60:6.2f} min  kernels {sum(t['kernels'].values())}",
+            flush=True,
+        )
     total = sum(t["projected_seconds"] for t in rows)
     with open(os.path.join(workdir, "timing.json"), "w") as f:
         json.dump({"rows": rows, "projected_total_seconds": total}, f, indent=1)
-    print(f"\nprojected training of all {len(rows)} models: {total / 60:.1f} min "
-          f"({rows[0]['seeds']} seeds x {rows[0]['epochs']} epochs each) on {sweep.device_description()}")
+    print(
+        f"\nprojected training of all {len(rows)} models: {total / 60:.1f} min "
+        f"({rows[0]['seeds']} seeds x {rows[0]['epochs']} epochs each) on {sweep.device_description()}"
+    )
 
 
 # --------------------------------------------------------------------------- main
 
 
-def run(*, workdir: str, dataset: str, seeds: int, epochs: int | None, models=None, h=None,
-        smoke: bool = False, time_steps: int = 0, audit_data: str = "none") -> list[dict]:
-    from naisnet_jax import sweep
+def run(
+    *,
+    workdir: str,
+    dataset: str,
+    seeds: int,
+    epochs: int | None,
+    models=None,
+    h=None,
+    smoke: bool = False,
+    time_steps: int = 0,
+    audit_data: str = "none",
+) -> list[dict]:
     from naisnet_jax.verify import AuditOptions
+
+    from naisnet_jax import sweep
 
     labels = list(LABELS)
     if models:
@@ -369,10 +433,13 @@ def run(*, workdir: str, dataset: str, seeds: int, epochs: int | None, models=No
         "dataset": config.dataset + (" (smoke: tiny sizes)" if smoke else ""),
         "seeds": f"{config.num_seeds} (config.seed + 0..{config.num_seeds - 1})",
         "epochs": config.num_epochs,
-        "optimiser": f"SGD, momentum {config.momentum}, learning rate {config.learning_rate}, batch {config.batch_size}",
+        "optimiser": f"SGD, momentum {config.momentum}, learning rate {config.learning_rate}, "
+        f"batch {config.batch_size}",
         "h": f"{config.h:.6g} for every model (the paper does not state h; see experiments/configs/ablation_paper.py "
-             f"and experiments/results/ablation_h_check.md)",
-        "inputs": "pixels in [0, 1]" if not config.standardize else "standardised with the training set's channel statistics",
+        f"and experiments/results/ablation_h_check.md)",
+        "inputs": "pixels in [0, 1]"
+        if not config.standardize
+        else "standardised with the training set's channel statistics",
         "eps": config.eps,
         "device": sweep.device_description(),
         "wall time of this call": f"{wall:.1f} s",
@@ -383,8 +450,10 @@ def run(*, workdir: str, dataset: str, seeds: int, epochs: int | None, models=No
     plot(rows, workdir)
     print()
     print(short_table(rows, paper))
-    print(f"\nwrote {workdir}/results.md, results.json and the figures; wall time {wall:.1f} s on "
-          f"{sweep.device_description()}")
+    print(
+        f"\nwrote {workdir}/results.md, results.json and the figures; wall time {wall:.1f} s on "
+        f"{sweep.device_description()}"
+    )
     return rows
 
 
@@ -393,8 +462,12 @@ FLAGS = flags.FLAGS
 
 def _define_flags() -> None:
     """Flags are defined only when the script runs, so tests can import both experiments."""
-    flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cache (default: <workdir>/jax_cache; "
-                        "'none' turns it off): a rerun or resume does not compile again.")
+    flags.DEFINE_string(
+        "compilation_cache",
+        None,
+        "JAX's persistent compilation cache (default: <workdir>/jax_cache; "
+        "'none' turns it off): a rerun or resume does not compile again.",
+    )
     flags.DEFINE_string("workdir", "runs/ablation", "Where every sweep and the results go.")
     flags.DEFINE_string("dataset", "mnist_pinned", "mnist_pinned or fashion_mnist_idx (any naisnet_jax dataset).")
     flags.DEFINE_integer("seeds", 10, "Seeds per model, trained side by side.")
@@ -411,9 +484,17 @@ def _main(argv):
     logging.set_verbosity(logging.WARNING)
     enable_compilation_cache(FLAGS.compilation_cache, FLAGS.workdir)
     try:
-        run(workdir=FLAGS.workdir, dataset=FLAGS.dataset, seeds=FLAGS.seeds, epochs=FLAGS.epochs,
-            models=FLAGS.models, h=FLAGS.h, smoke=FLAGS.smoke, time_steps=FLAGS.time_steps,
-            audit_data=FLAGS.audit_data)
+        run(
+            workdir=FLAGS.workdir,
+            dataset=FLAGS.dataset,
+            seeds=FLAGS.seeds,
+            epochs=FLAGS.epochs,
+            models=FLAGS.models,
+            h=FLAGS.h,
+            smoke=FLAGS.smoke,
+            time_steps=FLAGS.time_steps,
+            audit_data=FLAGS.audit_data,
+        )
     except ValueError as e:
         raise app.UsageError(str(e)) from e
 

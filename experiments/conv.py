@@ -28,7 +28,15 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from experiments.sweep_report import as_array, curve, enable_compilation_cache, pm, read_summary, stat_row, write_summary
+from experiments.sweep_report import (
+    as_array,
+    curve,
+    enable_compilation_cache,
+    pm,
+    read_summary,
+    stat_row,
+    write_summary,
+)
 
 # variant -> (paper label, model, model_kwargs)
 VARIANTS = {
@@ -38,8 +46,11 @@ VARIANTS = {
     "naisnet10": ("NAIS-Net10, x(0) = 0", "naisnet_cifar10", {}),
 }
 # --smoke: the same variants, miniature (digits, 2 stages x 1 block of 4/8 filters)
-SMOKE_MODELS = {"resnet_cifar": ("resnet_conv_tiny", {}), "naisnet_cifar1": ("naisnet_conv_tiny", {"steps": 1}),
-                "naisnet_cifar10": ("naisnet_conv_tiny", {"steps": 2})}
+SMOKE_MODELS = {
+    "resnet_cifar": ("resnet_conv_tiny", {}),
+    "naisnet_cifar1": ("naisnet_conv_tiny", {"steps": 1}),
+    "naisnet_cifar10": ("naisnet_conv_tiny", {"steps": 2}),
+}
 # CIFAR test accuracy (%) in the paper (5 runs), for reference only: these runs are on (Fashion-)MNIST.
 PAPER_CIFAR10 = {"ResNet": "91.72 ± 0.38", "NAIS-Net1": "91.24 ± 0.10", "NAIS-Net10": "91.25 ± 0.46"}
 
@@ -50,8 +61,9 @@ def supports_initial_state(model: str) -> bool:
     return "initial_state" in {f.name for f in dataclasses.fields(models.MODELS[model].func)}
 
 
-def make_config(variant: str, *, dataset: str, seeds: int, epochs: int | None, smoke: bool,
-                limit_train: int | None = None):
+def make_config(
+    variant: str, *, dataset: str, seeds: int, epochs: int | None, smoke: bool, limit_train: int | None = None
+):
     import ml_collections
 
     from experiments.configs import conv_paper
@@ -89,13 +101,22 @@ def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
     if row is not None:
         print(f"== {label} on {config.dataset}: finished earlier, read from {summary_path}", flush=True)
         return row
-    print(f"== {label} ({config.model} {dict(config.model_kwargs)}) on {config.dataset}: "
-          f"{config.num_seeds} seeds x {config.num_epochs} epochs", flush=True)
+    print(
+        f"== {label} ({config.model} {dict(config.model_kwargs)}) on {config.dataset}: "
+        f"{config.num_seeds} seeds x {config.num_epochs} epochs",
+        flush=True,
+    )
     t0 = time.time()
-    result = sweep.train_sweep(config, run_dir, audit_options=audit_options, audit_baselines=False,
-                               per_step_loss=False)
-    row = {"variant": variant, "label": label, "model": config.model, "model_kwargs": dict(config.model_kwargs),
-           "dataset": config.dataset, "seeds": list(result.seeds), "epochs": result.epoch}
+    result = sweep.train_sweep(config, run_dir, audit_options=audit_options, audit_baselines=False, per_step_loss=False)
+    row = {
+        "variant": variant,
+        "label": label,
+        "model": config.model,
+        "model_kwargs": dict(config.model_kwargs),
+        "dataset": config.dataset,
+        "seeds": list(result.seeds),
+        "epochs": result.epoch,
+    }
     for field in ("test_accuracy", "train_accuracy", "generalisation_gap", "test_loss"):
         row[field] = stat_row(result, field)
     row["diverged"] = result.num_diverged
@@ -115,15 +136,19 @@ def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
 
 
 def table(rows) -> str:
-    head = ("| dataset | model | test acc (%) | train acc (%) | gap (pp) | diverged | certified | "
-            "paper, CIFAR-10 test (%) |")
+    head = (
+        "| dataset | model | test acc (%) | train acc (%) | gap (pp) | diverged | certified | "
+        "paper, CIFAR-10 test (%) |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         n = len(r["seeds"])
         cert = f"{r['certified_seeds']}/{n}" if r["has_nais_block"] else "n/a (no NAIS block)"
         paper = PAPER_CIFAR10.get(r["label"].split(",")[0], "")
-        lines.append(f"| {r['dataset']} | {r['label']} | {pm(r['test_accuracy'])} | {pm(r['train_accuracy'])} | "
-                     f"{pm(r['generalisation_gap'])} | {r['diverged']}/{n} | {cert} | {paper} |")
+        lines.append(
+            f"| {r['dataset']} | {r['label']} | {pm(r['test_accuracy'])} | {pm(r['train_accuracy'])} | "
+            f"{pm(r['generalisation_gap'])} | {r['diverged']}/{n} | {cert} | {paper} |"
+        )
     return "\n".join(lines)
 
 
@@ -140,11 +165,13 @@ def plot(rows, workdir) -> None:
                 c = r[f"{kind}_accuracy_curve"]
                 ep = np.asarray(c["epochs"])
                 mean, std = as_array(c["mean"]), as_array(c["std"])
-                ax.plot(ep, mean, style, color=f"C{i}", marker="o", ms=3,
-                        label=f"{r['label']} ({kind})")
+                ax.plot(ep, mean, style, color=f"C{i}", marker="o", ms=3, label=f"{r['label']} ({kind})")
                 ax.fill_between(ep, mean - std, mean + std, color=f"C{i}", alpha=0.12, lw=0)
-        ax.set(xlabel="epoch", ylabel="accuracy",
-               title=f"{dataset}: train (dotted) and test (solid) accuracy, mean ± std over seeds")
+        ax.set(
+            xlabel="epoch",
+            ylabel="accuracy",
+            title=f"{dataset}: train (dotted) and test (solid) accuracy, mean ± std over seeds",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
@@ -173,11 +200,21 @@ def plot(rows, workdir) -> None:
 # --------------------------------------------------------------------------- main
 
 
-def run(*, workdir: str, datasets, seeds: int = 3, epochs: int | None = None, variants=None,
-        smoke: bool = False, time_steps: int = 0, full_audit: bool = False,
-        limit_train: int | None = None) -> list[dict]:
-    from naisnet_jax import sweep
+def run(
+    *,
+    workdir: str,
+    datasets,
+    seeds: int = 3,
+    epochs: int | None = None,
+    variants=None,
+    smoke: bool = False,
+    time_steps: int = 0,
+    full_audit: bool = False,
+    limit_train: int | None = None,
+) -> list[dict]:
     from naisnet_jax.verify import AuditOptions
+
+    from naisnet_jax import sweep
 
     variants = list(variants or VARIANTS)
     unknown = set(variants) - set(VARIANTS)
@@ -191,8 +228,11 @@ def run(*, workdir: str, datasets, seeds: int = 3, epochs: int | None = None, va
     os.makedirs(workdir, exist_ok=True)
     if smoke:
         datasets = ["digits"]
-    configs = [(v, make_config(v, dataset=d, seeds=seeds, epochs=epochs, smoke=smoke, limit_train=limit_train))
-               for d in datasets for v in variants]
+    configs = [
+        (v, make_config(v, dataset=d, seeds=seeds, epochs=epochs, smoke=smoke, limit_train=limit_train))
+        for d in datasets
+        for v in variants
+    ]
 
     if time_steps:
         rows = []
@@ -200,15 +240,19 @@ def run(*, workdir: str, datasets, seeds: int = 3, epochs: int | None = None, va
             t = sweep.time_steps(config, steps=time_steps)
             t["variant"] = v
             rows.append(t)
-            print(f"{VARIANTS[v][0]:<22} {t['steps_per_second']:7.2f} steps/s ({t['seeds']} seeds)  "
-                  f"{t['images_per_second']:9.0f} seed-images/s  eval {t['eval_seconds']:.2f}s  "
-                  f"compile {t['compile_seconds']:.0f}s  projected {t['projected_seconds'] / 60:.2f} min per dataset",
-                  flush=True)
+            print(
+                f"{VARIANTS[v][0]:<22} {t['steps_per_second']:7.2f} steps/s ({t['seeds']} seeds)  "
+                f"{t['images_per_second']:9.0f} seed-images/s  eval {t['eval_seconds']:.2f}s  "
+                f"compile {t['compile_seconds']:.0f}s  projected {t['projected_seconds'] / 60:.2f} min per dataset",
+                flush=True,
+            )
         total = len(datasets) * sum(t["projected_seconds"] for t in rows)
         with open(os.path.join(workdir, "timing.json"), "w") as f:
             json.dump({"rows": rows, "datasets": list(datasets), "projected_total_seconds": total}, f, indent=1)
-        print(f"\nprojected training, {len(datasets)} datasets: {total / 60:.1f} min ({configs[0][1].num_epochs} "
-              f"epochs, without compilation) on {sweep.device_description()}")
+        print(
+            f"\nprojected training, {len(datasets)} datasets: {total / 60:.1f} min ({configs[0][1].num_epochs} "
+            f"epochs, without compilation) on {sweep.device_description()}"
+        )
         return rows
 
     options = AuditOptions(data="none", exact_conv_radius=full_audit)
@@ -220,16 +264,19 @@ def run(*, workdir: str, datasets, seeds: int = 3, epochs: int | None = None, va
         "datasets": ", ".join(datasets) + (" (smoke: tiny models on digits)" if smoke else ""),
         "training images": "all" if config.get("limit_train") is None else f"the first {config.limit_train}",
         "seeds": f"{config.num_seeds} per model (config.seed + 0..{config.num_seeds - 1})",
-        "schedule": (f"{config.num_epochs} epochs, SGD momentum {config.momentum}, batch {config.batch_size}, "
-                     f"learning rate {config.learning_rate} divided by 10 at epochs {list(config.lr_boundaries_epochs)} "
-                     f"(the paper's 450-epoch CIFAR schedule compressed to fit ~10 GPU minutes; "
-                     f"see experiments/configs/conv_paper.py), weight decay {config.weight_decay}, no augmentation"),
+        "schedule": (
+            f"{config.num_epochs} epochs, SGD momentum {config.momentum}, batch {config.batch_size}, "
+            f"learning rate {config.learning_rate} divided by 10 at epochs {list(config.lr_boundaries_epochs)} "
+            f"(the paper's 450-epoch CIFAR schedule compressed to fit ~10 GPU minutes; "
+            f"see experiments/configs/conv_paper.py), weight decay {config.weight_decay}, no augmentation"
+        ),
         "audit": "parameter-level (Algorithm 2's condition and Gershgorin bounds)"
-                 + (" plus Arnoldi radii of every conv block" if full_audit else ""),
+        + (" plus Arnoldi radii of every conv block" if full_audit else ""),
         "device": sweep.device_description(),
         "wall time of this call": f"{wall:.1f} s",
         "training wall time per sweep (when trained)": ", ".join(
-            f"{r['dataset']}/{r['label']} {r['seconds']:.0f}s" for r in rows),
+            f"{r['dataset']}/{r['label']} {r['seconds']:.0f}s" for r in rows
+        ),
         "skipped": "; ".join(skipped) or "nothing",
         "paper": "CIFAR-10 numbers shown for reference only (5 runs, 450 epochs); these runs are on (Fashion-)MNIST",
     }
@@ -237,8 +284,14 @@ def run(*, workdir: str, datasets, seeds: int = 3, epochs: int | None = None, va
         json.dump({"header": header, "rows": rows}, f, indent=1)
     md = ["# Section 5.2 on MNIST and Fashion-MNIST: NAIS-Net1, NAIS-Net10 and the one-convolution ResNet", ""]
     md += [f"- {k}: {v}" for k, v in header.items()]
-    md += ["", "Mean ± std over the seeds that did not diverge (population std). Train accuracy is the running "
-           "mean over the last epoch's batches; gap = train - test.", "", table(rows), ""]
+    md += [
+        "",
+        "Mean ± std over the seeds that did not diverge (population std). Train accuracy is the running "
+        "mean over the last epoch's batches; gap = train - test.",
+        "",
+        table(rows),
+        "",
+    ]
     with open(os.path.join(workdir, "results.md"), "w") as f:
         f.write("\n".join(md))
     plot(rows, workdir)
@@ -247,10 +300,14 @@ def run(*, workdir: str, datasets, seeds: int = 3, epochs: int | None = None, va
     for r in rows:
         n = len(r["seeds"])
         cert = f"{r['certified_seeds']}/{n}" if r["has_nais_block"] else "n/a"
-        print(f"{r['dataset']:<18} {r['label']:<22} {pm(r['test_accuracy']):>16} {pm(r['generalisation_gap']):>14} "
-              f"{r['diverged']:>4} {cert:>5}")
-    print(f"\nwrote {workdir}/results.md, results.json and the figures; wall time {wall:.1f} s on "
-          f"{sweep.device_description()}")
+        print(
+            f"{r['dataset']:<18} {r['label']:<22} {pm(r['test_accuracy']):>16} {pm(r['generalisation_gap']):>14} "
+            f"{r['diverged']:>4} {cert:>5}"
+        )
+    print(
+        f"\nwrote {workdir}/results.md, results.json and the figures; wall time {wall:.1f} s on "
+        f"{sweep.device_description()}"
+    )
     return rows
 
 
@@ -259,8 +316,12 @@ FLAGS = flags.FLAGS
 
 def _define_flags() -> None:
     """Flags are defined only when the script runs, so tests can import both experiments."""
-    flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cache (default: <workdir>/jax_cache; "
-                        "'none' turns it off): a rerun or resume does not compile again.")
+    flags.DEFINE_string(
+        "compilation_cache",
+        None,
+        "JAX's persistent compilation cache (default: <workdir>/jax_cache; "
+        "'none' turns it off): a rerun or resume does not compile again.",
+    )
     flags.DEFINE_string("workdir", "runs/conv", "Where every sweep and the results go.")
     flags.DEFINE_list("datasets", ["mnist_pinned", "fashion_mnist_idx"], "Datasets, each a full comparison.")
     flags.DEFINE_integer("seeds", 3, "Seeds per model, trained side by side.")
@@ -277,9 +338,17 @@ def _main(argv):
     logging.set_verbosity(logging.WARNING)
     enable_compilation_cache(FLAGS.compilation_cache, FLAGS.workdir)
     try:
-        run(workdir=FLAGS.workdir, datasets=FLAGS.datasets, seeds=FLAGS.seeds, epochs=FLAGS.epochs,
-            variants=FLAGS.variants, smoke=FLAGS.smoke, time_steps=FLAGS.time_steps, full_audit=FLAGS.full_audit,
-            limit_train=FLAGS.limit_train)
+        run(
+            workdir=FLAGS.workdir,
+            datasets=FLAGS.datasets,
+            seeds=FLAGS.seeds,
+            epochs=FLAGS.epochs,
+            variants=FLAGS.variants,
+            smoke=FLAGS.smoke,
+            time_steps=FLAGS.time_steps,
+            full_audit=FLAGS.full_audit,
+            limit_train=FLAGS.limit_train,
+        )
     except ValueError as e:
         raise app.UsageError(str(e)) from e
 

@@ -48,8 +48,10 @@ def _summary(rows: list[dict]) -> dict:
     loss = np.array([r["train_loss"] for r in rows])
     return {
         "seeds": len(rows),
-        "test_accuracy_mean": float(acc.mean()), "test_accuracy_std": float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
-        "test_accuracy_min": float(acc.min()), "test_accuracy_max": float(acc.max()),
+        "test_accuracy_mean": float(acc.mean()),
+        "test_accuracy_std": float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
+        "test_accuracy_min": float(acc.min()),
+        "test_accuracy_max": float(acc.max()),
         "train_loss_mean": float(loss.mean()),
     }
 
@@ -64,10 +66,14 @@ def _markdown(rows: list[dict], summary: dict, config) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['seed']} | {r['test_accuracy']:.4f} | {r['train_loss']:.4f} | {r['train_accuracy']:.4f} "
-                     f"| {r['rho_max']:.4f} | {r['seconds_per_epoch']:.2f} |")
-    lines.append(f"| mean ± std | {summary['test_accuracy_mean']:.4f} ± {summary['test_accuracy_std']:.4f} "
-                 f"| {summary['train_loss_mean']:.4f} | | | |")
+        lines.append(
+            f"| {r['seed']} | {r['test_accuracy']:.4f} | {r['train_loss']:.4f} | {r['train_accuracy']:.4f} "
+            f"| {r['rho_max']:.4f} | {r['seconds_per_epoch']:.2f} |"
+        )
+    lines.append(
+        f"| mean ± std | {summary['test_accuracy_mean']:.4f} ± {summary['test_accuracy_std']:.4f} "
+        f"| {summary['train_loss_mean']:.4f} | | | |"
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -87,16 +93,26 @@ def main(argv):
         records = metric_writers.read_jsonl(os.path.join(workdir, train.METRICS_FILE))
         last = records[-1]
         curves[seed] = [r["test_accuracy"] for r in records]
-        rows.append({
-            "seed": seed, "test_accuracy": last["test_accuracy"], "train_loss": last["train_loss"],
-            "train_accuracy": last["train_accuracy"], "rho_max": last["rho_max"],
-            "seconds_per_epoch": _median([r["epoch_seconds"] for r in records[1:] or records]),  # first compiles
-        })
+        rows.append(
+            {
+                "seed": seed,
+                "test_accuracy": last["test_accuracy"],
+                "train_loss": last["train_loss"],
+                "train_accuracy": last["train_accuracy"],
+                "rho_max": last["rho_max"],
+                "seconds_per_epoch": _median([r["epoch_seconds"] for r in records[1:] or records]),  # first compiles
+            }
+        )
     summary = _summary(rows)
     import jax
 
-    result = {"config": _config(0, FLAGS.smoke).to_dict(), "device": str(jax.devices()[0]), "rows": rows,
-              "summary": summary, "test_accuracy_per_epoch": curves}
+    result = {
+        "config": _config(0, FLAGS.smoke).to_dict(),
+        "device": str(jax.devices()[0]),
+        "rows": rows,
+        "summary": summary,
+        "test_accuracy_per_epoch": curves,
+    }
     with open(os.path.join(FLAGS.out, "results.json"), "w") as f:
         json.dump(result, f, indent=2)
     table = _markdown(rows, summary, _config(0, FLAGS.smoke))

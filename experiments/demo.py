@@ -57,8 +57,11 @@ def plot_per_step_loss(losses, path):
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     ax.plot(range(1, len(losses) + 1), losses, "o-", ms=3)
-    ax.set(xlabel="unroll step i", ylabel="test cross-entropy of x(i)",
-           title="Loss of each unroll step through the classifier")
+    ax.set(
+        xlabel="unroll step i",
+        ylabel="test cross-entropy of x(i)",
+        title="Loss of each unroll step through the classifier",
+    )
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -79,8 +82,11 @@ def _main(argv):
     if FLAGS.epochs is not None:
         config.num_epochs = FLAGS.epochs
     config.progress = sys.stderr.isatty()
-    print(f"Training {config.model} (one NAIS block, K=30, h={config.h}, eps={config.eps}) on "
-          f"{config.dataset} for {config.num_epochs} epochs in {workdir} ...", flush=True)
+    print(
+        f"Training {config.model} (one NAIS block, K=30, h={config.h}, eps={config.eps}) on "
+        f"{config.dataset} for {config.num_epochs} epochs in {workdir} ...",
+        flush=True,
+    )
     result = train.train_and_evaluate(config, workdir)
     state = result["state"]
     t_train = time.time() - t0
@@ -94,15 +100,21 @@ def _main(argv):
     best = int(losses.argmin()) + 1
 
     print()
-    print(f"test accuracy     {result['test_accuracy']:.4f}  (train {result['train_accuracy']:.4f}, "
-          f"gap {result['generalisation_gap']:+.4f})")
-    print(f"per-step loss     x(1): {losses[0]:.3f} -> x({len(losses)}): {losses[-1]:.3f} "
-          f"(lowest at step {best}: {losses[best - 1]:.3f})")
+    print(
+        f"test accuracy     {result['test_accuracy']:.4f}  (train {result['train_accuracy']:.4f}, "
+        f"gap {result['generalisation_gap']:+.4f})"
+    )
+    print(
+        f"per-step loss     x(1): {losses[0]:.3f} -> x({len(losses)}): {losses[-1]:.3f} "
+        f"(lowest at step {best}: {losses[best - 1]:.3f})"
+    )
     print("stability (from the parameters):")
     for name, f in stability.block_figures(state.params, eps=config.eps, h=config.h).items():
         if f["kind"] == "dense":
-            print(f"  {name}: ||R^T R||_F = {f['frobenius_RtR']:.4f} <= 1 - 2 eps = {1 - 2 * config.eps:.4f}; "
-                  f"eig(A) in [{f['eig_A_min']:.4f}, {f['eig_A_max']:.4f}]; rho(I + hA) = {f['rho_I_plus_hA']:.6f}")
+            print(
+                f"  {name}: ||R^T R||_F = {f['frobenius_RtR']:.4f} <= 1 - 2 eps = {1 - 2 * config.eps:.4f}; "
+                f"eig(A) in [{f['eig_A_min']:.4f}, {f['eig_A_max']:.4f}]; rho(I + hA) = {f['rho_I_plus_hA']:.6f}"
+            )
         else:
             print(f"  {name}: ||I + hA||_inf <= {f['inf_norm_bound_I_plus_hA']:.6f}")
     print(f"figures           {curves}, {per_step}")
@@ -114,9 +126,11 @@ def _main(argv):
         audit_and_report = None
     if audit_and_report is not None:
         print("\nAudit of the checkpoint (naisnet-verify):", flush=True)
-        exit_code = audit_and_report(os.path.join(workdir, train.CHECKPOINT_DIR),
-                                     json_path=os.path.join(workdir, "certificate.json"),
-                                     figures_dir=os.path.join(workdir, "audit"))
+        exit_code = audit_and_report(
+            os.path.join(workdir, train.CHECKPOINT_DIR),
+            json_path=os.path.join(workdir, "certificate.json"),
+            figures_dir=os.path.join(workdir, "audit"),
+        )
     print(f"\ndemo wall time    {time.time() - t0:.1f} s (training and evaluation {t_train:.1f} s)")
     sys.exit(exit_code)
 

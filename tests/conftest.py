@@ -16,12 +16,12 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _JAX_CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import jax
+import jax  # noqa: E402 - after the environment above
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_default_matmul_precision", "highest")
 
-import pytest
+import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")

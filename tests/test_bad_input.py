@@ -41,20 +41,25 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from naisnet_jax.verify import cli as verify_cli
 
 import naisnet_jax as nj
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
 from naisnet_jax import models, train, train_cli
 from naisnet_jax.configs import default
-from naisnet_jax.verify import cli as verify_cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY_ARGS = [
     f"--config={REPO / 'experiments/configs/digits_tiny.py'}",
-    "--config.model_kwargs.features=8", "--config.model_kwargs.steps=3", "--config.limit_train=256",
-    "--config.limit_test=100", "--config.batch_size=64", "--config.eval_batch_size=100",
-    "--config.num_epochs=2", "--config.progress=false",
+    "--config.model_kwargs.features=8",
+    "--config.model_kwargs.steps=3",
+    "--config.limit_train=256",
+    "--config.limit_test=100",
+    "--config.batch_size=64",
+    "--config.eval_batch_size=100",
+    "--config.num_epochs=2",
+    "--config.progress=false",
 ]
 
 
@@ -128,21 +133,46 @@ def _latest_step_dir(workdir) -> pathlib.Path:
 def _biggest_state_file(workdir, *, arrays_only=False) -> pathlib.Path:
     """The largest file of the latest step's ``state`` (with ``arrays_only``, of the OCDBT
     data files under ``d/``, which hold the array bytes)."""
-    files = [p for p in (_latest_step_dir(workdir) / "state").rglob("*")
-             if p.is_file() and (p.parent.name == "d" or not arrays_only)]
+    files = [
+        p
+        for p in (_latest_step_dir(workdir) / "state").rglob("*")
+        if p.is_file() and (p.parent.name == "d" or not arrays_only)
+    ]
     return max(files, key=lambda p: p.stat().st_size)
 
 
 # ------------------------------------------------------------------ 1-3. configs
 
 OUT_OF_RANGE = {
-    "model": "nope", "model_kwargs": {"widht": 8}, "eps": 0.5, "eta": 0.005, "relaxed": "yes",
-    "h": 1.01, "adaptive_tol": -1e-3, "max_steps": 0, "dataset": "imagenet", "data_dir": "/nonexistent",
-    "limit_train": 0, "limit_test": -5, "augment": 2, "learning_rate": 0.0, "momentum": 1.0,
-    "weight_decay": -1e-4, "lr_boundaries_epochs": [5, 5], "lr_decay_factor": 1.5, "batch_size": 0,
-    "eval_batch_size": -1, "num_epochs": 0, "seed": -1, "checkpoint_every_epochs": 0,
-    "keep_checkpoints": 0, "steps_per_chunk": 0, "progress": None, "num_seeds": 0,
-    "num_devices": 0, "standardize": "yes",
+    "model": "nope",
+    "model_kwargs": {"widht": 8},
+    "eps": 0.5,
+    "eta": 0.005,
+    "relaxed": "yes",
+    "h": 1.01,
+    "adaptive_tol": -1e-3,
+    "max_steps": 0,
+    "dataset": "imagenet",
+    "data_dir": "/nonexistent",
+    "limit_train": 0,
+    "limit_test": -5,
+    "augment": 2,
+    "learning_rate": 0.0,
+    "momentum": 1.0,
+    "weight_decay": -1e-4,
+    "lr_boundaries_epochs": [5, 5],
+    "lr_decay_factor": 1.5,
+    "batch_size": 0,
+    "eval_batch_size": -1,
+    "num_epochs": 0,
+    "seed": -1,
+    "checkpoint_every_epochs": 0,
+    "keep_checkpoints": 0,
+    "steps_per_chunk": 0,
+    "progress": None,
+    "num_seeds": 0,
+    "num_devices": 0,
+    "standardize": "yes",
 }
 
 
@@ -174,20 +204,36 @@ def test_1_every_config_field_out_of_range(tmp_path, field):
     assert not (tmp_path / "w").exists()
 
 
-@pytest.mark.parametrize("field, value", [
-    ("learning_rate", "0.1"), ("batch_size", 64.0), ("relaxed", "no"), ("seed", 1.5),
-    ("lr_boundaries_epochs", [1.5]), ("eps", [0.1]), ("num_epochs", True),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("learning_rate", "0.1"),
+        ("batch_size", 64.0),
+        ("relaxed", "no"),
+        ("seed", 1.5),
+        ("lr_boundaries_epochs", [1.5]),
+        ("eps", [0.1]),
+        ("num_epochs", True),
+    ],
+)
 def test_2_config_fields_of_the_wrong_type(tmp_path, field, value):
     with pytest.raises(ValueError, match=rf"config\.{field}="):
         train.train_and_evaluate(_raw_config(**{field: value}), str(tmp_path / "w"))
     assert not (tmp_path / "w").exists()
 
 
-@pytest.mark.parametrize("field, value", [
-    ("h", math.nan), ("eps", math.inf), ("learning_rate", math.nan), ("momentum", -math.inf),
-    ("weight_decay", math.inf), ("adaptive_tol", math.nan), ("lr_decay_factor", math.nan),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("h", math.nan),
+        ("eps", math.inf),
+        ("learning_rate", math.nan),
+        ("momentum", -math.inf),
+        ("weight_decay", math.inf),
+        ("adaptive_tol", math.nan),
+        ("lr_decay_factor", math.nan),
+    ],
+)
 def test_3_nan_and_infinite_hyper_parameters(tmp_path, field, value):
     with pytest.raises(ValueError, match=rf"config\.{field}=(nan|inf|-inf)"):
         train.train_and_evaluate(tiny_config(**{field: value}), str(tmp_path / "w"))
@@ -290,10 +336,18 @@ def test_12_model_inputs_of_the_wrong_shape():
     assert "flax" in type(info.value).__module__  # Flax names the parameter, before XLA runs
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"h": 1.5}, "h=1.5"), ({"h": math.nan}, "h=nan"), ({"eps": 0.5}, "eps=0.5"), ({"features": 0}, "features=0"),
-    ({"steps": 2.5}, "steps=2.5"), ({"activation": "swish"}, "swish"), ({"eps": -math.inf}, "eps=-inf"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"h": 1.5}, "h=1.5"),
+        ({"h": math.nan}, "h=nan"),
+        ({"eps": 0.5}, "eps=0.5"),
+        ({"features": 0}, "features=0"),
+        ({"steps": 2.5}, "steps=2.5"),
+        ({"activation": "swish"}, "swish"),
+        ({"eps": -math.inf}, "eps=-inf"),
+    ],
+)
 def test_13_model_hyper_parameters_out_of_range(kwargs, words):
     with pytest.raises(ValueError, match=rf"{words.replace('.', '[.]')}"):
         models.get_model("naisnet_fc_tiny", **kwargs)
@@ -451,11 +505,14 @@ def test_27_non_finite_parameters_in_a_checkpoint(workdir, tmp_path):
     assert "block" in err and ("finite" in err or "NaN" in err), err
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--config=/nonexistent.py", "--workdir={w}"], ["/nonexistent.py"]),
-    (TINY_ARGS + ["--workdir={w}", "--config.learning_rat=0.1"], ["learning_rate"]),
-    (TINY_ARGS + ["--workdir={w}", "--config.dataset=mnist", "--config.data_dir={w}-none"], ["mnist"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--config=/nonexistent.py", "--workdir={w}"], ["/nonexistent.py"]),
+        (TINY_ARGS + ["--workdir={w}", "--config.learning_rat=0.1"], ["learning_rate"]),
+        (TINY_ARGS + ["--workdir={w}", "--config.dataset=mnist", "--config.data_dir={w}-none"], ["mnist"]),
+    ],
+)
 def test_28_bad_command_lines(tmp_path, argv, words):
     w = tmp_path / "w"
     code, err = run_train([a.format(w=w) for a in argv])

@@ -30,8 +30,17 @@ pytestmark = pytest.mark.filterwarnings(
 
 def metadata(**fields):
     """A valid CheckpointMetadata (model "m": any name; only building the model needs a real one)."""
-    base = dict(model="m", num_classes=10, input_shape=(8, 8, 1), dataset="digits", channel_mean=(0.1,),
-                channel_std=(0.9,), eps=0.01, h=1.0, epoch=3)
+    base = dict(
+        model="m",
+        num_classes=10,
+        input_shape=(8, 8, 1),
+        dataset="digits",
+        channel_mean=(0.1,),
+        channel_std=(0.9,),
+        eps=0.01,
+        h=1.0,
+        epoch=3,
+    )
     return ckpt.CheckpointMetadata(**{**base, **fields})
 
 
@@ -39,9 +48,10 @@ def sample_tree(seed=0):
     """A tree shaped like training's: int32 step, float32 params, empty batch_stats, optax state."""
     rng = np.random.default_rng(seed)
     params = {
-        "block": {"R": rng.normal(size=(6, 6)).astype(np.float32),
-                  "input": {"kernel": rng.normal(size=(64, 6)).astype(np.float32),
-                            "bias": np.zeros(6, np.float32)}},
+        "block": {
+            "R": rng.normal(size=(6, 6)).astype(np.float32),
+            "input": {"kernel": rng.normal(size=(64, 6)).astype(np.float32), "bias": np.zeros(6, np.float32)},
+        },
         "classifier": {"kernel": rng.normal(size=(6, 10)).astype(np.float32)},
     }
     opt_state = optax.sgd(0.1, momentum=0.9).init(params)
@@ -190,29 +200,55 @@ def test_metadata_from_config_builds_the_trained_model():
     config.model_kwargs.features = 5
     ds = types.SimpleNamespace(num_classes=3, train_images=np.zeros((4, 8, 8, 1), np.uint8))
     meta = ckpt.CheckpointMetadata.from_config(config, ds, np.array([0.2]), np.array([0.3]))
-    assert meta.model_kwargs == {"features": 5, **({"max_steps": config.max_steps} if "max_steps" in
-                                                     meta.model_kwargs else {})}
+    assert meta.model_kwargs == {
+        "features": 5,
+        **({"max_steps": config.max_steps} if "max_steps" in meta.model_kwargs else {}),
+    }
     model = meta.build_model()
     assert (model.eps, model.h, model.features, model.num_classes) == (0.05, 0.5, 5, 3)
     assert meta.input_shape == (8, 8, 1) and meta.channel_std == (0.3,)
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("eps", 1e-8, "float32 floor"), ("eps", 0.7, r"outside \(0, 0.5\)"), ("h", 1.5, "h=1.5"),
-    ("num_classes", 0, "num_classes"), ("input_shape", (8, -1), "input_shape"),
-    ("channel_std", (0.0,), "channel_std"), ("channel_mean", (0.1, 0.2), "channel_mean"),
-    ("model_kwargs", {"eps": 0.01}, r"no \['eps'\]"), ("epoch", -1, "epoch"), ("model", "", "model"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("eps", 1e-8, "float32 floor"),
+        ("eps", 0.7, r"outside \(0, 0.5\)"),
+        ("h", 1.5, "h=1.5"),
+        ("num_classes", 0, "num_classes"),
+        ("input_shape", (8, -1), "input_shape"),
+        ("channel_std", (0.0,), "channel_std"),
+        ("channel_mean", (0.1, 0.2), "channel_mean"),
+        ("model_kwargs", {"eps": 0.01}, r"no \['eps'\]"),
+        ("epoch", -1, "epoch"),
+        ("model", "", "model"),
+    ],
+)
 def test_metadata_refuses_bad_fields_naming_them(field, value, match):
     with pytest.raises(ckpt.CheckpointError, match=match):
         metadata(**{field: value})
 
 
 def test_version_1_metadata_is_read_and_must_agree_with_itself():
-    v1 = {"model": "naisnet_fc_tiny", "model_kwargs": {"features": 4, "eps": 0.05, "h": 0.5},
-          "num_classes": 3, "input_shape": [8, 8, 1], "dataset": "digits", "channel_mean": [0.0],
-          "channel_std": [1.0], "eps": 0.05, "eta": 0.5, "h": 0.5, "relaxed": False, "config": {},
-          "epoch": 1, "format": "naisnet-jax", "format_version": 1, "step": 2, "digest": "ab"}
+    v1 = {
+        "model": "naisnet_fc_tiny",
+        "model_kwargs": {"features": 4, "eps": 0.05, "h": 0.5},
+        "num_classes": 3,
+        "input_shape": [8, 8, 1],
+        "dataset": "digits",
+        "channel_mean": [0.0],
+        "channel_std": [1.0],
+        "eps": 0.05,
+        "eta": 0.5,
+        "h": 0.5,
+        "relaxed": False,
+        "config": {},
+        "epoch": 1,
+        "format": "naisnet-jax",
+        "format_version": 1,
+        "step": 2,
+        "digest": "ab",
+    }
     meta = ckpt.CheckpointMetadata.from_json(v1)
     assert meta.model_kwargs == {"features": 4} and meta.h == 0.5 and meta.step == 2
     with pytest.raises(ckpt.CheckpointError, match="h=1.0 disagrees with model_kwargs h=0.5"):

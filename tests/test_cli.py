@@ -26,8 +26,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 COMMAND = pathlib.Path(sys.executable).parent / "naisnet-train"  # the installed entry point
 EXPERIMENT_CONFIGS = sorted((REPO / "experiments" / "configs").glob("[!_]*.py"))
 DIGITS_TINY = str(REPO / "experiments" / "configs" / "digits_tiny.py")
-TINY = ["--config.model_kwargs.features=8", "--config.model_kwargs.steps=3", "--config.limit_train=256",
-        "--config.limit_test=100", "--config.batch_size=64", "--config.steps_per_chunk=2"]
+TINY = [
+    "--config.model_kwargs.features=8",
+    "--config.model_kwargs.steps=3",
+    "--config.limit_train=256",
+    "--config.limit_test=100",
+    "--config.batch_size=64",
+    "--config.steps_per_chunk=2",
+]
 
 
 def _env():
@@ -65,8 +71,7 @@ def test_packaged_configs_load_by_name(outside_the_repo, name):
 def test_default_is_shipped_and_a_local_file_wins_over_a_name(outside_the_repo):
     assert "default" in train_cli.shipped_configs()
     (outside_the_repo / "default").write_text(
-        "import ml_collections\n"
-        "def get_config():\n    return ml_collections.ConfigDict({'model': 'local'})\n"
+        "import ml_collections\ndef get_config():\n    return ml_collections.ConfigDict({'model': 'local'})\n"
     )
     assert train_cli.load_config("default").model == "local"
 
@@ -81,13 +86,23 @@ def test_a_config_argument_is_passed_to_get_config(outside_the_repo):
 
 
 def test_overrides_are_parsed_to_the_field_types():
-    _, config = train_cli.parse([
-        "--config=default", "--workdir=unused",
-        "--config.learning_rate=1e-2", "--config.num_epochs", "7", "--config.augment=true",
-        "--config.lr_boundaries_epochs=[3, 5]", "--config.limit_train=500", "--config.data_dir=/x",
-        "--config.model_kwargs.features=16", "--config.model_kwargs.activation=relu",
-        "--config.model_kwargs.untied=True", "--config.h=1",
-    ])
+    _, config = train_cli.parse(
+        [
+            "--config=default",
+            "--workdir=unused",
+            "--config.learning_rate=1e-2",
+            "--config.num_epochs",
+            "7",
+            "--config.augment=true",
+            "--config.lr_boundaries_epochs=[3, 5]",
+            "--config.limit_train=500",
+            "--config.data_dir=/x",
+            "--config.model_kwargs.features=16",
+            "--config.model_kwargs.activation=relu",
+            "--config.model_kwargs.untied=True",
+            "--config.h=1",
+        ]
+    )
     assert config.learning_rate == 0.01 and config.num_epochs == 7 and config.augment is True
     assert list(config.lr_boundaries_epochs) == [3, 5] and config.limit_train == 500
     assert config.data_dir == "/x" and isinstance(config.h, float) and config.h == 1.0
@@ -104,8 +119,15 @@ def test_help_lists_the_flags(capsys):
         train_cli.main(["--help"])
     assert info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    for flag in ("--config", "--workdir", "--tensorboard", "--print_config", "--config.FIELD=VALUE",
-                 "--config.model_kwargs.features", "default"):
+    for flag in (
+        "--config",
+        "--workdir",
+        "--tensorboard",
+        "--print_config",
+        "--config.FIELD=VALUE",
+        "--config.model_kwargs.features",
+        "default",
+    ):
         assert flag in out, flag
 
 
@@ -141,8 +163,10 @@ BAD_LINES = {
     "out of range": (["--config={cfg}", "--config.eps=0.7"], ["config.eps=0.7", "(0, 0.5)"]),
     "unknown model": (["--config={cfg}", "--config.model=nope"], ["config.model", "nope"]),
     "unknown dataset": (["--config={cfg}", "--config.dataset=nope"], ["config.dataset", "nope"]),
-    "missing dataset files": (["--config={cfg}", "--config.dataset=fashion_mnist_idx",
-                               "--config.data_dir={tmp}/none"], ["not found", "none"]),
+    "missing dataset files": (
+        ["--config={cfg}", "--config.dataset=fashion_mnist_idx", "--config.data_dir={tmp}/none"],
+        ["not found", "none"],
+    ),
     "unknown model keyword": (["--config={cfg}", "--config.model_kwargs.widht=8"], ["widht", "features"]),
     "bad model keyword value": (["--config={cfg}", "--config.model_kwargs.features=0"], ["features=0"]),
     "unknown flag": (["--config={cfg}", "--bogus=1"], ["--bogus"]),
@@ -168,8 +192,10 @@ def test_a_bad_command_line_is_one_error_line_exit_2_and_writes_nothing(tmp_path
 
 
 def test_missing_workdir_and_a_workdir_that_is_a_file(tmp_path, capsys):
-    for argv, word in ([f"--config={DIGITS_TINY}"], "--workdir"), \
-                      ([f"--config={DIGITS_TINY}", f"--workdir={tmp_path / 'f'}"], "not a directory"):
+    for argv, word in (
+        ([f"--config={DIGITS_TINY}"], "--workdir"),
+        ([f"--config={DIGITS_TINY}", f"--workdir={tmp_path / 'f'}"], "not a directory"),
+    ):
         (tmp_path / "f").write_text("keep me")
         with pytest.raises(SystemExit) as info:
             train_cli.main(argv)
@@ -179,8 +205,13 @@ def test_missing_workdir_and_a_workdir_that_is_a_file(tmp_path, capsys):
 
 
 def test_the_installed_command_reports_a_typo_in_one_line(tmp_path):
-    out = subprocess.run([str(COMMAND), "--config=default", f"--workdir={tmp_path / 'w'}",
-                          "--config.learning_rat=0.1"], cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    out = subprocess.run(
+        [str(COMMAND), "--config=default", f"--workdir={tmp_path / 'w'}", "--config.learning_rat=0.1"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1 and "learning_rate" in out.stderr
     assert not (tmp_path / "w").exists()
@@ -193,9 +224,18 @@ def test_installed_command_trains_from_any_directory_one_line_per_epoch_when_red
     assert COMMAND.exists(), f"{COMMAND} missing: install the package (pip install -e .)"
     workdir = tmp_path / "run"
     out = subprocess.run(
-        [str(COMMAND), f"--config={DIGITS_TINY}", f"--workdir={workdir}", "--config.num_epochs=2",
-         "--config.progress=true", *TINY],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True,
+        [
+            str(COMMAND),
+            f"--config={DIGITS_TINY}",
+            f"--workdir={workdir}",
+            "--config.num_epochs=2",
+            "--config.progress=true",
+            *TINY,
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
@@ -212,9 +252,19 @@ def test_the_progress_bar_draws_on_a_terminal(tmp_path):
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100-column terminal
     try:
         proc = subprocess.Popen(
-            [str(COMMAND), f"--config={DIGITS_TINY}", f"--workdir={tmp_path / 'run'}", "--config.num_epochs=1",
-             "--config.progress=true", *TINY],
-            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=secondary, text=True,
+            [
+                str(COMMAND),
+                f"--config={DIGITS_TINY}",
+                f"--workdir={tmp_path / 'run'}",
+                "--config.num_epochs=1",
+                "--config.progress=true",
+                *TINY,
+            ],
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=secondary,
+            text=True,
         )
         os.close(secondary)
         drawn = b""

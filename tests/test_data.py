@@ -28,8 +28,7 @@ FASHION_FILES = [
 
 needs_debian_fashion_mnist = pytest.mark.skipif(
     not all((DEBIAN_DIR / f).is_file() for f in FASHION_FILES),
-    reason=f"Fashion-MNIST IDX files absent from {DEBIAN_DIR} "
-    "(apt-get install dataset-fashion-mnist)",
+    reason=f"Fashion-MNIST IDX files absent from {DEBIAN_DIR} (apt-get install dataset-fashion-mnist)",
 )
 
 
@@ -192,9 +191,7 @@ def test_uncompressed_files_are_found(tmp_path):
 def test_tfds_builder_round_trip(tmp_path):
     arrays = write_fashion_dir(tmp_path / "idx", n_train=20, n_test=8)
     direct = data.load_dataset("fashion_mnist_idx", data_dir=tmp_path / "idx")
-    via_tfds = data.load_dataset(
-        "fashion_mnist_tfds_idx", data_dir=tmp_path / "tfds", idx_dir=tmp_path / "idx"
-    )
+    via_tfds = data.load_dataset("fashion_mnist_tfds_idx", data_dir=tmp_path / "tfds", idx_dir=tmp_path / "idx")
     assert via_tfds.name == "fashion_mnist_tfds_idx" and via_tfds.num_classes == 10
     for field in ("train_images", "train_labels", "test_images", "test_labels"):
         a, b = getattr(direct, field), getattr(via_tfds, field)
@@ -286,9 +283,7 @@ def prepare_tiny_tfds(tfds, name, data_dir, splits):
 
     Tiny.name = name
     builder = Tiny(data_dir=str(data_dir), file_format="array_record")
-    builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(try_download_gcs=False)
-    )
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ import types
 import jax
 import numpy as np
 import pytest
+from references import loop_conv_matrix
 
 from experiments import depth
-from references import loop_conv_matrix
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -89,18 +89,19 @@ def test_analysis_core_on_tiny_model(tmp_path):
     init = jax.jit(lambda k, x: model.init(k, x, capture_intermediates=True, mutable=True))
     variables = dict(init(jax.random.key(0), x))
     intermediates = variables.pop("intermediates")
-    state = types.SimpleNamespace(apply_fn=model.apply, params=variables["params"],
-                                  batch_stats=variables["batch_stats"])
-    row = depth.analyse_run(state, ds.test_images, ds.test_labels, mean, std, config=config,
-                            dataset="digits", workdir=str(tmp_path), dpi=40)
+    state = types.SimpleNamespace(
+        apply_fn=model.apply, params=variables["params"], batch_stats=variables["batch_stats"]
+    )
+    row = depth.analyse_run(
+        state, ds.test_images, ds.test_labels, mean, std, config=config, dataset="digits", workdir=str(tmp_path), dpi=40
+    )
     assert row["num_test"] == 64 and row["prediction_disagreements"] == 0
     saved = np.load(tmp_path / "digits_depths.npz")
     assert saved["depth"].shape == (2, 64) and saved["depth"].max() <= 12
     want = _loop_block0_depths(variables, intermediates, tol=1e-3, max_steps=12, h=config.h)
     assert len(np.unique(want)) > 1  # the patterns do stop at different steps
     np.testing.assert_array_equal(saved["depth"][0], want)
-    assert row["test_accuracy_while_loop"] == pytest.approx(
-        np.mean(saved["predictions"] == ds.test_labels))
+    assert row["test_accuracy_while_loop"] == pytest.approx(np.mean(saved["predictions"] == ds.test_labels))
     for name in ("depth_hist", "depth_grid", "accuracy_vs_depth"):
         assert (tmp_path / f"digits_{name}.png").stat().st_size > 2_000
 

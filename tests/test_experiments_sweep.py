@@ -27,8 +27,9 @@ def test_ablation_smoke_writes_the_table_and_figures_and_resumes(tmp_path, monke
     from experiments import ablation
 
     workdir = str(tmp_path)
-    rows = ablation.run(workdir=workdir, dataset="fashion_mnist_idx", seeds=2, epochs=None,
-                        models=["naisnet_mnist"], smoke=True)
+    rows = ablation.run(
+        workdir=workdir, dataset="fashion_mnist_idx", seeds=2, epochs=None, models=["naisnet_mnist"], smoke=True
+    )
     (row,) = rows
     assert row["label"] == "NAIS-Net" and row["seeds"] == [0, 1] and row["epochs"] == 2
     assert row["test_accuracy"]["n"] == 2
@@ -42,8 +43,9 @@ def test_ablation_smoke_writes_the_table_and_figures_and_resumes(tmp_path, monke
     assert mono["monotone_seeds"] == int((~rises.any(1)).sum())
     traj = row["neuron_trajectory"]
     assert sorted(traj["classes"]) == [str(c) for c in range(10)]
-    assert all(np.asarray(t).shape == (ablation.TRAJECTORY_SAMPLES, 4) and t[0][0] == 0.0
-               for t in traj["classes"].values())  # x_0 = 0, then K = 3 steps
+    assert all(
+        np.asarray(t).shape == (ablation.TRAJECTORY_SAMPLES, 4) and t[0][0] == 0.0 for t in traj["classes"].values()
+    )  # x_0 = 0, then K = 3 steps
     for name in ("results.json", "results.md", "per_layer_loss.png", "neuron_trajectory.png", "test_accuracy.png"):
         assert os.path.getsize(os.path.join(workdir, name)) > 0
     with open(os.path.join(workdir, "results.json")) as f:
@@ -55,8 +57,9 @@ def test_ablation_smoke_writes_the_table_and_figures_and_resumes(tmp_path, monke
     assert os.path.isdir(os.path.join(workdir, "naisnet_mnist", "seed_1", train.CHECKPOINT_DIR))
 
     monkeypatch.setattr(sweep, "train_sweep", _no_training)
-    again = ablation.run(workdir=workdir, dataset="fashion_mnist_idx", seeds=2, epochs=None,
-                         models=["naisnet_mnist"], smoke=True)
+    again = ablation.run(
+        workdir=workdir, dataset="fashion_mnist_idx", seeds=2, epochs=None, models=["naisnet_mnist"], smoke=True
+    )
     assert again[0]["test_accuracy"] == row["test_accuracy"]
 
 
@@ -135,8 +138,10 @@ def test_cifar_config_reads_tfds_files_in_the_real_layout(tmp_path, dataset, mod
     from naisnet_jax import data
 
     rng = np.random.default_rng(3)
-    splits = {split: (rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8), rng.integers(0, 10, n))
-              for split, n in (("train", 5), ("test", 3))}
+    splits = {
+        split: (rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8), rng.integers(0, 10, n))
+        for split, n in (("train", 5), ("test", 3))
+    }
     prepare_tiny_tfds(tfds, dataset, tmp_path / "tfds", splits)
     config = cifar_paper.get_config(f"{dataset},{model}")
     config.data_dir = str(tmp_path / "tfds")
@@ -145,8 +150,9 @@ def test_cifar_config_reads_tfds_files_in_the_real_layout(tmp_path, dataset, mod
     assert ds.train_images.shape == (5, 32, 32, 3) and ds.test_images.shape == (3, 32, 32, 3)
     assert sorted(ds.train_labels.tolist()) == sorted(splits["train"][1].tolist())
     net = train.build_model(config, ds.num_classes)
-    shapes = jax.eval_shape(lambda x: net.init(jax.random.PRNGKey(0), x, train=False),
-                            jnp.zeros((1, *ds.image_shape), jnp.float32))
+    shapes = jax.eval_shape(
+        lambda x: net.init(jax.random.PRNGKey(0), x, train=False), jnp.zeros((1, *ds.image_shape), jnp.float32)
+    )
     assert shapes["params"]["classifier"]["kernel"].shape == (64, ds.num_classes)
     assert len([k for k in shapes["params"] if k.startswith("stage")]) == 54
 

@@ -40,18 +40,28 @@ TIMING_FIELDS = {"epoch_seconds", "epoch/epoch_seconds", "train/steps_per_second
 
 def _command(workdir, epochs):
     return [
-        str(COMMAND), f"--config={REPO / 'experiments/configs/digits_tiny.py'}", f"--workdir={workdir}",
-        "--config.model_kwargs.features=8", "--config.model_kwargs.steps=3",
-        "--config.limit_train=256", "--config.limit_test=100", "--config.batch_size=32",
-        "--config.eval_batch_size=100", "--config.steps_per_chunk=5",  # 8 steps an epoch: chunks of 5 and 3
-        f"--config.num_epochs={epochs}", "--config.keep_checkpoints=2",
+        str(COMMAND),
+        f"--config={REPO / 'experiments/configs/digits_tiny.py'}",
+        f"--workdir={workdir}",
+        "--config.model_kwargs.features=8",
+        "--config.model_kwargs.steps=3",
+        "--config.limit_train=256",
+        "--config.limit_test=100",
+        "--config.batch_size=32",
+        "--config.eval_batch_size=100",
+        "--config.steps_per_chunk=5",  # 8 steps an epoch: chunks of 5 and 3
+        f"--config.num_epochs={epochs}",
+        "--config.keep_checkpoints=2",
     ]
 
 
 def _env(cache):
     return dict(
-        os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-        JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        JAX_COMPILATION_CACHE_DIR=str(cache),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
 
@@ -130,8 +140,9 @@ def drill(tmp_path, *, kills: int, write_kills: int, epochs: int, seed: int):
         before = _temporaries(checkpoints)  # left by earlier kills
         log_path = tmp_path / f"run{i}.log"
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(_command(workdir, epochs), env=env, cwd=tmp_path, stdout=log,
-                                    stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.Popen(
+                _command(workdir, epochs), env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True
+            )
             start, committed = time.monotonic(), _committed(checkpoints)
             if mode == "early":  # somewhere in start-up, compilation or the first epochs
                 delay = rng.uniform(0.0, 4.0)

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from references import loop_conv_matrix
 
 from naisnet_jax import models as M
-from references import loop_conv_matrix
 
 KEY = jax.random.key(0, impl="rbg")
 
@@ -47,8 +47,7 @@ def test_dense_block_from_input_equals_loop(untied):
         np.testing.assert_allclose(aux["trajectory"][k], x, rtol=0, atol=1e-12)
     np.testing.assert_allclose(x_K, x, rtol=0, atol=1e-12)
     # The paper's x_0 = 0 gives another map.
-    assert not np.allclose(M.NaisDenseBlock(n, steps=K, h=h, eps=eps, untied=untied).apply(
-        {"params": params}, u), x_K)
+    assert not np.allclose(M.NaisDenseBlock(n, steps=K, h=h, eps=eps, untied=untied).apply({"params": params}, u), x_K)
 
 
 def test_conv_block_from_input_equals_loop():
@@ -72,11 +71,10 @@ def test_conv_block_from_input_equals_loop():
 def test_adaptive_block_from_input_equals_loop():
     """With a stopping threshold, each pattern starts at its own u and stops on its own."""
     n, h, eps, tol, max_steps = 4, 1.0, 0.2, 1e-3, 60
-    block = M.NaisDenseBlock(n, h=h, eps=eps, adaptive_tol=tol, max_steps=max_steps,
-                             initial_state="input")
+    block = M.NaisDenseBlock(n, h=h, eps=eps, adaptive_tol=tol, max_steps=max_steps, initial_state="input")
     u = np.random.default_rng(2).standard_normal((5, n)) * np.arange(1, 6)[:, None]
     params = _f64(block.init(KEY, u)["params"])
-    x_out, depth = block.apply({"params": params}, u, return_aux=True)[1]["trajectory"][-1], None
+    x_out = block.apply({"params": params}, u, return_aux=True)[1]["trajectory"][-1]
     x_eval = block.apply({"params": params}, u)  # while_loop
     A = -params["R"].T @ params["R"] - eps * np.eye(n)
     drive = u @ params["input"]["kernel"] + params["input"]["bias"]
@@ -162,9 +160,7 @@ def _blocks_built(model, x):
     built = []
 
     def record(next_fun, args, kwargs, context):
-        if isinstance(context.module, (M.NaisConvBlock, M.NaisDenseBlock)) and (
-            context.method_name == "__call__"
-        ):
+        if isinstance(context.module, (M.NaisConvBlock, M.NaisDenseBlock)) and (context.method_name == "__call__"):
             built.append((context.module.name, context.module.initial_state))
         return next_fun(*args, **kwargs)
 
@@ -182,24 +178,22 @@ def test_conv_net_rule_and_warnings():
     # the widths match there: its input has twice the state's resolution.
     assert blocks == {"stage0_block0": "input", "stage0_block1": "input", "stage1_block0": "zero"}
     assert caught  # that one block has a state kernel that never acts
-    blocks, caught = _blocks_built(M.NaisNetConv(steps=1, initial_state="input",
-                                                 **dict(tiny, stage_sizes=(2,), filters=(4,))), x)
+    blocks, caught = _blocks_built(
+        M.NaisNetConv(steps=1, initial_state="input", **dict(tiny, stage_sizes=(2,), filters=(4,))), x
+    )
     assert set(blocks.values()) == {"input"} and not caught
     blocks, caught = _blocks_built(M.NaisNetConv(steps=2, **tiny), x)
     assert set(blocks.values()) == {"zero"} and not caught
     _, caught = _blocks_built(M.NaisNetFC(num_classes=3, features=4, steps=1), np.zeros((2, 4)))
     assert caught
-    _, caught = _blocks_built(
-        M.NaisNetFC(num_classes=3, features=4, steps=1, initial_state="input"), np.zeros((2, 4))
-    )
+    _, caught = _blocks_built(M.NaisNetFC(num_classes=3, features=4, steps=1, initial_state="input"), np.zeros((2, 4)))
     assert not caught
 
 
 def test_conv_net_from_input_trains_its_state_kernels():
     """In NaisNet1 with x_0 = u, a stride-1 block's state kernel gets a gradient; the stride-2
     block (x_0 = 0) gets exactly none."""
-    model = M.NaisNetConv(num_classes=3, stage_sizes=(1, 1), filters=(4, 4), steps=1,
-                          initial_state="input")
+    model = M.NaisNetConv(num_classes=3, stage_sizes=(1, 1), filters=(4, 4), steps=1, initial_state="input")
     x = np.random.default_rng(5).standard_normal((3, 8, 8, 1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", M.StateUnusedWarning)
@@ -208,9 +202,8 @@ def test_conv_net_from_input_trains_its_state_kernels():
         @jax.jit
         @jax.grad
         def grad(p):
-            out, _ = model.apply({**variables, "params": p}, x, train=True,
-                                 mutable=["batch_stats"])
-            return jnp.sum(out ** 2)
+            out, _ = model.apply({**variables, "params": p}, x, train=True, mutable=["batch_stats"])
+            return jnp.sum(out**2)
 
         grads = grad(variables["params"])
     assert np.abs(grads["stage0_block0"]["state_kernel"]).max() > 0

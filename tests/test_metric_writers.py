@@ -103,8 +103,8 @@ def read_tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
         data = open(os.path.join(logdir, name), "rb").read()
         pos = 0
         while pos < len(data):
-            (length,) = struct.unpack("<Q", data[pos:pos + 8])
-            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
             pos += 12 + length + 4
             for value in event.summary.value:
                 out.setdefault(value.tag, []).append((event.step, value.simple_value))
@@ -190,7 +190,7 @@ def test_the_writer_gets_chunk_scalars_and_epoch_records(two_runs):
             assert e[f"epoch/{key}"] == pytest.approx(record[key], rel=1e-12)
     # the epoch's train loss is the mean of its chunks' losses, weighted by their steps
     for epoch, record in enumerate(records):
-        (_, first), (_, second) = chunks[2 * epoch:2 * epoch + 2]
+        (_, first), (_, second) = chunks[2 * epoch : 2 * epoch + 2]
         weighted = (3 * first["train/loss"] + 1 * second["train/loss"]) / 4
         assert record["train_loss"] == pytest.approx(weighted, rel=1e-6)
 
@@ -200,8 +200,9 @@ def test_tensorboard_events_match_the_recorded_scalars(two_runs):
     workdir, _, calls = two_runs
     events = read_tensorboard_scalars(workdir / "tb")
     epoch_two = [(s, c) for s, c in calls if s > 4]
-    assert events["train/loss"] == [(s, pytest.approx(c["train/loss"], rel=1e-6))
-                                    for s, c in epoch_two if "train/loss" in c]
+    assert events["train/loss"] == [
+        (s, pytest.approx(c["train/loss"], rel=1e-6)) for s, c in epoch_two if "train/loss" in c
+    ]
     assert events["epoch/test_accuracy"] == [(8, pytest.approx(epoch_two[-1][1]["epoch/test_accuracy"], rel=1e-6))]
 
 

@@ -48,17 +48,43 @@ def _global(module: str, name: str) -> bytes:
 
 def _ndarray(a: np.ndarray) -> bytes:
     code = {np.dtype(np.float32): b"f4", np.dtype(np.int64): b"i8", np.dtype(np.float64): b"f8"}
-    return b"".join([
-        _global("numpy.core.multiarray", "_reconstruct"), _global("numpy", "ndarray"),
-        _int(0), pickle.TUPLE1, _str(b"b"), pickle.TUPLE3, pickle.REDUCE,
-        pickle.MARK, _int(1), pickle.MARK, *[_int(d) for d in a.shape], pickle.TUPLE,
-        _global("numpy", "dtype"), _str(code[a.dtype]), _int(0), _int(1), pickle.TUPLE3,
-        pickle.REDUCE, pickle.MARK, _int(3), _str(b"<"), pickle.NONE, pickle.NONE, pickle.NONE,
-        pickle.BININT + struct.pack("<i", -1), pickle.BININT + struct.pack("<i", -1), _int(0),
-        pickle.TUPLE, pickle.BUILD,
-        pickle.NEWFALSE, _str(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes()),
-        pickle.TUPLE, pickle.BUILD,
-    ])
+    return b"".join(
+        [
+            _global("numpy.core.multiarray", "_reconstruct"),
+            _global("numpy", "ndarray"),
+            _int(0),
+            pickle.TUPLE1,
+            _str(b"b"),
+            pickle.TUPLE3,
+            pickle.REDUCE,
+            pickle.MARK,
+            _int(1),
+            pickle.MARK,
+            *[_int(d) for d in a.shape],
+            pickle.TUPLE,
+            _global("numpy", "dtype"),
+            _str(code[a.dtype]),
+            _int(0),
+            _int(1),
+            pickle.TUPLE3,
+            pickle.REDUCE,
+            pickle.MARK,
+            _int(3),
+            _str(b"<"),
+            pickle.NONE,
+            pickle.NONE,
+            pickle.NONE,
+            pickle.BININT + struct.pack("<i", -1),
+            pickle.BININT + struct.pack("<i", -1),
+            _int(0),
+            pickle.TUPLE,
+            pickle.BUILD,
+            pickle.NEWFALSE,
+            _str(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes()),
+            pickle.TUPLE,
+            pickle.BUILD,
+        ]
+    )
 
 
 def py2_pickle(obj) -> bytes:
@@ -108,8 +134,23 @@ def test_writer_matches_the_real_files_opcodes():
     globals_ = {arg for op, arg, _ in ops if op.name == "GLOBAL"}
     assert globals_ == {"numpy.core.multiarray _reconstruct", "numpy ndarray", "numpy dtype"}
     real_kinds = {  # the real file's opcodes, less the memo (BINPUT, BINGET)
-        "PROTO", "GLOBAL", "BININT1", "BININT2", "BININT", "TUPLE1", "TUPLE2", "TUPLE3", "TUPLE",
-        "SHORT_BINSTRING", "BINSTRING", "REDUCE", "MARK", "NONE", "BUILD", "NEWFALSE", "STOP",
+        "PROTO",
+        "GLOBAL",
+        "BININT1",
+        "BININT2",
+        "BININT",
+        "TUPLE1",
+        "TUPLE2",
+        "TUPLE3",
+        "TUPLE",
+        "SHORT_BINSTRING",
+        "BINSTRING",
+        "REDUCE",
+        "MARK",
+        "NONE",
+        "BUILD",
+        "NEWFALSE",
+        "STOP",
     }
     assert {op.name for op, _, _ in ops} <= real_kinds
 
@@ -192,9 +233,15 @@ def test_other_globals_are_refused_before_anything_runs(tmp_path, module, name):
     args = (f"touch {marker}",) if name == "system" else (command,)
     # A valid array first, then the hostile call: the refusal is at its GLOBAL opcode.
     payload = (
-        pickle.PROTO + b"\x02" + _ndarray(np.zeros(3, np.float32))
-        + _global(module, name) + _str(args[0].encode()) + pickle.TUPLE1 + pickle.REDUCE
-        + pickle.TUPLE2 + pickle.STOP
+        pickle.PROTO
+        + b"\x02"
+        + _ndarray(np.zeros(3, np.float32))
+        + _global(module, name)
+        + _str(args[0].encode())
+        + pickle.TUPLE1
+        + pickle.REDUCE
+        + pickle.TUPLE2
+        + pickle.STOP
     )
     pin = write_pickle(tmp_path / "m", raw=payload)
     with pytest.raises(data.RefusedPickleError) as info:
@@ -299,9 +346,7 @@ def test_tfds_builder_round_trip(tmp_path, monkeypatch):
     pin = write_pickle(tmp_path / "m")
     monkeypatch.setattr(data, "MNIST_PIN", pin)
     direct = data.load_dataset("mnist_pinned", data_dir=tmp_path / "m")
-    via_tfds = data.load_dataset(
-        "mnist_tfds_pinned", data_dir=tmp_path / "tfds", idx_dir=tmp_path / "m"
-    )
+    via_tfds = data.load_dataset("mnist_tfds_pinned", data_dir=tmp_path / "tfds", idx_dir=tmp_path / "m")
     assert via_tfds.name == "mnist_tfds_pinned" and via_tfds.num_classes == 10
     for field in ("train_images", "train_labels", "test_images", "test_labels"):
         a, b = getattr(direct, field), getattr(via_tfds, field)

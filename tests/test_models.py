@@ -135,8 +135,11 @@ def _dense_violations(params, *, eps, h):
                 bad.append("frobenius")
             lam = np.linalg.eigvals(np.eye(n) + h * (-Rk.T @ Rk - eps * np.eye(n)))
             tol = 1e-6
-            if (np.abs(lam.imag).max() > tol or lam.real.min() < 1 - h * (1 - eps) - tol
-                    or lam.real.max() > 1 - h * eps + tol):
+            if (
+                np.abs(lam.imag).max() > tol
+                or lam.real.min() < 1 - h * (1 - eps) - tol
+                or lam.real.max() > 1 - h * eps + tol
+            ):
                 bad.append("eigenvalues")
     return bad
 
@@ -173,9 +176,7 @@ def _train(model, variables, x, y, tx, steps=100):
     @jax.jit
     def step(params, stats, opt):
         def loss_fn(p):
-            logits, new = model.apply(
-                {"params": p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"]
-            )
+            logits, new = model.apply({"params": p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"])
             return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), new
 
         (loss, new), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -233,8 +234,12 @@ def test_naisnet_conv_parameter_count(untied, learn_delta):
     expected += block(c0, c0, False) + block(c0, c1, True) + block(c1, c1, False)
     expected += c1 * CLASSES + CLASSES
     model = M.NaisNetConv(
-        num_classes=CLASSES, stage_sizes=(1, 2), filters=(c0, c1), steps=K,
-        untied=untied, learn_delta=learn_delta,
+        num_classes=CLASSES,
+        stage_sizes=(1, 2),
+        filters=(c0, c1),
+        steps=K,
+        untied=untied,
+        learn_delta=learn_delta,
     )
     params = _shapes(model, jnp.ones((2, 8, 8, cin)))["params"]
     assert _count(params) == expected
@@ -268,14 +273,14 @@ def test_cifar_sizes_parameter_count():
 @pytest.mark.parametrize("activation", ["tanh", "relu"])
 def test_naisnet_fc_equals_numpy_loop(untied, rank, activation):
     h, eps = 0.7, 0.05
-    model = M.NaisNetFC(num_classes=CLASSES, features=N, steps=DEPTH, h=h, eps=eps,
-                        activation=activation, untied=untied, rank=rank)
+    model = M.NaisNetFC(
+        num_classes=CLASSES, features=N, steps=DEPTH, h=h, eps=eps, activation=activation, untied=untied, rank=rank
+    )
     x = np.random.default_rng(1).standard_normal((6, 1, M_IN))  # flattened by the model
     params = _f64(model.init(KEY, x)["params"])
     logits, aux = model.apply({"params": params}, x, return_aux=True)
     act = np.tanh if activation == "tanh" else (lambda z: np.maximum(z, 0))
-    xs = _nais_fc_reference(params["block"], x.reshape(6, -1), steps=DEPTH, h=h, eps=eps,
-                            untied=untied, act=act)
+    xs = _nais_fc_reference(params["block"], x.reshape(6, -1), steps=DEPTH, h=h, eps=eps, untied=untied, act=act)
     cls = params["classifier"]
     np.testing.assert_allclose(aux["trajectory"], xs, rtol=0, atol=1e-10)
     np.testing.assert_allclose(aux["step_logits"], xs @ cls["kernel"] + cls["bias"], atol=1e-10)
@@ -289,15 +294,13 @@ def test_naisnet_fc_equals_numpy_loop(untied, rank, activation):
 def test_nais_conv_block_equals_numpy_loop(untied, strides):
     """X_{k+1} = X_k + h relu(conv(X_k, C_k) + conv(U, D_k) + E_k), centre taps -1 - delta."""
     h, eps, K, C = 0.9, 0.02, 3, 4
-    block = M.NaisConvBlock(C, steps=K, h=h, eps=eps, strides=strides, learn_delta=True,
-                            untied=untied)
+    block = M.NaisConvBlock(C, steps=K, h=h, eps=eps, strides=strides, learn_delta=True, untied=untied)
     rng = np.random.default_rng(2)
     u = rng.standard_normal((2, 6, 6, 3))
     params = _f64(block.init(KEY, u)["params"])
     # Non-zero delta, and garbage in the stored centre taps (they must be ignored).
     params["delta"] = rng.uniform(-0.4, 0.4, params["delta"].shape)
-    params["state_kernel"] = params["state_kernel"] + 0.05 * rng.standard_normal(
-        params["state_kernel"].shape)
+    params["state_kernel"] = params["state_kernel"] + 0.05 * rng.standard_normal(params["state_kernel"].shape)
     x_K, aux = block.apply({"params": params}, u, return_aux=True)
 
     kernels = params["state_kernel"] if untied else [params["state_kernel"]] * K
@@ -308,7 +311,7 @@ def test_nais_conv_block_equals_numpy_loop(untied, strides):
     for k in range(K):
         Ck = np.array(kernels[k])
         Ck[1, 1, np.arange(C), np.arange(C)] = -1 - deltas[k]
-        dk = drive[..., k * C:(k + 1) * C] if untied else drive
+        dk = drive[..., k * C : (k + 1) * C] if untied else drive
         x = x + h * np.maximum(_np_conv_same(x, Ck) + dk, 0)
         np.testing.assert_allclose(aux["trajectory"][k], x, rtol=0, atol=1e-10)
     np.testing.assert_allclose(x_K, x, rtol=0, atol=1e-10)
@@ -323,11 +326,9 @@ def test_resnet_fc_equals_layer_loop(label):
     u = _fc_input()
     variables = model.init(KEY, u)
     params = _f64(variables["params"])
-    out, _ = model.apply({**variables, "params": params}, u, train=True, return_aux=True,
-                         mutable=["batch_stats"])
+    out, _ = model.apply({**variables, "params": params}, u, train=True, return_aux=True, mutable=["batch_stats"])
     logits, aux = out
-    xs = _resnet_reference(params, u, shared=shared, nonautonomous=na, batch_norm=bn,
-                           stable=stable, h=h, eps=eps)
+    xs = _resnet_reference(params, u, shared=shared, nonautonomous=na, batch_norm=bn, stable=stable, h=h, eps=eps)
     np.testing.assert_allclose(aux["trajectory"], xs, rtol=0, atol=1e-10)
     cls = params["classifier"]
     np.testing.assert_allclose(logits, xs[-1] @ cls["kernel"] + cls["bias"], atol=1e-10)
@@ -353,8 +354,8 @@ def test_shared_weights_are_one_set_used_by_every_layer(na):
         tiled["input"] = {"kernel": np.tile(k, (1, DEPTH)), "bias": np.tile(b, DEPTH)}
     else:
         tiled["b"] = np.tile(p_sh["b"], (DEPTH, 1))
-    np.testing.assert_allclose(unshared.apply({"params": tiled}, u), sh.apply({"params": p_sh}, u),
-                               rtol=0, atol=1e-12)
+    np.testing.assert_allclose(unshared.apply({"params": tiled}, u), sh.apply({"params": p_sh}, u), rtol=0, atol=1e-12)
+
     # d logits / d W_shared is the sum of the per-layer gradients, and every layer contributes.
     def loss(model, params):
         return jnp.sum(jnp.sin(model.apply({"params": params}, u)))
@@ -373,7 +374,7 @@ def test_nonautonomous_input_enters_every_layer(k):
     u1, u2 = _fc_input(seed=3), _fc_input(seed=4)
     p = _f64(model.init(KEY, u1)["params"])
     kern = np.zeros_like(p["input"]["kernel"])
-    kern[:, k * N:(k + 1) * N] = p["input"]["kernel"][:, k * N:(k + 1) * N]
+    kern[:, k * N : (k + 1) * N] = p["input"]["kernel"][:, k * N : (k + 1) * N]
     p["input"] = dict(p["input"], kernel=kern)
     t1 = model.apply({"params": p}, u1, return_aux=True)[1]["trajectory"]
     t2 = model.apply({"params": p}, u2, return_aux=True)[1]["trajectory"]
@@ -396,8 +397,7 @@ def test_autonomous_input_enters_only_through_x0():
 
 def test_adaptive_fc_depth_per_pattern_matches_plain_loop():
     tol, max_steps, h, eps = 1e-3, 60, 1.0, 0.25
-    model = M.NaisNetFC(num_classes=CLASSES, features=N, h=h, eps=eps, adaptive_tol=tol,
-                        max_steps=max_steps)
+    model = M.NaisNetFC(num_classes=CLASSES, features=N, h=h, eps=eps, adaptive_tol=tol, max_steps=max_steps)
     u = _fc_input(8) * np.geomspace(0.01, 10, 8)[:, None]  # patterns at very different scales
     params = _f64(model.init(KEY, u)["params"])
     logits_eval = model.apply({"params": params}, u)  # lax.while_loop
@@ -450,8 +450,7 @@ def test_adaptive_conv_train_and_eval_agree():
     model = M.NaisNetConvTiny(adaptive_tol=1e-2, max_steps=15)
     variables = _shapes(model, u)
     for train in (False, True):
-        apply = functools.partial(model.apply, train=train, return_aux=True,
-                                  mutable=["batch_stats"])
+        apply = functools.partial(model.apply, train=train, return_aux=True, mutable=["batch_stats"])
         (logits, aux), _ = jax.eval_shape(apply, variables, u)
         assert aux["depth"].shape == (2, 5) and aux["depth"].dtype == jnp.int32
         assert [t.shape for t in aux["trajectory"]] == [(15, 5, 6, 6, 4), (15, 5, 3, 3, 8)]
@@ -494,8 +493,7 @@ def test_resnet_sh_na_is_naisnet_without_the_parametrisation():
     u = _fc_input()
     p = _f64(nais.init(KEY, u)["params"])
     R = p["block"]["R"]
-    q = {"W": -R.T @ R - eps * np.eye(N), "input": p["block"]["input"],
-         "classifier": p["classifier"]}
+    q = {"W": -R.T @ R - eps * np.eye(N), "input": p["block"]["input"], "classifier": p["classifier"]}
     assert jax.tree.structure(q) == jax.tree.structure(_shapes(resnet, u)["params"])
     out_nais, aux_nais = nais.apply({"params": p}, u, return_aux=True)
     out_res, aux_res = resnet.apply({"params": q}, u, return_aux=True)
@@ -519,15 +517,15 @@ def test_model_table_covers_the_paper():
 EPS, ETA = 0.05, 0.5
 PROJECTED = {  # name -> (model, learning rate)
     "nais_fc": (lambda: M.NaisNetFC(num_classes=CLASSES, features=N, steps=DEPTH, eps=EPS), 1.0),
-    "nais_fc_untied_rank": (lambda: M.NaisNetFC(num_classes=CLASSES, features=N, steps=DEPTH,
-                                                h=0.5, eps=EPS, untied=True, rank=3), 1.0),
+    "nais_fc_untied_rank": (
+        lambda: M.NaisNetFC(num_classes=CLASSES, features=N, steps=DEPTH, h=0.5, eps=EPS, untied=True, rank=3),
+        1.0,
+    ),
     "nais_conv_delta": (lambda: M.NaisNetConvTiny(eps=EPS, eta=ETA, learn_delta=True), 1.0),
-    "nais_conv_untied": (lambda: M.NaisNetConvTiny(eps=EPS, eta=ETA, untied=True,
-                                                   learn_delta=True), 1.0),
+    "nais_conv_untied": (lambda: M.NaisNetConvTiny(eps=EPS, eta=ETA, untied=True, learn_delta=True), 1.0),
     # Its input layer x_0 = act(Dense(u)) is unconstrained; it is trained at lr = 0.5
     # (NAIS-Nets start from x_0 = 0 and take lr = 1.0).
-    "resnet_sh_stable": (lambda: M.ResNetSHStable(num_classes=CLASSES, features=N, depth=DEPTH,
-                                                  eps=EPS), 0.5),
+    "resnet_sh_stable": (lambda: M.ResNetSHStable(num_classes=CLASSES, features=N, depth=DEPTH, eps=EPS), 0.5),
 }
 
 

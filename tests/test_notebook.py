@@ -2,7 +2,8 @@
 
 ``experiments/notebooks/quickstart.ipynb`` is executed with nbclient in quick mode
 (``NAISNET_NOTEBOOK_QUICK=1``), in a temporary working directory, by an IPython kernel of the
-interpreter running the tests (``experiments.notebooks.run.execute``, as ``make notebook``). Any cell error fails the test. The figures the notebook wrote to
+interpreter running the tests (``experiments.notebooks.run.execute``, as ``make notebook``).
+Any cell error fails the test. The figures the notebook wrote to
 ``summary.json`` are then checked against the theory: the block reached its equilibrium, the 1-D
 claims hold for the stable map and break for the unstable one, the audit's bound is at least
 numpy's radius and below 1, and adaptive depths lie in ``[1, max_steps]`` and grow as the tolerance
@@ -19,8 +20,7 @@ from experiments.notebooks import run
 from naisnet_jax import data as data_lib
 
 NOTEBOOK = run.QUICKSTART
-IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-             "t10k-labels-idx1-ubyte")
+IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
 def test_committed_notebook_has_no_outputs():
@@ -56,8 +56,9 @@ def executed(tmp_path_factory):
     try:
         run.execute(nb, cwd=cwd, quick=True)
     except CellExecutionError as error:
-        pytest.fail(f"{NOTEBOOK.name} failed in quick mode (executed copy: {cwd / 'executed.ipynb'}):\n{error}",
-                    pytrace=False)
+        pytest.fail(
+            f"{NOTEBOOK.name} failed in quick mode (executed copy: {cwd / 'executed.ipynb'}):\n{error}", pytrace=False
+        )
     finally:
         nbformat.write(nb, cwd / "executed.ipynb")
     return nb, json.loads((cwd / "runs" / "quickstart-quick" / "summary.json").read_text())

@@ -47,8 +47,7 @@ def test_maps_equal_plain_loop(activation, tol):
 def assert_claims_hold(a, activation, *, tol=None, max_steps=100):
     """The supplement's claims for a stable scalar block, on the grid U."""
     maps, depth = one_d.scalar_maps(a, U, activation=activation, max_steps=max_steps, tol=tol)
-    claims = one_d.check_claims(a, U, maps, depth, activation=activation,
-                                stopping=tol is not None)
+    claims = one_d.check_claims(a, U, maps, depth, activation=activation, stopping=tol is not None)
     assert claims.monotone, "map not monotone"
     assert claims.slope_below_gain, f"slope {claims.max_slope} above the gain {claims.gain}"
     if activation == "tanh":

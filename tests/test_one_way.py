@@ -23,31 +23,41 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from naisnet_jax.verify import AuditOptions, audit_model, conv_inf_norm_bound, conv_operator, gershgorin
+from naisnet_jax.verify import cli as verify_cli
+from naisnet_jax.verify.spectral import fft_conv_spectrum
 
 import naisnet_jax as nj
 from naisnet_jax import checkpoint as ckpt
-from naisnet_jax import checks
+from naisnet_jax import checks, train
 from naisnet_jax import models as M
-from naisnet_jax import train
 from naisnet_jax.block_vjp import dense_op, unroll_tied
 from naisnet_jax.cell import check_activation, check_kernel_shape, check_step_size
 from naisnet_jax.configs import default
 from naisnet_jax.parametrize import check_eps
 from naisnet_jax.projection import check_eta
-from naisnet_jax.verify import AuditOptions, audit_model, conv_inf_norm_bound, conv_operator, gershgorin
-from naisnet_jax.verify import cli as verify_cli
-from naisnet_jax.verify.spectral import fft_conv_spectrum
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = sorted((ROOT / "src" / "naisnet_jax").rglob("*.py")) + sorted((ROOT / "verify").rglob("*.py"))
-MODEL_CLASSES = (M.NaisDenseBlock, M.NaisConvBlock, M.NaisNetFC, M.NaisNetConv, M.ResNetFC,
-                 M.ResNetConvBlock, M.ResNetConv)
-OPTION_CLASSES = tuple(c for c in vars(M).values() if isinstance(c, type) and issubclass(c, M.HyperParameters)
-                       and c not in MODEL_CLASSES)
+MODEL_CLASSES = (
+    M.NaisDenseBlock,
+    M.NaisConvBlock,
+    M.NaisNetFC,
+    M.NaisNetConv,
+    M.ResNetFC,
+    M.ResNetConvBlock,
+    M.ResNetConv,
+)
+OPTION_CLASSES = tuple(
+    c for c in vars(M).values() if isinstance(c, type) and issubclass(c, M.HyperParameters) and c not in MODEL_CLASSES
+)
 # What a model class itself declares: its architecture, never a hyper-parameter another model shares.
 OWN_FIELDS = {
-    M.NaisDenseBlock: {"features"}, M.NaisConvBlock: {"features", "strides", "normalize_drive"},
-    M.NaisNetFC: {"features"}, M.NaisNetConv: set(), M.ResNetConv: set(),
+    M.NaisDenseBlock: {"features"},
+    M.NaisConvBlock: {"features", "strides", "normalize_drive"},
+    M.NaisNetFC: {"features"},
+    M.NaisNetConv: set(),
+    M.ResNetConv: set(),
     M.ResNetFC: {"features", "depth", "shared", "nonautonomous", "batch_norm", "stable"},
     M.ResNetConvBlock: {"features", "strides"},
 }
@@ -99,9 +109,11 @@ def test_hyper_parameters_are_keyword_only():
         M.NaisConvBlock(4, 2)  # the second argument is not `steps` (nor anything else) by position
 
 
-NETS_AND_BLOCKS = [(M.NaisNetFC, M.NaisDenseBlock, M.DenseOptions),
-                   (M.NaisNetConv, M.NaisConvBlock, M.ConvOptions),
-                   (M.ResNetConv, M.ResNetConvBlock, M.ResNetConvOptions)]
+NETS_AND_BLOCKS = [
+    (M.NaisNetFC, M.NaisDenseBlock, M.DenseOptions),
+    (M.NaisNetConv, M.NaisConvBlock, M.ConvOptions),
+    (M.ResNetConv, M.ResNetConvBlock, M.ResNetConvOptions),
+]
 
 
 @pytest.mark.parametrize("net, block, options", NETS_AND_BLOCKS, ids=lambda c: c.__name__)
@@ -126,13 +138,29 @@ def built_blocks(model, x, block_cls) -> list:
 # Non-default option values, in groups that may be combined (untied, adaptive depth and the
 # custom VJP exclude one another).
 COMMON = dict(h=0.5, eps=0.05, steps=2, initial_state="input", dtype="float32")
-GROUPS = [dict(untied=True, remat="step"),
-          dict(adaptive_tol=1e-2, max_steps=3, check_every=2, compact=True, remat="block"),
-          dict(block_vjp="stacked", scan_unroll=2)]
-CASES = [(M.NaisNetFC(features=6, num_classes=3, rank=2, activation="relu", **COMMON, **g), M.NaisDenseBlock,
-          M.DenseOptions, (2, 6)) for g in GROUPS]
-CASES += [(M.NaisNetConvTiny(kernel_size=5, eta=0.3, learn_delta=True, activation="tanh", **COMMON, **g),
-           M.NaisConvBlock, M.ConvOptions, (2, 6, 6, 1)) for g in GROUPS]
+GROUPS = [
+    dict(untied=True, remat="step"),
+    dict(adaptive_tol=1e-2, max_steps=3, check_every=2, compact=True, remat="block"),
+    dict(block_vjp="stacked", scan_unroll=2),
+]
+CASES = [
+    (
+        M.NaisNetFC(features=6, num_classes=3, rank=2, activation="relu", **COMMON, **g),
+        M.NaisDenseBlock,
+        M.DenseOptions,
+        (2, 6),
+    )
+    for g in GROUPS
+]
+CASES += [
+    (
+        M.NaisNetConvTiny(kernel_size=5, eta=0.3, learn_delta=True, activation="tanh", **COMMON, **g),
+        M.NaisConvBlock,
+        M.ConvOptions,
+        (2, 6, 6, 1),
+    )
+    for g in GROUPS
+]
 CASES += [(M.ResNetConvTiny(kernel_size=5, dtype="float32"), M.ResNetConvBlock, M.ResNetConvOptions, (2, 6, 6, 1))]
 
 
@@ -153,8 +181,11 @@ def test_networks_hand_every_option_to_the_blocks_they_build(model, block_cls, o
 
 def _definitions(path: pathlib.Path) -> list[str]:
     tree = ast.parse(path.read_text())
-    return [node.name for node in ast.walk(tree)
-            if isinstance(node, ast.FunctionDef) and node.name.lstrip("_").startswith("check")]
+    return [
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.name.lstrip("_").startswith("check")
+    ]
 
 
 def test_every_check_function_is_defined_once():
@@ -176,16 +207,27 @@ def _code_strings(path: pathlib.Path) -> list[str]:
             body = node.body
             if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
                 docstrings.add(id(body[0].value))
-    return [node.value for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
 
 
 # wording of a rule -> the one file allowed to write it
 WORDING = {
-    "a positive integer": "checks.py", "a non-negative integer": "checks.py", "must be one of": "checks.py",
-    "is outside": "checks.py", "is not a number": "checks.py", "non-finite entries": "checks.py",
-    "must be True or False": "checks.py", "float32 floor": "parametrize.py", "odd square filter": "cell.py",
-    "square channels": "cell.py", "(eps, 1)": "projection.py", "h <= 1": "cell.py",
+    "a positive integer": "checks.py",
+    "a non-negative integer": "checks.py",
+    "must be one of": "checks.py",
+    "is outside": "checks.py",
+    "is not a number": "checks.py",
+    "non-finite entries": "checks.py",
+    "must be True or False": "checks.py",
+    "float32 floor": "parametrize.py",
+    "odd square filter": "cell.py",
+    "square channels": "cell.py",
+    "(eps, 1)": "projection.py",
+    "h <= 1": "cell.py",
 }
 
 
@@ -220,8 +262,16 @@ def config(**changes):
 
 
 def metadata(**changes):
-    base = dict(model="naisnet_fc_tiny", num_classes=3, input_shape=(6,), dataset="digits",
-                channel_mean=(0.0,) * 6, channel_std=(1.0,) * 6, eps=0.01, h=1.0)
+    base = dict(
+        model="naisnet_fc_tiny",
+        num_classes=3,
+        input_shape=(6,),
+        dataset="digits",
+        channel_mean=(0.0,) * 6,
+        channel_std=(1.0,) * 6,
+        eps=0.01,
+        h=1.0,
+    )
     return ckpt.CheckpointMetadata(**{**base, **changes})
 
 
@@ -231,31 +281,53 @@ R2, K3 = jnp.eye(2), jnp.zeros((3, 3, 2, 2))
 def entry_points(name, value):
     """(prefix, call) for every entry point that receives hyper-parameter ``name`` = ``value``."""
     kw = {name: value}
-    models = [lambda: M.get_model("naisnet_fc_tiny", **kw), lambda: M.get_model("naisnet_conv_tiny", **kw),
-              lambda: M.NaisDenseBlock(4, **kw), lambda: M.NaisConvBlock(4, **kw)]
+    models = [
+        lambda: M.get_model("naisnet_fc_tiny", **kw),
+        lambda: M.get_model("naisnet_conv_tiny", **kw),
+        lambda: M.NaisDenseBlock(4, **kw),
+        lambda: M.NaisConvBlock(4, **kw),
+    ]
     if name == "eps":
-        core = [lambda: M.get_model("resnet_sh_stable", eps=value), lambda: nj.project_fc(R2, eps=value),
-                lambda: nj.project_conv(K3, jnp.zeros(2), eps=value, eta=0.6), lambda: nj.fc_delta(value),
-                lambda: nj.stability_projection(eps=value), lambda: nj.fc_state_matrix(R2, value)]
+        core = [
+            lambda: M.get_model("resnet_sh_stable", eps=value),
+            lambda: nj.project_fc(R2, eps=value),
+            lambda: nj.project_conv(K3, jnp.zeros(2), eps=value, eta=0.6),
+            lambda: nj.fc_delta(value),
+            lambda: nj.stability_projection(eps=value),
+            lambda: nj.fc_state_matrix(R2, value),
+        ]
     elif name == "h":
-        core = [lambda: M.get_model("resnet_sh", h=value), lambda: conv_inf_norm_bound(K3, h=value),
-                lambda: nj.fc_step(jnp.zeros((1, 2)), 0.0, -R2, h=value),
-                lambda: nj.conv_step(jnp.zeros((1, 4, 4, 2)), 0.0, K3, h=value),
-                lambda: unroll_tied(dense_op, jnp.zeros((1, 2)), jnp.zeros((1, 2)), -R2, steps=2, h=value)]
+        core = [
+            lambda: M.get_model("resnet_sh", h=value),
+            lambda: conv_inf_norm_bound(K3, h=value),
+            lambda: nj.fc_step(jnp.zeros((1, 2)), 0.0, -R2, h=value),
+            lambda: nj.conv_step(jnp.zeros((1, 4, 4, 2)), 0.0, K3, h=value),
+            lambda: unroll_tied(dense_op, jnp.zeros((1, 2)), jnp.zeros((1, 2)), -R2, steps=2, h=value),
+        ]
     else:  # eta, with eps = 0.01 (the conv models only)
         models = models[1::2]
-        core = [lambda: nj.project_conv(K3, jnp.zeros(2), eps=0.01, eta=value),
-                lambda: nj.stability_projection(eps=0.01, eta=value)]
+        core = [
+            lambda: nj.project_conv(K3, jnp.zeros(2), eps=0.01, eta=value),
+            lambda: nj.stability_projection(eps=0.01, eta=value),
+        ]
     yield from (("", call) for call in models + core)
     yield "config.", lambda: train.validate_config(config(**({"eps": 0.01} if name == "eta" else {}), **kw))
     yield "checkpoint metadata: ", lambda: metadata(**kw)
 
 
-@pytest.mark.parametrize("name, value, check", [
-    ("eps", 0.7, check_eps), ("eps", 1e-8, check_eps), ("eps", math.nan, check_eps), ("eps", "0.1", check_eps),
-    ("h", 1.5, check_step_size), ("h", 0.0, check_step_size), ("h", True, check_step_size),
-    ("eta", 0.005, lambda eta: check_eta(eta, 0.01)),
-])
+@pytest.mark.parametrize(
+    "name, value, check",
+    [
+        ("eps", 0.7, check_eps),
+        ("eps", 1e-8, check_eps),
+        ("eps", math.nan, check_eps),
+        ("eps", "0.1", check_eps),
+        ("h", 1.5, check_step_size),
+        ("h", 0.0, check_step_size),
+        ("h", True, check_step_size),
+        ("eta", 0.005, lambda eta: check_eta(eta, 0.01)),
+    ],
+)
 def test_a_bad_hyper_parameter_gets_one_message_from_one_function_everywhere(name, value, check):
     expected, origin = reference(check, value)
     assert expected.startswith(f"{name}={value!r} ")
@@ -266,10 +338,14 @@ def test_a_bad_hyper_parameter_gets_one_message_from_one_function_everywhere(nam
 def test_a_bad_activation_gets_one_message_everywhere():
     expected, origin = reference(check_activation, "gelu")
     x, A = jnp.zeros((1, 2)), -jnp.eye(2)
-    for call in [lambda: M.get_model("naisnet_fc_tiny", activation="gelu"), lambda: M.ResNetSH(activation="gelu"),
-                 lambda: M.NaisConvBlock(4, activation="gelu"), lambda: nj.fc_step(x, 0.0, A, activation="gelu"),
-                 lambda: nj.activation_slope("gelu", x),
-                 lambda: unroll_tied(dense_op, x, x, A, steps=2, activation="gelu")]:
+    for call in [
+        lambda: M.get_model("naisnet_fc_tiny", activation="gelu"),
+        lambda: M.ResNetSH(activation="gelu"),
+        lambda: M.NaisConvBlock(4, activation="gelu"),
+        lambda: nj.fc_step(x, 0.0, A, activation="gelu"),
+        lambda: nj.activation_slope("gelu", x),
+        lambda: unroll_tied(dense_op, x, x, A, steps=2, activation="gelu"),
+    ]:
         assert message_of(call) == (expected, origin)
 
 
@@ -277,10 +353,13 @@ def test_a_bad_activation_gets_one_message_everywhere():
 def test_a_bad_kernel_shape_gets_one_message_everywhere(shape):
     expected, origin = reference(check_kernel_shape, shape)
     K = np.zeros(shape)
-    calls = [lambda: nj.conv_step(jnp.zeros((1, 4, 4, shape[-1])), 0.0, jnp.asarray(K)),
-             lambda: nj.project_conv(jnp.asarray(K), jnp.zeros(shape[-1:]), eps=0.1, eta=0.5),
-             lambda: nj.conv_state_kernel(jnp.asarray(K), jnp.zeros(shape[-1:])),
-             lambda: gershgorin(K), lambda: conv_inf_norm_bound(K)]
+    calls = [
+        lambda: nj.conv_step(jnp.zeros((1, 4, 4, shape[-1])), 0.0, jnp.asarray(K)),
+        lambda: nj.project_conv(jnp.asarray(K), jnp.zeros(shape[-1:]), eps=0.1, eta=0.5),
+        lambda: nj.conv_state_kernel(jnp.asarray(K), jnp.zeros(shape[-1:])),
+        lambda: gershgorin(K),
+        lambda: conv_inf_norm_bound(K),
+    ]
     if len(shape) == 4:
         calls.append(lambda: fft_conv_spectrum(K, (5, 5)))
         if shape[2] == shape[3]:  # a general conv operator may change the width: same check, one rule less
@@ -317,8 +396,10 @@ def test_non_finite_values_get_one_message_everywhere():
     model = M.NaisNetFCTiny()
     variables = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 5)))
     variables = jax.tree_util.tree_map_with_path(
-        lambda p, v: v.at[0, 0].set(jnp.inf) if jax.tree_util.keystr(p).endswith("['R']") else v, variables)
+        lambda p, v: v.at[0, 0].set(jnp.inf) if jax.tree_util.keystr(p).endswith("['R']") else v, variables
+    )
     message, origin = message_of(lambda: audit_model(model, variables, inputs=jnp.zeros((1, 5))))
     assert origin == ("checks.py", "check_finite")
-    assert message.startswith("variables has 1 non-finite entries (NaN or inf): "
-                              "variables['params']['block']['R'] (1 of ")
+    assert message.startswith(
+        "variables has 1 non-finite entries (NaN or inf): variables['params']['block']['R'] (1 of "
+    )

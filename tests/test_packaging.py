@@ -45,7 +45,7 @@ def test_every_extra_an_error_message_names_exists():
 
 def test_the_readme_says_how_to_install_for_a_gpu():
     readme = (REPO / "README.md").read_text()
-    assert 'jax[cuda12]' in readme and 'jax[cuda13]' in readme and "Python 3.11" in readme
+    assert "jax[cuda12]" in readme and "jax[cuda13]" in readme and "Python 3.11" in readme
 
 
 @pytest.fixture

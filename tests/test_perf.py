@@ -46,8 +46,13 @@ def test_unroll_untied_and_bounded_accept_scan_unroll():
     rng = np.random.default_rng(1)
     As = np.stack([_fc_system(rng)[0] for _ in range(4)])
     drives = rng.standard_normal((4, 3, 5))
-    x = nj.unroll(lambda x, p: nj.fc_step(x, p[1], p[0]), jnp.zeros((3, 5)), steps=4,
-                  xs=(jnp.asarray(As), jnp.asarray(drives)), scan_unroll=3)
+    x = nj.unroll(
+        lambda x, p: nj.fc_step(x, p[1], p[0]),
+        jnp.zeros((3, 5)),
+        steps=4,
+        xs=(jnp.asarray(As), jnp.asarray(drives)),
+        scan_unroll=3,
+    )
     ref = np.zeros((3, 5))
     for k in range(4):
         ref = ref + np.tanh(ref @ As[k].T + drives[k])
@@ -100,12 +105,21 @@ def test_unroll_tied_matches_python_loop_values_and_gradients(residuals):
     """Values against a numpy loop; gradients against reverse mode through a Python loop."""
     rng = np.random.default_rng(4)
     cases = [  # (op, activation, x shape, W, drive)
-        (nj.block_vjp.dense_op, "tanh", (4, 5), 0.4 * rng.standard_normal((5, 5)),
-         rng.standard_normal((4, 5))),
-        (nj.block_vjp.dense_op, "relu", (4, 5), 0.4 * rng.standard_normal((5, 5)),
-         rng.standard_normal((5,))),  # a drive broadcast over the batch
-        (nj.block_vjp.conv_op, "relu", (2, 5, 6, 3), 0.3 * rng.standard_normal((3, 3, 3, 3)),
-         rng.standard_normal((2, 5, 6, 3))),
+        (nj.block_vjp.dense_op, "tanh", (4, 5), 0.4 * rng.standard_normal((5, 5)), rng.standard_normal((4, 5))),
+        (
+            nj.block_vjp.dense_op,
+            "relu",
+            (4, 5),
+            0.4 * rng.standard_normal((5, 5)),
+            rng.standard_normal((5,)),
+        ),  # a drive broadcast over the batch
+        (
+            nj.block_vjp.conv_op,
+            "relu",
+            (2, 5, 6, 3),
+            0.3 * rng.standard_normal((3, 3, 3, 3)),
+            rng.standard_normal((2, 5, 6, 3)),
+        ),
     ]
     for op, activation, shape, W, drive in cases:
         act = jnp.tanh if activation == "tanh" else jax.nn.relu
@@ -118,15 +132,18 @@ def test_unroll_tied_matches_python_loop_values_and_gradients(residuals):
             return x
 
         def fast(x0, drive, W):
-            return nj.unroll_tied(op, x0, drive, W, steps=4, h=0.7, activation=activation,
-                                  residuals=residuals)
+            return nj.unroll_tied(op, x0, drive, W, steps=4, h=0.7, activation=activation, residuals=residuals)
 
         args = tuple(jnp.asarray(a) for a in (x0, drive, W))
         ref_x = x0
         for _ in range(4):
-            z = (ref_x @ W.T if op is nj.block_vjp.dense_op else
-                 np.asarray(jax.lax.conv_general_dilated(ref_x, W, (1, 1), "SAME",
-                            dimension_numbers=("NHWC", "HWIO", "NHWC")))) + drive
+            z = (
+                ref_x @ W.T
+                if op is nj.block_vjp.dense_op
+                else np.asarray(
+                    jax.lax.conv_general_dilated(ref_x, W, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+                )
+            ) + drive
             ref_x = ref_x + 0.7 * (np.tanh(z) if activation == "tanh" else np.maximum(z, 0))
         np.testing.assert_allclose(jax.jit(fast)(*args), ref_x, rtol=1e-12, atol=1e-12)
 
@@ -175,8 +192,10 @@ _X_FC = np.random.default_rng(5).standard_normal((4, 7))
 _X_CONV = np.random.default_rng(6).standard_normal((2, 6, 6, 3))
 MODEL_CASES = {  # name -> (constructor, input)
     "fc_tanh": (functools.partial(M.NaisNetFC, num_classes=3, features=5, steps=4), _X_FC),
-    "fc_relu_untied": (functools.partial(M.NaisNetFC, num_classes=3, features=5, steps=3,
-                                         activation="relu", untied=True), _X_FC),
+    "fc_relu_untied": (
+        functools.partial(M.NaisNetFC, num_classes=3, features=5, steps=3, activation="relu", untied=True),
+        _X_FC,
+    ),
     "conv_relu": (functools.partial(M.NaisConvBlock, 4, steps=3, learn_delta=True), _X_CONV),
 }
 FAST_PATHS = [  # (options, model cases checked in the default run)
@@ -189,7 +208,7 @@ FAST_PATHS = [  # (options, model cases checked in the default run)
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(case):
     ctor, x = MODEL_CASES[case]
     variables = _init(ctor(), x)
@@ -248,14 +267,17 @@ def test_bfloat16_compute_within_tolerance_and_parameters_stay_float32():
     assert jax.eval_shape(model16.apply, variables, x).dtype == jnp.float32  # float32 logits
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(remat="all"), "remat='all'"),
-    (dict(block_vjp="fused"), "block_vjp='fused'"),
-    (dict(dtype="int8"), "dtype='int8'"),
-    (dict(block_vjp="stacked", untied=True), "tied block"),
-    (dict(block_vjp="stacked", adaptive_tol=1e-3), "tied block"),
-    (dict(block_vjp="stacked", remat="step"), "remat='step'"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(remat="all"), "remat='all'"),
+        (dict(block_vjp="fused"), "block_vjp='fused'"),
+        (dict(dtype="int8"), "dtype='int8'"),
+        (dict(block_vjp="stacked", untied=True), "tied block"),
+        (dict(block_vjp="stacked", adaptive_tol=1e-3), "tied block"),
+        (dict(block_vjp="stacked", remat="step"), "remat='step'"),
+    ],
+)
 def test_bad_perf_options_are_refused(bad, match):
     for ctor in (M.NaisNetFC, functools.partial(M.NaisConvBlock, 4), M.NaisNetConvTiny):
         with pytest.raises(ValueError, match=match):
@@ -300,8 +322,11 @@ def test_unroll_adaptive_check_every_and_compact_match_per_pattern_loop(check_ev
     ref_x, ref_depth = _per_pattern_loop(A, drive, x0, 1e-2, 60)
     assert len(set(ref_depth.tolist())) > 8 and ref_depth.max() == 60  # many depths, some capped
     step = lambda x, d: nj.fc_step(x, d, jnp.asarray(A))  # noqa: E731
-    run = jax.jit(lambda x0, d: nj.unroll_adaptive(step, x0, inputs=d, tol=1e-2, max_steps=60,
-                                                   check_every=check_every, compact=compact))
+    run = jax.jit(
+        lambda x0, d: nj.unroll_adaptive(
+            step, x0, inputs=d, tol=1e-2, max_steps=60, check_every=check_every, compact=compact
+        )
+    )
     x, depth = run(jnp.asarray(x0), jnp.asarray(drive))
     np.testing.assert_array_equal(depth, ref_depth)
     np.testing.assert_allclose(x, ref_x, rtol=0, atol=1e-12)
@@ -313,8 +338,11 @@ def test_unroll_adaptive_stream_matches_per_pattern_loop(slots, check_every):
     x0 = np.zeros_like(drive)
     ref_x, ref_depth = _per_pattern_loop(A, drive, x0, 1e-2, 60)
     step = lambda x, d: nj.fc_step(x, d, jnp.asarray(A))  # noqa: E731
-    run = jax.jit(lambda d: nj.unroll_adaptive_stream(step, jnp.zeros(d.shape), d, tol=1e-2, max_steps=60,
-                                                      slots=slots, check_every=check_every))
+    run = jax.jit(
+        lambda d: nj.unroll_adaptive_stream(
+            step, jnp.zeros(d.shape), d, tol=1e-2, max_steps=60, slots=slots, check_every=check_every
+        )
+    )
     x, depth = run(jnp.asarray(drive))
     np.testing.assert_array_equal(depth, ref_depth)
     np.testing.assert_allclose(x, ref_x, rtol=0, atol=1e-12)
@@ -325,8 +353,7 @@ def test_models_adaptive_check_every_and_compact_same_outputs():
     x_fc = np.random.default_rng(10).standard_normal((12, 7)) * np.geomspace(0.05, 5, 12)[:, None]
     x_conv = np.random.default_rng(11).standard_normal((6, 5, 5, 3)) * np.geomspace(0.1, 5, 6)[:, None, None, None]
     cases = [
-        (functools.partial(M.NaisNetFC, num_classes=3, features=5, eps=0.05, adaptive_tol=1e-2,
-                           max_steps=50), x_fc),
+        (functools.partial(M.NaisNetFC, num_classes=3, features=5, eps=0.05, adaptive_tol=1e-2, max_steps=50), x_fc),
         (functools.partial(M.NaisConvBlock, 3, eps=0.05, adaptive_tol=1e-2, max_steps=30), x_conv),
     ]
     for ctor, x in cases:
@@ -343,10 +370,10 @@ def test_bad_adaptive_arguments_are_refused():
     with pytest.raises(ValueError, match="inputs=..."):
         nj.unroll_adaptive(step, jnp.zeros((2, 3)), tol=0.1, max_steps=3, compact=True)
     with pytest.raises(ValueError, match="disagree with the 2 patterns"):
-        nj.unroll_adaptive(lambda x, d: x + d, jnp.zeros((2, 3)), tol=0.1, max_steps=3,
-                           inputs=jnp.zeros((3, 3)))
+        nj.unroll_adaptive(lambda x, d: x + d, jnp.zeros((2, 3)), tol=0.1, max_steps=3, inputs=jnp.zeros((3, 3)))
     with pytest.raises(ValueError, match="slots=0"):
-        nj.unroll_adaptive_stream(lambda x, d: x + d, jnp.zeros((2, 3)), jnp.zeros((2, 3)),
-                                  tol=0.1, max_steps=3, slots=0)
+        nj.unroll_adaptive_stream(
+            lambda x, d: x + d, jnp.zeros((2, 3)), jnp.zeros((2, 3)), tol=0.1, max_steps=3, slots=0
+        )
     with pytest.raises(ValueError, match="check_every=0"):
         M.NaisNetFC(adaptive_tol=0.1, check_every=0)

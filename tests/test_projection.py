@@ -173,8 +173,12 @@ def test_stability_projection_in_optax_chain():
     rng = np.random.default_rng(7)
     params = {
         "dense_block": {"R": jnp.asarray(rng.standard_normal((4, 4))), "input": {"kernel": jnp.ones((3, 4))}},
-        "stage": {"conv_block": {"state_kernel": jnp.asarray(rng.standard_normal((3, 3, 2, 2))),
-                                 "delta": jnp.asarray([0.9, -0.9])}},
+        "stage": {
+            "conv_block": {
+                "state_kernel": jnp.asarray(rng.standard_normal((3, 3, 2, 2))),
+                "delta": jnp.asarray([0.9, -0.9]),
+            }
+        },
         "head": {"kernel": jnp.ones((4, 2)), "bias": jnp.zeros(2)},
     }
     eps, eta = 0.1, 0.3
@@ -191,7 +195,8 @@ def test_stability_projection_in_optax_chain():
         before = params
         params, state = step(params, state, grads)
         expected = nj.project_params(
-            jax.tree.map(lambda p, g: p - 10.0 * g, before, grads) if i == 0 else params, eps=eps, eta=eta)
+            jax.tree.map(lambda p, g: p - 10.0 * g, before, grads) if i == 0 else params, eps=eps, eta=eta
+        )
         if i == 0:  # first step: momentum buffer is the gradient itself
             np.testing.assert_allclose(params["dense_block"]["R"], expected["dense_block"]["R"], rtol=1e-12)
         R = np.asarray(params["dense_block"]["R"])
@@ -247,4 +252,9 @@ def test_project_fc_huge_R_keeps_direction_without_overflow():
     P = np.asarray(nj.project_fc(R, eps=0.1), np.float64)
     assert np.all(np.isfinite(P))
     np.testing.assert_allclose(np.linalg.norm(P.T @ P, "fro"), 0.8, rtol=1e-5)
-    np.testing.assert_allclose(P / np.linalg.norm(P), np.asarray(R, np.float64) / np.linalg.norm(np.asarray(R, np.float64)), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        P / np.linalg.norm(P),
+        np.asarray(R, np.float64) / np.linalg.norm(np.asarray(R, np.float64)),
+        rtol=1e-5,
+        atol=1e-7,
+    )

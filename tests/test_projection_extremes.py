@@ -95,7 +95,7 @@ def test_projections_near_the_boundary_are_proven_and_idempotent():
     """Inputs within float32 rounding of the boundary: the output is exactly feasible and a
     second projection leaves it bit-for-bit unchanged."""
     rng = np.random.default_rng(5)
-    for trial in range(40):
+    for _trial in range(40):
         R = rng.standard_normal((6, 6))
         R *= np.sqrt((1 - 2 * 0.01) / np.linalg.norm(R.T @ R)) * (1 + rng.uniform(-3e-7, 3e-7))
         R = jnp.asarray(R, jnp.float32)

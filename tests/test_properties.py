@@ -25,22 +25,26 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from references import loop_conv_matrix
 
 import naisnet_jax as nj
 from naisnet_jax.projection import fc_delta
-
-from references import loop_conv_matrix
 
 QUICK, SLOW = 60, 6000  # cases per property test: default suite, slow suite (2 x 6000)
 TOL = 1e-12  # float64 round-off on O(1) quantities
 
 
 def _settings(n):
-    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    return settings(
+        max_examples=n,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
-scales = st.floats(-8.0, 8.0).map(lambda e: 10.0 ** e)
+scales = st.floats(-8.0, 8.0).map(lambda e: 10.0**e)
 eps_values = st.floats(1e-4, 0.49)
 step_sizes = st.floats(1e-3, 1.0)
 FC_SHAPES = [(1, 1), (1, 6), (6, 1), (2, 5), (5, 5), (8, 3), (8, 8)]  # (r, n) of R
@@ -114,8 +118,12 @@ def conv_cases(draw, shapes=None):
     eta = draw(st.floats(eps, 1.0, exclude_min=True, exclude_max=True).filter(lambda e: e < 1.0 - 1e-9))
     scale = draw(scales)
     if kind == "rank_one":  # an outer product over (position, input channel, output channel)
-        kernel = scale * np.einsum("...ab,...i,...o->...abio", rng.standard_normal(lead + (k, k)),
-                                   rng.standard_normal(lead + (c,)), rng.standard_normal(lead + (c,)))
+        kernel = scale * np.einsum(
+            "...ab,...i,...o->...abio",
+            rng.standard_normal(lead + (k, k)),
+            rng.standard_normal(lead + (c,)),
+            rng.standard_normal(lead + (c,)),
+        )
     else:
         kernel = _matrix(rng, lead + (k, k, c, c), "gaussian" if kind == "feasible" else kind, scale)
     delta = draw(st.sampled_from([0.0, 1.0, 2.0])) * rng.uniform(-1, 1, lead + (c,))

@@ -47,8 +47,9 @@ def _pure_state(params):
 
 
 def _unbox(tree):
-    return jax.tree.map(lambda v: v[...] if isinstance(v, nnx.Variable) else v, tree,
-                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return jax.tree.map(
+        lambda v: v[...] if isinstance(v, nnx.Variable) else v, tree, is_leaf=lambda v: isinstance(v, nnx.Variable)
+    )
 
 
 CONTAINERS = {
@@ -150,10 +151,13 @@ def _lazy_init(model, x):
     nnx.bridge.lazy_init(model, x, train=False)
 
 
-@pytest.mark.parametrize("name, kwargs, shape, lr", [
-    ("naisnet_fc_tiny", {}, (16, 5), 0.1),
-    pytest.param("naisnet_conv_tiny", {"learn_delta": True}, (16, 6, 6, 1), 0.5, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "name, kwargs, shape, lr",
+    [
+        ("naisnet_fc_tiny", {}, (16, 5), 0.1),
+        pytest.param("naisnet_conv_tiny", {"learn_delta": True}, (16, 6, 6, 1), 0.5, marks=pytest.mark.slow),
+    ],
+)
 def test_a_bridged_linen_model_trains_in_nnx_optimizer_and_stays_stable(name, kwargs, shape, lr):
     eps, eta = 0.1, 0.5
     x = jax.random.normal(jax.random.PRNGKey(0), shape)
@@ -161,8 +165,9 @@ def test_a_bridged_linen_model_trains_in_nnx_optimizer_and_stays_stable(name, kw
     model = nnx.bridge.ToNNX(models.get_model(name, eps=eps, **kwargs), rngs=nnx.Rngs(0))
     _lazy_init(model, x)
     # start far outside the stable set: every step must bring it back
-    nnx.update(model, nj.project_params(jax.tree.map(lambda v: 4.0 * v, nnx.state(model, nnx.Param)),
-                                        eps=0.4, eta=0.45))
+    nnx.update(
+        model, nj.project_params(jax.tree.map(lambda v: 4.0 * v, nnx.state(model, nnx.Param)), eps=0.4, eta=0.45)
+    )
     tx = optax.chain(optax.sgd(lr, momentum=0.9), nj.stability_projection(eps=eps, eta=eta))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     mutable = ["batch_stats"] if "conv" in name else False

@@ -60,10 +60,15 @@ SCRIPT = textwrap.dedent(
 
 def test_sharded_training_matches_single_device():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "src")]))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([root, os.path.join(root, "src")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["devices"] == [2]  # parameters replicated over both devices

@@ -169,8 +169,20 @@ def test_metrics_hold_one_record_per_epoch_and_seed(nais):
     _, workdir, result, _, _ = nais
     records = read_jsonl(os.path.join(workdir, train.METRICS_FILE))
     assert [(r["epoch"], r["seed"]) for r in records] == [(e, s) for e in (1, 2) for s in SEEDS]
-    fields = {"epoch", "seed", "step", "learning_rate", "train_loss", "train_accuracy", "test_loss",
-              "test_accuracy", "generalisation_gap", "rho_max", "epoch_seconds", "diverged_epoch"}
+    fields = {
+        "epoch",
+        "seed",
+        "step",
+        "learning_rate",
+        "train_loss",
+        "train_accuracy",
+        "test_loss",
+        "test_accuracy",
+        "generalisation_gap",
+        "rho_max",
+        "epoch_seconds",
+        "diverged_epoch",
+    }
     for r in records:
         assert set(r) == fields and r["diverged_epoch"] is None
         assert r["generalisation_gap"] == pytest.approx(r["train_accuracy"] - r["test_accuracy"])
@@ -231,14 +243,18 @@ def test_an_interrupted_sweep_resumes(nais):
     assert steps == [1, 2]  # one sweep checkpoint per epoch (checkpoint_every_epochs=1)
     for a, b in zip(first.history, result.history[:3]):
         assert {k: v for k, v in a.items() if k != "epoch_seconds"} == {
-            k: v for k, v in b.items() if k != "epoch_seconds"}
+            k: v for k, v in b.items() if k != "epoch_seconds"
+        }
 
 
-@pytest.mark.parametrize("change, field", [
-    (dict(seeds=(0, 1, 5)), "seeds"),
-    (dict(model="resnet_sh"), "model"),
-    (dict(limit_train=128), "limit_train"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(seeds=(0, 1, 5)), "seeds"),
+        (dict(model="resnet_sh"), "model"),
+        (dict(limit_train=128), "limit_train"),
+    ],
+)
 def test_resuming_another_sweep_says_what_differs(nais, monkeypatch, change, field):
     _, workdir, _, _, _ = nais
     monkeypatch.setattr(sweep, "_setup", lambda *a, **k: pytest.fail("loaded data before refusing"))
@@ -265,16 +281,19 @@ def test_a_diverged_seed_is_frozen_and_the_others_train_on(nais, tmp_path, monke
         state = create(config, *args, **kwargs)
         if config.seed == 1:
             params = jax.tree_util.tree_map_with_path(
-                lambda p, x: x.at[0].set(3e38).at[1].set(-3e38)
-                if "classifier" in jax.tree_util.keystr(p) and "bias" in jax.tree_util.keystr(p) else x,
-                state.params)
+                lambda p, x: (
+                    x.at[0].set(3e38).at[1].set(-3e38)
+                    if "classifier" in jax.tree_util.keystr(p) and "bias" in jax.tree_util.keystr(p)
+                    else x
+                ),
+                state.params,
+            )
             state = state.replace(params=params)
         return state
 
     monkeypatch.setattr(train, "create_train_state", poisoned)
     config = get_config()
-    result = sweep.train_sweep(config, str(tmp_path), seeds=SEEDS, audit=False, per_step_loss=False,
-                               verbose=False)
+    result = sweep.train_sweep(config, str(tmp_path), seeds=SEEDS, audit=False, per_step_loss=False, verbose=False)
     monkeypatch.undo()
     bad = result.runs[1]
     assert bad.diverged and bad.diverged_epoch == 1 and bad.train_loss is None
@@ -291,7 +310,9 @@ def test_a_diverged_seed_is_frozen_and_the_others_train_on(nais, tmp_path, monke
     mean, _, n = result.stats("test_accuracy")
     assert n == 2 and mean == pytest.approx(np.mean([result.runs[0].test_accuracy, result.runs[2].test_accuracy]))
     state, meta = ckpt.load(bad.checkpoint_dir)
-    assert meta["extra"]["diverged_epoch"] == 1 and all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state["params"]))
+    assert meta["extra"]["diverged_epoch"] == 1 and all(
+        np.all(np.isfinite(x)) for x in jax.tree.leaves(state["params"])
+    )
 
 
 # ------------------------------------------------------------------ bad input, timing
@@ -312,8 +333,12 @@ def test_default_seeds_follow_config_seed_and_num_seeds():
 
 
 def test_count_kernels_reads_launches_outside_fusions():
-    text = jax.jit(lambda x, w: jax.numpy.tanh(x @ w) * 2.0).lower(
-        np.ones((4, 3), np.float32), np.ones((3, 5), np.float32)).compile().as_text()
+    text = (
+        jax.jit(lambda x, w: jax.numpy.tanh(x @ w) * 2.0)
+        .lower(np.ones((4, 3), np.float32), np.ones((3, 5), np.float32))
+        .compile()
+        .as_text()
+    )
     counts = sweep.count_kernels(text)
     assert sum(counts.values()) >= 1
     assert sweep.count_kernels("%fused_computation (p: f32[2]) -> f32[2] {\n  %a = f32[2] fusion(%p)\n}\n") == {}

@@ -31,8 +31,16 @@ if str(REPO) not in sys.path:  # the configs import `experiments.configs.default
     sys.path.insert(0, str(REPO))
 
 RECORD_FIELDS = {
-    "epoch", "step", "learning_rate", "train_loss", "train_accuracy", "test_loss",
-    "test_accuracy", "generalisation_gap", "rho_max", "epoch_seconds",
+    "epoch",
+    "step",
+    "learning_rate",
+    "train_loss",
+    "train_accuracy",
+    "test_loss",
+    "test_accuracy",
+    "generalisation_gap",
+    "rho_max",
+    "epoch_seconds",
 }
 DEPTH_FIELDS = {"depth_mean", "depth_min", "depth_max"}
 PROJECTION_RTOL = 1e-5  # float32 parameters: ||R^T R||_F may exceed delta by round-off
@@ -223,10 +231,13 @@ def test_everything_trained_is_float32_even_with_x64(finished_run):
     assert state.apply_fn({"params": state.params}, x, train=False).dtype == np.float32
 
 
-@pytest.mark.parametrize("model, model_kwargs, shape", [
-    ("naisnet_mnist", {"features": 8, "steps": 3}, (8, 8, 1)),
-    ("naisnet_conv_tiny", {}, (8, 8, 3)),
-])
+@pytest.mark.parametrize(
+    "model, model_kwargs, shape",
+    [
+        ("naisnet_mnist", {"features": 8, "steps": 3}, (8, 8, 1)),
+        ("naisnet_conv_tiny", {}, (8, 8, 3)),
+    ],
+)
 def test_train_step_computes_in_float32_with_x64(model, model_kwargs, shape):
     # Under x64 only weakly typed scalar constants may be float64; no float64 array may appear.
     import re
@@ -284,8 +295,14 @@ def test_metrics_are_strict_json_for_a_baseline_without_nais_blocks(tmp_path):
 def test_tfds_datasets_under_mock_data(tmp_path, dataset, model, augment, model_kwargs):
     tfds = pytest.importorskip("tensorflow_datasets")
     config = get_config(
-        dataset=dataset, model=model, augment=augment, num_epochs=1, batch_size=8,
-        limit_train=None, limit_test=None, data_dir=str(tmp_path / "tfds"),
+        dataset=dataset,
+        model=model,
+        augment=augment,
+        num_epochs=1,
+        batch_size=8,
+        limit_train=None,
+        limit_test=None,
+        data_dir=str(tmp_path / "tfds"),
     )
     config.model_kwargs = dict(model_kwargs)
     with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
@@ -349,9 +366,14 @@ def test_crash_right_after_a_checkpoint_keeps_every_metrics_record(tmp_path, mon
 
 def _cli(workdir, *flags):
     return [
-        sys.executable, "-m", "naisnet_jax.train_cli",
-        f"--config={REPO / 'experiments/configs/digits_tiny.py'}", f"--workdir={workdir}",
-        "--config.model_kwargs.features=8", "--config.model_kwargs.steps=3", *flags,
+        sys.executable,
+        "-m",
+        "naisnet_jax.train_cli",
+        f"--config={REPO / 'experiments/configs/digits_tiny.py'}",
+        f"--workdir={workdir}",
+        "--config.model_kwargs.features=8",
+        "--config.model_kwargs.steps=3",
+        *flags,
     ]
 
 
@@ -362,8 +384,9 @@ def test_sigkill_then_restart_finishes_like_an_uninterrupted_run(tmp_path):
     flags = ["--config.num_epochs=25", "--config.batch_size=32", "--config.keep_checkpoints=2"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     killed, clean = tmp_path / "killed", tmp_path / "clean"
-    proc = subprocess.Popen(_cli(killed, *flags), env=env, cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cli(killed, *flags), env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     checkpoints = killed / train.CHECKPOINT_DIR
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -423,12 +446,29 @@ def test_divergence_in_the_last_step_of_an_epoch_is_not_checkpointed(tmp_path):
 
 
 BAD_VALUES = [
-    ("eps", 0.7), ("eps", 0.0), ("h", 0.0), ("h", 1.5), ("h", float("nan")),
-    ("batch_size", 0), ("batch_size", -3), ("learning_rate", -1.0), ("learning_rate", float("inf")),
-    ("momentum", 1.0), ("momentum", -0.1), ("weight_decay", -1e-4), ("lr_decay_factor", 0.0),
-    ("lr_boundaries_epochs", [3, 2]), ("lr_boundaries_epochs", [0]), ("num_epochs", 0),
-    ("eta", 0.001), ("model", "nope"), ("dataset", "nope"), ("limit_train", 0),
-    ("adaptive_tol", 0.0), ("steps_per_chunk", 0), ("checkpoint_every_epochs", 0),
+    ("eps", 0.7),
+    ("eps", 0.0),
+    ("h", 0.0),
+    ("h", 1.5),
+    ("h", float("nan")),
+    ("batch_size", 0),
+    ("batch_size", -3),
+    ("learning_rate", -1.0),
+    ("learning_rate", float("inf")),
+    ("momentum", 1.0),
+    ("momentum", -0.1),
+    ("weight_decay", -1e-4),
+    ("lr_decay_factor", 0.0),
+    ("lr_boundaries_epochs", [3, 2]),
+    ("lr_boundaries_epochs", [0]),
+    ("num_epochs", 0),
+    ("eta", 0.001),
+    ("model", "nope"),
+    ("dataset", "nope"),
+    ("limit_train", 0),
+    ("adaptive_tol", 0.0),
+    ("steps_per_chunk", 0),
+    ("checkpoint_every_epochs", 0),
 ]
 
 
@@ -482,7 +522,10 @@ def test_batch_larger_than_the_dataset_is_refused_before_compilation(tmp_path, n
 def test_cli_trains_and_prints_the_test_accuracy(tmp_path):
     out = subprocess.run(
         _cli(tmp_path, "--config.num_epochs=1", "--config.limit_train=256", "--config.limit_test=100"),
-        cwd=REPO, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     (record,) = read_metrics(tmp_path)
@@ -493,7 +536,10 @@ def test_cli_trains_and_prints_the_test_accuracy(tmp_path):
 def test_cli_refuses_a_bad_value_with_exit_code_2(tmp_path):
     out = subprocess.run(
         _cli(tmp_path / "work", "--config.eps=0.7"),
-        cwd=REPO, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert out.returncode == 2
     assert "config.eps=0.7" in out.stderr and "(0, 0.5)" in out.stderr

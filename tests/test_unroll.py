@@ -37,7 +37,7 @@ def _numpy_conv_same(x, kernel):
     out = np.zeros((N, H, W, kernel.shape[-1]))
     for dy in range(k):
         for dx in range(k):
-            out += np.einsum("nhwi,io->nhwo", xp[:, dy:dy + H, dx:dx + W], kernel[dy, dx])
+            out += np.einsum("nhwi,io->nhwo", xp[:, dy : dy + H, dx : dx + W], kernel[dy, dx])
     return out
 
 
@@ -107,7 +107,7 @@ def _python_adaptive(step_one, x0, tol, max_steps):
     """The documented plain-Python meaning of unroll_adaptive, one pattern at a time."""
     xs, depths = [], []
     for i in range(x0.shape[0]):
-        x, depth = x0[i:i + 1], 0
+        x, depth = x0[i : i + 1], 0
         for _ in range(max_steps):
             x_new = step_one(x, i)
             depth += 1
@@ -138,7 +138,8 @@ def test_unroll_adaptive_matches_per_pattern_loop(h):
 
     x, depth = jax.jit(lambda x0: nj.unroll_adaptive(step, x0, tol=tol, max_steps=max_steps))(jnp.zeros_like(drive))
     ref_x, ref_depth = _python_adaptive(
-        lambda x, i: x + h * np.tanh(x @ A.T + drive[i:i + 1]), np.zeros_like(drive), tol, max_steps)
+        lambda x, i: x + h * np.tanh(x @ A.T + drive[i : i + 1]), np.zeros_like(drive), tol, max_steps
+    )
     np.testing.assert_array_equal(depth, ref_depth)
     np.testing.assert_allclose(x, ref_x, rtol=1e-10, atol=1e-12)
     assert len(set(ref_depth.tolist())) >= 3, "patterns should stop at different depths"

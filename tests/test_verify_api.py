@@ -15,8 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from naisnet_jax import models
 from naisnet_jax.verify import (
     SCHEMA,
     AuditOptions,
@@ -28,6 +26,8 @@ from naisnet_jax.verify import (
     audit_model,
 )
 from references import rho
+
+from naisnet_jax import models
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +63,7 @@ def test_blocks_are_found_through_their_probes_in_any_model():
     assert odd.trajectory.states == 2 * 6
     # the radius is the float32 operator's, read from the block's own hyper-parameters (eps = 0.2)
     R = np.asarray(variables["params"]["odd"]["R"], np.float32)
-    A = np.asarray(-(jnp.asarray(R).T @ jnp.asarray(R)) - jnp.float32(0.2) * jnp.eye(5, dtype=jnp.float32),
-                   np.float64)
+    A = np.asarray(-(jnp.asarray(R).T @ jnp.asarray(R)) - jnp.float32(0.2) * jnp.eye(5, dtype=jnp.float32), np.float64)
     assert odd.parameter.rho_I_plus_hA == pytest.approx(rho(np.eye(5) + A), rel=1e-6)
     assert cert.block("left_tower").trajectory.states == 3 * 6
     assert cert.hyperparameters.h == 0.5  # the first block's
@@ -176,7 +175,7 @@ def test_readme_audit_snippet_runs():
     import matplotlib.pyplot as plt
 
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Auditing a model or a checkpoint"):]
+    section = readme[readme.index("## Auditing a model or a checkpoint") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     scope: dict = {}
     exec(compile(code, "README.md#auditing", "exec"), scope)  # noqa: S102 - our own documentation

@@ -33,16 +33,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from naisnet_jax import checkpoint as ckpt
-from naisnet_jax import data as data_lib
-from naisnet_jax import models
-from naisnet_jax.parametrize import fc_state_matrix
-from naisnet_jax.probe import BlockProbe
-from naisnet_jax.projection import fc_delta, project_conv, project_params
 from naisnet_jax.verify import AuditOptions, _conv, audit, cli, report
 from naisnet_jax.verify._common import Block
 from references import loop_conv_matrix, rho
+
+from naisnet_jax import checkpoint as ckpt
+from naisnet_jax import data as data_lib
+from naisnet_jax.parametrize import fc_state_matrix
+from naisnet_jax.probe import BlockProbe
+from naisnet_jax.projection import fc_delta, project_conv, project_params
 
 pytestmark = pytest.mark.filterwarnings(
     # Orbax leaves asyncio tasks behind when a read fails; harmless, and out of our hands.
@@ -78,6 +77,7 @@ def bn_multiplier(scale, var):
 
 def strict_json(path):
     """The certificate must be strict JSON: no NaN or Infinity literals."""
+
     def refuse(const):
         raise ValueError(f"non-standard JSON constant {const}")
 
@@ -136,28 +136,46 @@ def write_checkpoint(directory, model, model_kwargs, *, eps, h, digits, eta=0.5,
     """Initialise ``model`` on digits, randomise biases / deltas / BatchNorm, project (as training
     does after every update) and save through the checkpoint module with its metadata."""
     meta = ckpt.CheckpointMetadata(
-        model=model, model_kwargs={k: v for k, v in model_kwargs.items() if k not in ("eps", "eta", "h")},
-        num_classes=10, input_shape=(8, 8, 1), dataset="digits", channel_mean=tuple(digits.mean.ravel()),
-        channel_std=tuple(digits.std.ravel()), eps=eps, eta=eta, h=h,
-        config={"model": model, "dataset": "digits", "data_dir": None}, epoch=1)
+        model=model,
+        model_kwargs={k: v for k, v in model_kwargs.items() if k not in ("eps", "eta", "h")},
+        num_classes=10,
+        input_shape=(8, 8, 1),
+        dataset="digits",
+        channel_mean=tuple(digits.mean.ravel()),
+        channel_std=tuple(digits.std.ravel()),
+        eps=eps,
+        eta=eta,
+        h=h,
+        config={"model": model, "dataset": "digits", "data_dir": None},
+        epoch=1,
+    )
     net = meta.build_model()
     variables = net.init(jax.random.PRNGKey(seed), jnp.zeros((1, 8, 8, 1), jnp.float32), train=False)
     rng = np.random.default_rng(seed)
-    params = _randomise(variables["params"], rng, {
-        "delta": lambda s: rng.uniform(-0.4, 0.4, s),
-        "scale": lambda s: rng.uniform(0.5, 1.5, s),
-        "bias": lambda s: 0.1 * rng.standard_normal(s),
-    })
+    params = _randomise(
+        variables["params"],
+        rng,
+        {
+            "delta": lambda s: rng.uniform(-0.4, 0.4, s),
+            "scale": lambda s: rng.uniform(0.5, 1.5, s),
+            "bias": lambda s: 0.1 * rng.standard_normal(s),
+        },
+    )
     if project:
         params = jax.tree.map(lambda x: np.asarray(x, np.float32), project_params(params, eps=eps, eta=eta))
-    batch_stats = _randomise(variables.get("batch_stats", {}), rng, {
-        "mean": lambda s: 0.1 * rng.standard_normal(s),
-        "var": lambda s: rng.uniform(0.5, 2.0, s),
-    })
+    batch_stats = _randomise(
+        variables.get("batch_stats", {}),
+        rng,
+        {
+            "mean": lambda s: 0.1 * rng.standard_normal(s),
+            "var": lambda s: rng.uniform(0.5, 2.0, s),
+        },
+    )
     state = {"step": np.asarray(1, np.int32), "params": params, "batch_stats": batch_stats}
     ckpt.save(ckpt.manager(str(directory)), 1, state, meta)
-    return types.SimpleNamespace(path=str(directory), params=params, batch_stats=batch_stats,
-                                 meta=meta, kwargs=dict(model_kwargs), eps=eps, h=h)
+    return types.SimpleNamespace(
+        path=str(directory), params=params, batch_stats=batch_stats, meta=meta, kwargs=dict(model_kwargs), eps=eps, h=h
+    )
 
 
 def resave_scaled(src, dst, path, factor):
@@ -202,16 +220,18 @@ CONV_KW = dict(activation="tanh", steps=6, learn_delta=True, eps=0.05, eta=0.5, 
 
 @pytest.fixture(scope="module")
 def dense_tanh(tmp_path_factory, digits):
-    return write_checkpoint(tmp_path_factory.mktemp("dense_tanh"), "naisnet_mnist", DENSE_KW,
-                            eps=0.05, h=0.7, digits=digits)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("dense_tanh"), "naisnet_mnist", DENSE_KW, eps=0.05, h=0.7, digits=digits
+    )
 
 
 @pytest.fixture(scope="module")
 def conv_tanh(tmp_path_factory, digits):
     """naisnet_conv_tiny with tanh: stage0_block0 (8x8x4) and stage1_block0 (stride 2, drive
     BatchNorm, 4x4x8), learnable delta."""
-    return write_checkpoint(tmp_path_factory.mktemp("conv_tanh"), "naisnet_conv_tiny", CONV_KW,
-                            eps=0.05, h=0.8, digits=digits)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("conv_tanh"), "naisnet_conv_tiny", CONV_KW, eps=0.05, h=0.8, digits=digits
+    )
 
 
 BASELINES = {
@@ -224,8 +244,9 @@ BASELINES = {
 @pytest.fixture(scope="module")
 def baselines(tmp_path_factory, digits):
     return {
-        name: write_checkpoint(tmp_path_factory.mktemp(name), name, kw, eps=0.01,
-                               h=kw.get("h", 1.0), digits=digits, project=False)
+        name: write_checkpoint(
+            tmp_path_factory.mktemp(name), name, kw, eps=0.01, h=kw.get("h", 1.0), digits=digits, project=False
+        )
         for name, kw in BASELINES.items()
     }
 
@@ -233,8 +254,7 @@ def baselines(tmp_path_factory, digits):
 @pytest.fixture(scope="module")
 def certificates(tmp_path_factory, dense_tanh, conv_tanh, baselines):
     """``naisnet-verify DIR --json --figures --samples 16`` once per checkpoint, on demand."""
-    dirs = {"dense_tanh": dense_tanh.path, "conv_tanh": conv_tanh.path,
-            **{k: v.path for k, v in baselines.items()}}
+    dirs = {"dense_tanh": dense_tanh.path, "conv_tanh": conv_tanh.path, **{k: v.path for k, v in baselines.items()}}
     cache = {}
 
     def get(name):
@@ -261,11 +281,22 @@ def test_conv_radius_by_batched_arnoldi_matches_numpy():
         stable = trial % 2 == 0
         eps, h = float(rng.uniform(0.01, 0.3)), float(np.float32(rng.uniform(0.1, 1.0)))
         raw = rng.standard_normal((3, 3, C, C)) * (0.5 if stable else 3.0)
-        kernel = np.asarray(project_conv(jnp.asarray(raw, jnp.float32), jnp.zeros(C, jnp.float32), eps=eps,
-                                         eta=0.5)[0]) if stable else centre_set(raw, np.zeros(C)).astype(np.float32)
+        kernel = (
+            np.asarray(project_conv(jnp.asarray(raw, jnp.float32), jnp.zeros(C, jnp.float32), eps=eps, eta=0.5)[0])
+            if stable
+            else centre_set(raw, np.zeros(C)).astype(np.float32)
+        )
         truth.append(rho(np.eye(hw[0] * hw[1] * C) + h * loop_conv_matrix(kernel, *hw)))
-        probe = BlockProbe(kind="conv", activation="relu", h=h, eps=eps, eta=0.5, operator=kernel,
-                           factor=np.zeros(C, np.float32), states=np.zeros((1, 1) + hw + (C,), np.float32))
+        probe = BlockProbe(
+            kind="conv",
+            activation="relu",
+            h=h,
+            eps=eps,
+            eta=0.5,
+            operator=kernel,
+            factor=np.zeros(C, np.float32),
+            states=np.zeros((1, 1) + hw + (C,), np.float32),
+        )
         blocks.append(Block(trial, f"b{trial}", probe, None, jax.random.PRNGKey(trial)))
     figures = _conv.parameters(blocks, AuditOptions(dense_max_n=0))
     for trial, true in enumerate(truth):
@@ -283,7 +314,9 @@ def test_trained_checkpoint_is_certified_by_the_command(trained, tmp_path):
     path = tmp_path / "c.json"
     proc = subprocess.run(
         [sys.executable, "-m", "naisnet_jax.verify.cli", str(trained), "--samples", "8", "--json", str(path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "CERTIFIED: every block certified stable" in proc.stdout
@@ -321,8 +354,9 @@ def scaled(tmp_path_factory, trained, conv_tanh):
             tmp = tmp_path_factory.mktemp(f"scaled_{which}")
             state, meta = resave_scaled(src, tmp / "ck", key, 5.0)
             code, out, err, cert = run_cli_with_json(tmp / "ck", tmp)
-            cache[which] = types.SimpleNamespace(src=src, name=name, state=state, meta=meta, code=code,
-                                                 out=out, err=err, cert=cert)
+            cache[which] = types.SimpleNamespace(
+                src=src, name=name, state=state, meta=meta, code=code, out=out, err=err, cert=cert
+            )
         return cache[which]
 
     return get
@@ -335,8 +369,16 @@ def test_scaled_up_state_parameters_fail_naming_the_block(which, scaled, certifi
     if which == "conv":
         assert certificates("conv_tanh").code == 0  # the unscaled checkpoint passes
     sc = scaled(which)
-    src, name, state, meta, code, out, err, cert = (sc.src, sc.name, sc.state, sc.meta, sc.code, sc.out,
-                                                    sc.err, sc.cert)
+    src, name, state, meta, code, out, err, cert = (
+        sc.src,
+        sc.name,
+        sc.state,
+        sc.meta,
+        sc.code,
+        sc.out,
+        sc.err,
+        sc.cert,
+    )
     assert code == 1, out + err
     assert "NOT CERTIFIED" in out
     _, original = ckpt.load(src)
@@ -384,8 +426,9 @@ def _truncate(path):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-@pytest.mark.parametrize("damage", ["flip bytes of the array data", "truncate the array data",
-                                    "garbage metadata", "delete the state item"])
+@pytest.mark.parametrize(
+    "damage", ["flip bytes of the array data", "truncate the array data", "garbage metadata", "delete the state item"]
+)
 def test_a_corrupted_checkpoint_exits_2_with_a_message(damage, trained, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(trained, copy)
@@ -605,8 +648,10 @@ def test_dense_baselines_are_never_certified_and_radii_are_exact(name, baselines
     W = np.asarray(ck.params["W"], np.float64)
     h, n = ck.h, W.shape[0]
     if name.endswith("_bn"):
-        gains = [bn_multiplier(ck.params[f"bn{k}"]["scale"], ck.batch_stats[f"bn{k}"]["var"])
-                 for k in range(ck.kwargs["depth"])]
+        gains = [
+            bn_multiplier(ck.params[f"bn{k}"]["scale"], ck.batch_stats[f"bn{k}"]["var"])
+            for k in range(ck.kwargs["depth"])
+        ]
     else:
         gains = [np.ones(n)]
     radii = [rho(np.eye(n) + h * g[:, None] * W) for g in gains]
@@ -635,11 +680,34 @@ def test_conv_baseline_is_never_certified_and_its_radius_is_exact(baselines, cer
 
 # ============================================================ 5. certificate, figures, data modes
 
-TOP_LEVEL = {"schema", "certified", "reason", "summary", "checkpoint", "versions", "device",
-             "precision", "hyperparameters", "tolerances", "data", "seconds", "blocks", "timings",
-             "figure_status"}
-TRAJECTORY = {"rho_J_max", "unsaturated_fraction", "states_in_P_fraction", "rho_bar_theorem",
-              "rho_bar_measured", "gamma_theorem", "gamma_measured", "io_gain_measured", "equilibrium"}
+TOP_LEVEL = {
+    "schema",
+    "certified",
+    "reason",
+    "summary",
+    "checkpoint",
+    "versions",
+    "device",
+    "precision",
+    "hyperparameters",
+    "tolerances",
+    "data",
+    "seconds",
+    "blocks",
+    "timings",
+    "figure_status",
+}
+TRAJECTORY = {
+    "rho_J_max",
+    "unsaturated_fraction",
+    "states_in_P_fraction",
+    "rho_bar_theorem",
+    "rho_bar_measured",
+    "gamma_theorem",
+    "gamma_measured",
+    "io_gain_measured",
+    "equilibrium",
+}
 
 
 @pytest.mark.parametrize("name", ["dense_tanh", "conv_tanh", "resnet_conv_tiny"])
@@ -665,8 +733,9 @@ def test_certificate_has_the_documented_fields(name, certificates, dense_tanh, c
         assert b["kind"] in ("dense", "conv", "dense-baseline", "conv-baseline")
         assert not any(k.startswith("_") for k in b["parameter"])
         if b["kind"] in ("dense", "conv"):
-            assert {"condition", "condition_holds", "condition1_proven", "rho_I_plus_hA",
-                    "rho_bar_bound"} <= set(b["parameter"])
+            assert {"condition", "condition_holds", "condition1_proven", "rho_I_plus_hA", "rho_bar_bound"} <= set(
+                b["parameter"]
+            )
             assert TRAJECTORY <= set(b["trajectory"])
     for name_ in cert["figure_status"]:  # every figure says whether it is proven or estimated
         assert cert["figure_status"][name_] in ("proven", "computed", "estimate", "measured", "setting")
@@ -719,8 +788,7 @@ def test_data_random_uses_synthetic_inputs(which, dense_tanh, conv_tanh, tmp_pat
 # ============================================================ bugs found and fixed
 
 
-@pytest.mark.parametrize("change", ["features that do not match R", "no input_shape", "no eps",
-                                    "unknown dataset"])
+@pytest.mark.parametrize("change", ["features that do not match R", "no input_shape", "no eps", "unknown dataset"])
 def test_metadata_that_does_not_fit_the_arrays_exits_2(change, trained, tmp_path):
     shutil.copytree(trained, tmp_path / "ck")
 

@@ -12,28 +12,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from naisnet_jax.verify import AuditOptions, _conv, _dense, audit_model, figure_status
+from naisnet_jax.verify._common import Block
+from references import loop_conv_matrix, rho
 
 from naisnet_jax import models
 from naisnet_jax.parametrize import EPS_MIN
 from naisnet_jax.probe import BlockProbe
 from naisnet_jax.projection import project_conv, project_fc
-from naisnet_jax.verify import AuditOptions, _conv, _dense, audit_model, figure_status
-from naisnet_jax.verify._common import Block
-from references import loop_conv_matrix, rho
 
 
 def dense_block(A32, R32, *, eps, h=1.0, activation="tanh"):
     """A dense block as the verifier sees it (a probe with the float32 operator)."""
-    probe = BlockProbe(kind="dense", activation=activation, h=h, eps=eps, operator=np.asarray(A32),
-                       factor=np.asarray(R32))
+    probe = BlockProbe(
+        kind="dense", activation=activation, h=h, eps=eps, operator=np.asarray(A32), factor=np.asarray(R32)
+    )
     return Block(0, "b", probe, None, jax.random.PRNGKey(0))
 
 
 def conv_block(kernel32, delta32, *, eps, eta=0.5, h=1.0, activation="relu", hw=(4, 4), learn_delta=True):
     C = kernel32.shape[-1]
-    probe = BlockProbe(kind="conv", activation=activation, h=h, eps=eps, eta=eta, learn_delta=learn_delta,
-                       operator=np.asarray(kernel32), factor=np.asarray(delta32),
-                       states=np.zeros((1, 1) + tuple(hw) + (C,), np.float32))
+    probe = BlockProbe(
+        kind="conv",
+        activation=activation,
+        h=h,
+        eps=eps,
+        eta=eta,
+        learn_delta=learn_delta,
+        operator=np.asarray(kernel32),
+        factor=np.asarray(delta32),
+        states=np.zeros((1, 1) + tuple(hw) + (C,), np.float32),
+    )
     return Block(0, "b", probe, None, jax.random.PRNGKey(0))
 
 
@@ -72,8 +81,9 @@ def test_a_conv_bound_above_one_by_1e_5_is_not_certified():
     kernel[0, 0, 0, :] = np.float32((1 - eps) * (1 + 9e-6))
     kernel[1, 1, range(4), range(4)] = -1
     params["stage0_block0"]["state_kernel"] = kernel
-    cert = audit_model(net, {**variables, "params": params},
-                       options=AuditOptions(input_shape=(8, 8, 1), estimate_conv_radius=False))
+    cert = audit_model(
+        net, {**variables, "params": params}, options=AuditOptions(input_shape=(8, 8, 1), estimate_conv_radius=False)
+    )
     b = cert.block("stage0_block0")
     assert not b.certified and not cert.certified
     assert "Condition 1 not proven" in b.reason
@@ -109,7 +119,7 @@ def test_eps_below_float32_resolution_is_caught_on_the_float32_operator():
     works on the float32 operator and does not certify it."""
     rng = np.random.default_rng(0)
     found = 0
-    for trial in range(200):
+    for _trial in range(200):
         R = rng.uniform(0.3, 0.9, (1, 3)).astype(np.float32)
         R /= np.float32(np.sqrt(np.linalg.norm(R.astype(np.float64).T @ R, "fro") / (1 - 2e-8)))
         A32 = float32_A(R, 1e-8)
@@ -173,8 +183,7 @@ def test_dense_proofs_are_sound_on_random_float32_blocks():
         assert par.rho_I_plus_hA == pytest.approx(rho(J), rel=1e-9, abs=1e-15)
         assert par.rho_I_plus_hA_bound >= rho(J)
         sigma = 0.01
-        assert par.rho_bar_bound >= max(rho(np.eye(n) + h * np.diag(s) @ A)
-                                        for s in rng.uniform(sigma, 1, (5, n)))
+        assert par.rho_bar_bound >= max(rho(np.eye(n) + h * np.diag(s) @ A) for s in rng.uniform(sigma, 1, (5, n)))
         holds = lam.min() > 0 and h * lam.max() < 2
         margin = min(abs(lam.min()), abs(2 - h * lam.max()))
         if margin > 1e-6:
@@ -200,8 +209,10 @@ def test_conv_proofs_are_sound_on_random_float32_kernels():
         eta = float(rng.uniform(eps + 1e-3, 0.999))
         h = float(np.float32(rng.uniform(0.05, 1.0)))
         raw = jnp.asarray(rng.standard_normal((k, k, C, C)) * rng.uniform(0.05, 2.0), jnp.float32)
-        kernel, delta = (np.array(a) for a in project_conv(raw, jnp.asarray(rng.uniform(-1.2, 1.2, C), jnp.float32),
-                                                              eps=eps, eta=eta))
+        kernel, delta = (
+            np.array(a)
+            for a in project_conv(raw, jnp.asarray(rng.uniform(-1.2, 1.2, C), jnp.float32), eps=eps, eta=eta)
+        )
         if trial % 2:
             c = int(rng.integers(C))
             centre = kernel[k // 2, k // 2, c, c]

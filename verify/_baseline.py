@@ -33,18 +33,26 @@ def dense(blocks: list[Block], options) -> dict[int, tuple[BaselineParameters, S
             radii.append(spectral_radius_info(Jk, method="dense").radius)
             Js.append(Jk)
         J = Js[int(np.argmax(radii))]  # the figure shows the worst layer
-        params = BaselineParameters(layers=layers, rho_I_plus_hA=float(max(radii)),
-                                    rho_per_layer=tuple(float(r) for r in radii), rho_method="dense")
-        spectrum = Spectrum(eigenvalues=tuple(complex(z) for z in np.linalg.eigvals(J)), all_eigenvalues=True,
-                            disc_centres=tuple(float(c) for c in np.diag(J)),
-                            disc_radii=tuple(float(r) for r in np.abs(J).sum(axis=1) - np.abs(np.diag(J))))
+        params = BaselineParameters(
+            layers=layers,
+            rho_I_plus_hA=float(max(radii)),
+            rho_per_layer=tuple(float(r) for r in radii),
+            rho_method="dense",
+        )
+        spectrum = Spectrum(
+            eigenvalues=tuple(complex(z) for z in np.linalg.eigvals(J)),
+            all_eigenvalues=True,
+            disc_centres=tuple(float(c) for c in np.diag(J)),
+            disc_radii=tuple(float(r) for r in np.abs(J).sum(axis=1) - np.abs(np.diag(J))),
+        )
         out[b.index] = (params, spectrum)
     return out
 
 
 def conv(blocks: list[Block], options) -> dict[int, tuple[BaselineParameters, Spectrum | None]]:
-    from ._conv import row_bound
     from naisnet_jax.stability import kernel_gershgorin
+
+    from ._conv import row_bound
 
     out = {}
     square = []
@@ -67,18 +75,32 @@ def conv(blocks: list[Block], options) -> dict[int, tuple[BaselineParameters, Sp
                 results.append((res.radius, True, "dense", np.linalg.eigvals(M)))
         else:
             keys = jnp.stack([b.key for b in members])
-            results = [(abs(complex(r.eigenvalues[0])), r.converged, "arnoldi",
-                        np.array([r.eigenvalues[0], np.conj(r.eigenvalues[0])]))
-                       for r in arnoldi_eigs_batch(stack_operators(ops), n, keys=keys)]
+            results = [
+                (
+                    abs(complex(r.eigenvalues[0])),
+                    r.converged,
+                    "arnoldi",
+                    np.array([r.eigenvalues[0], np.conj(r.eigenvalues[0])]),
+                )
+                for r in arnoldi_eigs_batch(stack_operators(ops), n, keys=keys)
+            ]
         bounds = np.asarray(row_bound(kernels, jnp.ones(len(members)), jnp.ones(len(members))))
         centres, radii = jax.device_get(kernel_gershgorin(kernels))
         for i, b in enumerate(members):
             radius, converged, method, eig = results[i]
-            params = BaselineParameters(rho_I_plus_hA=float(radius), rho_method=method, rho_converged=bool(converged),
-                                        inf_norm_bound_I_plus_hA=float(bounds[i]))
-            spectrum = Spectrum(eigenvalues=tuple(complex(z) for z in eig), all_eigenvalues=method == "dense",
-                                disc_centres=tuple(float(c) for c in 1 + centres[i]),
-                                disc_radii=tuple(float(r) for r in radii[i]),
-                                bound=float(bounds[i]), bound_label="||I + diag(g) C||_inf")
+            params = BaselineParameters(
+                rho_I_plus_hA=float(radius),
+                rho_method=method,
+                rho_converged=bool(converged),
+                inf_norm_bound_I_plus_hA=float(bounds[i]),
+            )
+            spectrum = Spectrum(
+                eigenvalues=tuple(complex(z) for z in eig),
+                all_eigenvalues=method == "dense",
+                disc_centres=tuple(float(c) for c in 1 + centres[i]),
+                disc_radii=tuple(float(r) for r in radii[i]),
+                bound=float(bounds[i]),
+                bound_label="||I + diag(g) C||_inf",
+            )
             out[b.index] = (params, spectrum)
     return out

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -73,10 +73,14 @@ def _proof(kernels, deltas, h, eps, eta, sigma, relu, learn_delta):
     inf_bound = row_bound(kernels, h, np.ones_like(h))
     rho_bar = np.where(relu, inf_bound, np.maximum(row_bound(kernels, h, sigma), inf_bound))
     return {
-        "centre_min": np.min(flat(centres), 1), "centre_max": np.max(flat(centres), 1),
-        "radius_max": np.max(flat(radii), 1), "budget_min": np.min(flat(budget), 1),
-        "ratio": np.max(flat(radii / budget), 1), "condition": condition,
-        "inf_bound": inf_bound, "rho_bar": rho_bar,
+        "centre_min": np.min(flat(centres), 1),
+        "centre_max": np.max(flat(centres), 1),
+        "radius_max": np.max(flat(radii), 1),
+        "budget_min": np.min(flat(budget), 1),
+        "ratio": np.max(flat(radii / budget), 1),
+        "condition": condition,
+        "inf_bound": inf_bound,
+        "rho_bar": rho_bar,
     }
 
 
@@ -97,9 +101,16 @@ def parameters(blocks: list[Block], options) -> dict[int, tuple[ConvParameters, 
         deltas = np.stack([np.reshape(np.asarray(b.p32.factor, np.float64), (-1, kernels.shape[-1])) for b in members])
         arr = lambda f: np.asarray([f(b.p32) for b in members], np.float64)  # noqa: E731
         h = arr(lambda p: float32_h(p.h))
-        proof = _proof(kernels, deltas, h, arr(lambda p: p.eps), arr(lambda p: p.eta),
-                       np.full(h.shape, options.sigma_min), np.asarray([b.p32.activation == "relu" for b in members]),
-                       np.asarray([b.p32.learn_delta for b in members]))
+        proof = _proof(
+            kernels,
+            deltas,
+            h,
+            arr(lambda p: p.eps),
+            arr(lambda p: p.eta),
+            np.full(h.shape, options.sigma_min),
+            np.asarray([b.p32.activation == "relu" for b in members]),
+            np.asarray([b.p32.learn_delta for b in members]),
+        )
         radii = _radius_estimates(members, kernels, h, options) if options.estimate_conv_radius else {}
         centres, disc_r = kernel_gershgorin(kernels[:, 0])
         for i, b in enumerate(members):
@@ -126,10 +137,12 @@ def parameters(blocks: list[Block], options) -> dict[int, tuple[ConvParameters, 
             hb = float(h[i])
             eig = () if est is None else est["eigenvalues"]
             spectrum = Spectrum(
-                eigenvalues=tuple(complex(z) for z in eig), all_eigenvalues=bool(est and est["all"]),
+                eigenvalues=tuple(complex(z) for z in eig),
+                all_eigenvalues=bool(est and est["all"]),
                 disc_centres=tuple(float(c) for c in 1 + hb * centres[i]),
                 disc_radii=tuple(float(r) for r in hb * disc_r[i]),
-                bound=params.inf_norm_bound_I_plus_hA, bound_label="||I + hA||_inf",
+                bound=params.inf_norm_bound_I_plus_hA,
+                bound_label="||I + hA||_inf",
             )
             out[b.index] = (params, spectrum)
         del p0
@@ -163,15 +176,21 @@ def _radius_estimates(members, kernels, h, options) -> dict[int, dict]:
     else:
         for res in arnoldi_eigs_batch(stack_operators(ops), n, keys=jnp.stack(keys)):
             theta = complex(res.eigenvalues[0])
-            results.append((abs(theta), theta, res.residual, res.converged, "arnoldi",
-                            np.array([theta, np.conj(theta)])))
+            results.append(
+                (abs(theta), theta, res.residual, res.converged, "arnoldi", np.array([theta, np.conj(theta)]))
+            )
     out: dict[int, dict] = {}
     for owner, (radius, _, residual, converged, method, eig) in zip(owners, results):
         prev = out.get(owner)
         if prev is None or radius > prev["radius"]:
-            out[owner] = {"radius": float(radius), "residual": float(residual), "method": method,
-                          "converged": bool(converged and (prev is None or prev["converged"])),
-                          "eigenvalues": eig, "all": method == "dense"}
+            out[owner] = {
+                "radius": float(radius),
+                "residual": float(residual),
+                "method": method,
+                "converged": bool(converged and (prev is None or prev["converged"])),
+                "eigenvalues": eig,
+                "all": method == "dense",
+            }
         else:
             prev["converged"] = prev["converged"] and bool(converged)
     return out
@@ -199,14 +218,22 @@ def _visited(kernels, drives, x0, states, h, sigma_min, *, activation, untied):
     mask = jnp.zeros((k, k, C, C)).at[p, p].set(jnp.eye(C))
     H, W = X.shape[2:4]
     rowsum = jax.vmap(lambda o: conv_same(jnp.ones((1, H, W, C)), o, precision=_HIGHEST)[0])(
-        jnp.abs(kernels) * (1 - mask))  # (K, H, W, C)
+        jnp.abs(kernels) * (1 - mask)
+    )  # (K, H, W, C)
     centre = jnp.diagonal(kernels[:, p, p], axis1=-2, axis2=-1)  # (K, C)
-    inf_norm = jnp.max(jnp.abs(1 + h * slopes * centre[:, None, None, None, :])
-                       + h * slopes * rowsum[:, None], axis=(2, 3, 4))  # (K, b)
+    inf_norm = jnp.max(
+        jnp.abs(1 + h * slopes * centre[:, None, None, None, :]) + h * slopes * rowsum[:, None], axis=(2, 3, 4)
+    )  # (K, b)
     in_p = jnp.all(slopes >= sigma_min, axis=(2, 3, 4))  # (K, b)
     return {
-        "slopes": slopes, "inf_norm": inf_norm, "in_p": in_p, "kernels": kernels, "drives": drives, "X": X,
-        "unsaturated": jnp.mean(slopes >= sigma_min), "slope_min": jnp.min(slopes),
+        "slopes": slopes,
+        "inf_norm": inf_norm,
+        "in_p": in_p,
+        "kernels": kernels,
+        "drives": drives,
+        "X": X,
+        "unsaturated": jnp.mean(slopes >= sigma_min),
+        "slope_min": jnp.min(slopes),
     }
 
 
@@ -218,8 +245,11 @@ def _io_gain(kernels, drives, w, D, scale, h, *, activation, stride):
     act = ACTIVATIONS[activation]
     K, C = kernels.shape[0], kernels.shape[-1]
     dw = conv_same(w, D, stride=stride, precision=_HIGHEST) * scale
-    dw = jnp.moveaxis(dw.reshape(dw.shape[:3] + (K, C)), 3, 0) if dw.shape[-1] != C else \
-        jnp.broadcast_to(dw, (K,) + dw.shape)
+    dw = (
+        jnp.moveaxis(dw.reshape(dw.shape[:3] + (K, C)), 3, 0)
+        if dw.shape[-1] != C
+        else jnp.broadcast_to(dw, (K,) + dw.shape)
+    )
 
     def run(extra):
         def body(x, inputs):
@@ -262,15 +292,24 @@ def _fixed_point(kernel, drive):
 def trajectories(blocks: list[Block], params: dict, options) -> dict[int, Trajectory]:
     """Trajectory figures of every block; the Jacobian radii of a group's blocks in one batch."""
     out = {}
-    sig = lambda b: (_steps(b.p64.operator).shape, tuple(b.p64.states.shape), np.shape(b.p64.u),  # noqa: E731
-                     b.p64.untied, b.p64.activation)
+
+    def sig(b):
+        return (
+            _steps(b.p64.operator).shape,
+            tuple(b.p64.states.shape),
+            np.shape(b.p64.u),
+            b.p64.untied,
+            b.p64.activation,
+        )
+
     for members in group(blocks, sig):
         visited = [_visit(b, options) for b in members]
         ops, owners, keys = [], [], []
         for b, v in zip(members, visited):
             for j, (k, i) in enumerate(v["samples"]):
-                ops.append(jacobian_operator(conv_operator(v["kernels"][k], v["shape"]),
-                                             v["slopes"][k, i].reshape(-1), v["h"]))
+                ops.append(
+                    jacobian_operator(conv_operator(v["kernels"][k], v["shape"]), v["slopes"][k, i].reshape(-1), v["h"])
+                )
                 owners.append(b.index)
                 keys.append(jax.random.fold_in(b.key, 1000 + j))
         radii: dict[int, list[float]] = {b.index: [] for b in members}
@@ -279,8 +318,10 @@ def trajectories(blocks: list[Block], params: dict, options) -> dict[int, Trajec
             if n <= options.dense_max_n:
                 found = [_dense_result(np.asarray(operator_matrix(op, n)), n).radius for op in ops]
             else:
-                found = [abs(complex(r.eigenvalues[0]))
-                         for r in arnoldi_eigs_batch(stack_operators(ops), n, keys=jnp.stack(keys))]
+                found = [
+                    abs(complex(r.eigenvalues[0]))
+                    for r in arnoldi_eigs_batch(stack_operators(ops), n, keys=jnp.stack(keys))
+                ]
             for owner, r in zip(owners, found):
                 radii[owner].append(float(r))
         for b, v in zip(members, visited):
@@ -290,14 +331,29 @@ def trajectories(blocks: list[Block], params: dict, options) -> dict[int, Trajec
 
 def _visit(b: Block, options) -> dict:
     p = b.p64
-    v = _visited(p.operator, p.drive, p.x0, p.states, float(p.h), options.sigma_min, activation=p.activation,
-                 untied=bool(p.untied))
+    v = _visited(
+        p.operator,
+        p.drive,
+        p.x0,
+        p.states,
+        float(p.h),
+        options.sigma_min,
+        activation=p.activation,
+        untied=bool(p.untied),
+    )
     inf_norm, in_p = np.asarray(v["inf_norm"]), np.asarray(v["in_p"])
     batch = in_p.shape[1]
     candidates = np.flatnonzero(in_p.ravel())  # the worst visited Jacobians inside P
     order = candidates[np.argsort(-inf_norm.ravel()[candidates], kind="stable")][: options.jacobian_samples]
-    return dict(v, inf_norm=inf_norm, in_p=in_p, h=float(p.h), kernels_np=np.asarray(v["kernels"]),
-                shape=tuple(int(d) for d in v["X"].shape[2:]), samples=[divmod(int(f), batch) for f in order])
+    return dict(
+        v,
+        inf_norm=inf_norm,
+        in_p=in_p,
+        h=float(p.h),
+        kernels_np=np.asarray(v["kernels"]),
+        shape=tuple(int(d) for d in v["X"].shape[2:]),
+        samples=[divmod(int(f), batch) for f in order],
+    )
 
 
 def _finish(b: Block, v: dict, sampled: list[float], options) -> Trajectory:
@@ -327,14 +383,18 @@ def _finish(b: Block, v: dict, sampled: list[float], options) -> Trajectory:
         w = perturbation(u.shape, options.seed)
         u_scale = np.max(np.abs(u), axis=(1, 2, 3), keepdims=True).clip(1e-12)
         w = w * options.perturbation * u_scale / np.max(np.abs(w), axis=(1, 2, 3), keepdims=True)
-        io_gain, sigma_both = _io_gain(kernels, drives, jnp.asarray(w), D, scale, h, activation=act,
-                                       stride=int(p.input_stride))
+        io_gain, sigma_both = _io_gain(
+            kernels, drives, jnp.asarray(w), D, scale, h, activation=act, stride=int(p.input_stride)
+        )
         q = worst(max(float(sigma_both), 0.0))
         gamma_bound = float(h * b_norm / (1 - q)) if q < 1 else float("inf")
         out.update(
-            B_norm_inf=b_norm, gamma_theorem=gain(h, b_norm, out["rho_bar_theorem"]),
-            gamma_measured=gain(h, b_norm, out["rho_bar_measured"]), io_gain_measured=float(io_gain),
-            gamma_bound=gamma_bound, io_gain_within_bound=bool(float(io_gain) <= gamma_bound * (1 + 1e-9)),
+            B_norm_inf=b_norm,
+            gamma_theorem=gain(h, b_norm, out["rho_bar_theorem"]),
+            gamma_measured=gain(h, b_norm, out["rho_bar_measured"]),
+            io_gain_measured=float(io_gain),
+            gamma_bound=gamma_bound,
+            io_gain_within_bound=bool(float(io_gain) <= gamma_bound * (1 + 1e-9)),
         )
     if act == "tanh" and not p.untied:
         out["equilibrium"] = _equilibrium(kernels[0], drives[0], X, h)
@@ -363,10 +423,12 @@ def _equilibrium(kernel, drive, X, h) -> Equilibrium:
     q = worst_row_bound(kernel[None], 1.0, 1.0)  # ||I + A||_inf: the fixed-point map's contraction
     error_bound = float(res) / (1 - q) if q < 1 else float("inf")
     k = np.arange(inf.shape[0])[:, None]
-    ok = bool(np.all(inf <= c ** k * inf[0][None] + 2 * error_bound + 1e-12))
+    ok = bool(np.all(inf <= c**k * inf[0][None] + 2 * error_bound + 1e-12))
     return Equilibrium(
-        residual_rel_max=float(residual_rel), secant_slope_min=sigma,
-        x_star_error_bound_inf=error_bound, solver_iterations=int(iters), contraction_inf_norm=c,
+        residual_rel_max=float(residual_rel),
+        secant_slope_min=sigma,
+        x_star_error_bound_inf=error_bound,
+        solver_iterations=int(iters),
+        contraction_inf_norm=c,
         inf_norm_bound_holds=ok,
     )
-

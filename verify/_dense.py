@@ -76,10 +76,13 @@ def enclosure(M):
     sizes_W = jnp.sum(jnp.abs(W) + errW, axis=-1)
     ok_W = margin(W, errW, sizes_W) > 0  # V^T V positive definite: V nonsingular
     scale = jnp.max(jnp.abs(lam), axis=-1)
-    disturbance = jnp.max(jnp.sum(jnp.where(eye, 0, jnp.abs(C)), -1) + jnp.sum(errC, -1)
-                          + scale[:, None] * jnp.sum(jnp.where(eye, 0, jnp.abs(W)) + errW, -1)
-                          + slack_factor * jnp.sum(jnp.abs(C) + errC + scale[:, None, None] * (jnp.abs(W) + errW), -1),
-                          axis=-1)
+    disturbance = jnp.max(
+        jnp.sum(jnp.where(eye, 0, jnp.abs(C)), -1)
+        + jnp.sum(errC, -1)
+        + scale[:, None] * jnp.sum(jnp.where(eye, 0, jnp.abs(W)) + errW, -1)
+        + slack_factor * jnp.sum(jnp.abs(C) + errC + scale[:, None, None] * (jnp.abs(W) + errW), -1),
+        axis=-1,
+    )
     tau = 2 * disturbance + 4 * U64 * scale + jnp.finfo(jnp.float64).tiny
 
     def test(t, sign):
@@ -122,14 +125,27 @@ def parameters(blocks: list[Block], options) -> dict[int, tuple[DenseParameters,
         skew = np.asarray(jnp.sqrt(jnp.sum(((A - jnp.swapaxes(A, -1, -2)) / 2) ** 2, axis=(-2, -1))))
         skew = skew * (1 + gamma(n * n + 4))  # >= ||K||_F >= ||K||_2, per (block, step)
         lower, upper, lam = jax.device_get(enclosure(M.reshape(-1, n, n)))
-        lower, upper, lam = lower.reshape(len(members), S), upper.reshape(len(members), S), lam.reshape(len(members), S, n)
+        lower, upper, lam = (
+            lower.reshape(len(members), S),
+            upper.reshape(len(members), S),
+            lam.reshape(len(members), S, n),
+        )
         frob, frob_up, Gabs = jax.device_get(_frobenius(R))
         # any float32 evaluation of -R^T R - eps I differs from the exact one entrywise by at most
         # gamma32(r) (|R|^T |R|) + u32 (diag); ours is one of them, so another is within twice that
         r = R.shape[-2]
         g32 = r * _U32 / (1 - r * _U32)
-        spread = 2 * np.sqrt(np.sum((g32 * Gabs + _U32 * np.eye(n) * (np.abs(np.diagonal(Gabs, axis1=-2, axis2=-1))[..., None] + 1)) ** 2,
-                                    axis=(-2, -1))) * (1 + 1e-6)
+        spread = (
+            2
+            * np.sqrt(
+                np.sum(
+                    (g32 * Gabs + _U32 * np.eye(n) * (np.abs(np.diagonal(Gabs, axis1=-2, axis2=-1))[..., None] + 1))
+                    ** 2,
+                    axis=(-2, -1),
+                )
+            )
+            * (1 + 1e-6)
+        )
         for i, b in enumerate(members):
             p = b.p32
             h, eps = float32_h(p.h), float(p.eps)
@@ -156,24 +172,36 @@ def parameters(blocks: list[Block], options) -> dict[int, tuple[DenseParameters,
             lam_A = -lam[i]  # eigenvalues of A per step (ascending in M)
             rho = float(np.max(np.abs(1 + h * lam_A)))
             J0 = np.eye(n) + h * np.asarray(A[i, 0])
-            rho_eigvals = max(spectral_radius_info(np.eye(n) + h * np.asarray(A[i, s]), method="dense").radius
-                              for s in range(S))
+            rho_eigvals = max(
+                spectral_radius_info(np.eye(n) + h * np.asarray(A[i, s]), method="dense").radius for s in range(S)
+            )
             interval = (1 - h * (2 * (1 - eps) + eps) if options.relaxed else 1 - h * (1 - eps), 1 - h * eps)
             params = DenseParameters(
                 condition=f"||R^T R||_F <= delta = {'2(1 - eps)' if options.relaxed else '1 - 2 eps'} = {delta:.6g}",
-                delta=float(delta), frobenius_RtR=float(np.max(frob[i])),
-                condition_holds=bool(np.all(frob_up[i] <= delta)), symmetric=sym, skew_norm_bound=kappa,
-                eig_M_lower=lo if np.isfinite(lo) else None, eig_M_upper=hi if np.isfinite(hi) else None,
-                rho_I_plus_hA_bound=rho_bound, rho_bar_bound=rho_bar, condition1_proven=proven,
-                device_independent=robust, eig_A=(float(lam_A.min()), float(lam_A.max())),
+                delta=float(delta),
+                frobenius_RtR=float(np.max(frob[i])),
+                condition_holds=bool(np.all(frob_up[i] <= delta)),
+                symmetric=sym,
+                skew_norm_bound=kappa,
+                eig_M_lower=lo if np.isfinite(lo) else None,
+                eig_M_upper=hi if np.isfinite(hi) else None,
+                rho_I_plus_hA_bound=rho_bound,
+                rho_bar_bound=rho_bar,
+                condition1_proven=proven,
+                device_independent=robust,
+                eig_A=(float(lam_A.min()), float(lam_A.max())),
                 lemma_interval_I_plus_hA=(float(interval[0]), float(interval[1])),
-                rho_I_plus_hA=rho, rho_I_plus_hA_eigvals=float(rho_eigvals), steps=int(S),
+                rho_I_plus_hA=rho,
+                rho_I_plus_hA_eigvals=float(rho_eigvals),
+                steps=int(S),
             )
             spectrum = Spectrum(
-                eigenvalues=tuple(complex(z) for z in np.sort(1 + h * lam_A[0])), all_eigenvalues=True,
+                eigenvalues=tuple(complex(z) for z in np.sort(1 + h * lam_A[0])),
+                all_eigenvalues=True,
                 disc_centres=tuple(float(c) for c in np.diag(J0)),
                 disc_radii=tuple(float(x) for x in np.abs(J0).sum(axis=1) - np.abs(np.diag(J0))),
-                bound=rho_bound if np.isfinite(rho_bound) else None, bound_label="rho(I + hA)",
+                bound=rho_bound if np.isfinite(rho_bound) else None,
+                bound_label="rho(I + hA)",
             )
             out[b.index] = (params, spectrum)
     return out
@@ -205,8 +233,16 @@ def _visited(As, drives, x0, states, h, sigma_min, *, activation, untied):
 
     rho = jax.lax.map(radii, (slopes, As))  # (K, b)
     in_p = jnp.all(slopes >= sigma_min, axis=-1)
-    return {"rho": rho, "in_p": in_p, "unsaturated": jnp.mean(slopes >= sigma_min),
-            "slope_min": jnp.min(slopes), "pre": pre, "As": As, "drives": drives, "X": X}
+    return {
+        "rho": rho,
+        "in_p": in_p,
+        "unsaturated": jnp.mean(slopes >= sigma_min),
+        "slope_min": jnp.min(slopes),
+        "pre": pre,
+        "As": As,
+        "drives": drives,
+        "X": X,
+    }
 
 
 @functools.partial(jax.jit, static_argnames=("activation",))
@@ -267,12 +303,20 @@ def _trajectory(b: Block, options) -> Trajectory:
         b_norm = float(max(np.linalg.norm(B, 2) for B in Bs))
         u = np.asarray(p.u, np.float64)
         w = perturbation(u.shape, options.seed)
-        w *= options.perturbation * np.linalg.norm(u, axis=1, keepdims=True).clip(1e-12) / np.linalg.norm(w, axis=1, keepdims=True)
+        w *= (
+            options.perturbation
+            * np.linalg.norm(u, axis=1, keepdims=True).clip(1e-12)
+            / np.linalg.norm(w, axis=1, keepdims=True)
+        )
         Bk = np.asarray(Bs) if p.untied else np.broadcast_to(Bs[0], (K,) + Bs.shape[1:])
         io_gain, sigma_both = _io_gain(As, Bk, drives, w, h, activation=act)
         io_gain, sigma_both = float(io_gain), float(sigma_both)
-        out.update(B_norm_2=b_norm, gamma_theorem=gain(h, b_norm, out["rho_bar_theorem"]),
-                   gamma_measured=gain(h, b_norm, out["rho_bar_measured"]), io_gain_measured=io_gain)
+        out.update(
+            B_norm_2=b_norm,
+            gamma_theorem=gain(h, b_norm, out["rho_bar_theorem"]),
+            gamma_measured=gain(h, b_norm, out["rho_bar_measured"]),
+            io_gain_measured=io_gain,
+        )
         # Proved on the visited region: in the energy norm ||e||_M (M = -A) a step contracts by c
         # and the input adds at most h sqrt(lam_max) ||B|| ||w||; back to the 2-norm costs
         # sqrt(lam_max / lam_min). (Untied weights change the energy norm every step: no bound.)
@@ -281,8 +325,15 @@ def _trajectory(b: Block, options) -> Trajectory:
             bound = float(h * b_norm * np.sqrt(lam_max / lam_min) / (1 - c)) if c < 1 else float("inf")
             out.update(gamma_bound=bound, io_gain_within_bound=bool(io_gain <= bound * (1 + 1e-9)))
     if act == "tanh" and not p.untied and lam_min > 0:
-        out["equilibrium"] = _equilibrium(np.asarray(As[0]), np.asarray(p.drive, np.float64), np.asarray(X),
-                                          np.asarray(v["pre"]), h=h, lam_min=lam_min, lam_max=lam_max)
+        out["equilibrium"] = _equilibrium(
+            np.asarray(As[0]),
+            np.asarray(p.drive, np.float64),
+            np.asarray(X),
+            np.asarray(v["pre"]),
+            h=h,
+            lam_min=lam_min,
+            lam_max=lam_max,
+        )
     return Trajectory(**out)
 
 
@@ -305,12 +356,15 @@ def _equilibrium(A, drive, X, pre, *, h, lam_min, lam_max) -> Equilibrium:
     c = _energy_contraction(h, sigma, lam_min, lam_max)
     k = np.arange(E.shape[0])[:, None]
     slack = 1e-9 * energy[0].max() + 1e-12
-    energy_ok = bool(np.all(energy <= c ** k * energy[0][None] + slack))
+    energy_ok = bool(np.all(energy <= c**k * energy[0][None] + slack))
     steps_up = np.diff(two, axis=0) > 1e-9 * two[:-1].clip(1e-300)
     scale = np.linalg.norm(x_star, axis=1).clip(1e-12)
     return Equilibrium(
         residual_rel_max=float(np.max(two[-1] / scale)),
         residual_energy_ratio_max=float(np.max(energy[-1] / energy[0].clip(1e-300))),
-        secant_slope_min=sigma, contraction_energy_norm=c, energy_norm_bound_holds=energy_ok,
-        two_norm_increases=int(steps_up.sum()), two_norm_monotone=bool(not steps_up.any()),
+        secant_slope_min=sigma,
+        contraction_energy_norm=c,
+        energy_norm_bound_holds=energy_ok,
+        two_norm_increases=int(steps_up.sum()),
+        two_norm_monotone=bool(not steps_up.any()),
     )

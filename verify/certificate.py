@@ -31,7 +31,7 @@ import html
 import json
 import math
 import typing
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -71,18 +71,23 @@ class DenseParameters:
     delta: float = _fig("setting", "Algorithm 1's bound on ||R^T R||_F")
     frobenius_RtR: float = _fig("computed", "||R^T R||_F of the stored float32 R, float64")
     condition_holds: bool = _fig("proven", "||R^T R||_F <= delta in exact arithmetic (no slack)")
-    symmetric: bool = _fig("computed", "the float32 A the model runs is exactly symmetric (float32 R^T R "
-                                       "need not be; the proof allows a skew part)")
+    symmetric: bool = _fig(
+        "computed",
+        "the float32 A the model runs is exactly symmetric (float32 R^T R need not be; the proof allows a skew part)",
+    )
     skew_norm_bound: float = _fig("proven", "upper bound on ||(A - A^T) / 2||_2 of the float32 A")
-    eig_M_lower: Optional[float] = _fig("proven", "lower bound on the smallest eigenvalue of M = -A (float32 A)")
-    eig_M_upper: Optional[float] = _fig("proven", "upper bound on the largest eigenvalue of M = -A (float32 A)")
-    rho_I_plus_hA_bound: Optional[float] = _fig("proven", "upper bound on rho(I + h A) for the float32 A")
-    rho_bar_bound: Optional[float] = _fig("proven", "upper bound on rho(J) over Condition 1's set P (slopes >= sigma_min)")
+    eig_M_lower: float | None = _fig("proven", "lower bound on the smallest eigenvalue of M = -A (float32 A)")
+    eig_M_upper: float | None = _fig("proven", "upper bound on the largest eigenvalue of M = -A (float32 A)")
+    rho_I_plus_hA_bound: float | None = _fig("proven", "upper bound on rho(I + h A) for the float32 A")
+    rho_bar_bound: float | None = _fig("proven", "upper bound on rho(J) over Condition 1's set P (slopes >= sigma_min)")
     condition1_proven: bool = _fig("proven", "Condition 1 holds for every sigma > 0 (tanh) / on P (ReLU)")
-    device_independent: bool = _fig("proven", "Condition 1 also holds for every float32 evaluation of A "
-                                              "(any summation order, any device)")
+    device_independent: bool = _fig(
+        "proven", "Condition 1 also holds for every float32 evaluation of A (any summation order, any device)"
+    )
     eig_A: tuple[float, float] = _fig("computed", "smallest and largest eigenvalue of the float32 A (eigvalsh)")
-    lemma_interval_I_plus_hA: tuple[float, float] = _fig("setting", "the Lemma's interval for the eigenvalues of I + h A")
+    lemma_interval_I_plus_hA: tuple[float, float] = _fig(
+        "setting", "the Lemma's interval for the eigenvalues of I + h A"
+    )
     rho_I_plus_hA: float = _fig("computed", "rho(I + h A) of the float32 A, symmetric eigen-solver")
     rho_I_plus_hA_eigvals: float = _fig("computed", "the same by the general eigen-solver (cross-check)")
     steps: int = _fig("setting", "number of state matrices (1 tied, K untied)", 1)
@@ -103,16 +108,19 @@ class ConvParameters:
     radius_max: float = _fig("computed", "largest off-centre absolute tap sum of a channel")
     budget_min: float = _fig("setting", "smallest budget 1 - eps - |delta_c|")
     radius_over_budget_max: float = _fig("computed", "largest radius / budget")
-    condition_holds: bool = _fig("proven", "radius_c <= 1 - eps - |delta_c| (and |delta_c| <= 1 - eta) exactly, no slack")
+    condition_holds: bool = _fig(
+        "proven", "radius_c <= 1 - eps - |delta_c| (and |delta_c| <= 1 - eta) exactly, no slack"
+    )
     inf_norm_bound_I_plus_hA: float = _fig("proven", "upper bound on ||I + h A||_inf >= rho(I + h A)")
     rho_bar_bound: float = _fig("proven", "upper bound on ||J||_inf over Condition 1's set P")
     condition1_proven: bool = _fig("proven", "||J||_inf < 1 for every slope in (0, 1] (hence rho(J) < 1)")
-    state_shape: Optional[tuple[int, ...]] = _fig("setting", "(H, W, C) of the state", None)
-    rho_I_plus_hA: Optional[float] = _fig("estimate", "rho(I + h A) at the block's resolution (Arnoldi, or "
-                                                      "dense eigvals for small states)", None)
-    rho_method: Optional[str] = _fig("setting", "how rho_I_plus_hA was obtained", None)
-    rho_residual: Optional[float] = _fig("estimate", "||J v - lambda v|| of the Ritz pair", None)
-    rho_converged: Optional[bool] = _fig("estimate", "Arnoldi met its tolerance", None)
+    state_shape: tuple[int, ...] | None = _fig("setting", "(H, W, C) of the state", None)
+    rho_I_plus_hA: float | None = _fig(
+        "estimate", "rho(I + h A) at the block's resolution (Arnoldi, or dense eigvals for small states)", None
+    )
+    rho_method: str | None = _fig("setting", "how rho_I_plus_hA was obtained", None)
+    rho_residual: float | None = _fig("estimate", "||J v - lambda v|| of the Ritz pair", None)
+    rho_converged: bool | None = _fig("estimate", "Arnoldi met its tolerance", None)
     steps: int = _fig("setting", "number of kernels (1 tied, K untied)", 1)
 
 
@@ -120,14 +128,15 @@ class ConvParameters:
 class BaselineParameters:
     """Plain ResNet weights: the radius of each residual map's linear part (never certified)."""
 
-    note: Optional[str] = _fig("setting", "why no radius was computed", None)
-    layers: Optional[int] = _fig("setting", "layers sharing the figure", None)
-    rho_I_plus_hA: Optional[float] = _fig("computed", "rho(I + h diag(g) W) (dense) or rho(I + diag(g) C) "
-                                                      "(conv, Arnoldi estimate), worst layer", None)
-    rho_per_layer: Optional[tuple[float, ...]] = _fig("computed", "the radius of every layer", None)
-    rho_method: Optional[str] = _fig("setting", "how the radius was obtained", None)
-    rho_converged: Optional[bool] = _fig("estimate", "Arnoldi met its tolerance", None)
-    inf_norm_bound_I_plus_hA: Optional[float] = _fig("proven", "Gershgorin bound on ||I + diag(g) C||_inf", None)
+    note: str | None = _fig("setting", "why no radius was computed", None)
+    layers: int | None = _fig("setting", "layers sharing the figure", None)
+    rho_I_plus_hA: float | None = _fig(
+        "computed", "rho(I + h diag(g) W) (dense) or rho(I + diag(g) C) (conv, Arnoldi estimate), worst layer", None
+    )
+    rho_per_layer: tuple[float, ...] | None = _fig("computed", "the radius of every layer", None)
+    rho_method: str | None = _fig("setting", "how the radius was obtained", None)
+    rho_converged: bool | None = _fig("estimate", "Arnoldi met its tolerance", None)
+    inf_norm_bound_I_plus_hA: float | None = _fig("proven", "Gershgorin bound on ||I + diag(g) C||_inf", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,15 +145,15 @@ class Equilibrium:
 
     residual_rel_max: float = _fig("measured", "max_b ||x_K - x*|| / ||x*||")
     secant_slope_min: float = _fig("measured", "smallest secant slope tanh(z)/z met")
-    residual_energy_ratio_max: Optional[float] = _fig("measured", "dense: max ||x_K - x*||_M / ||x_0 - x*||_M", None)
-    contraction_energy_norm: Optional[float] = _fig("computed", "dense: proven per-step contraction in ||.||_M", None)
-    energy_norm_bound_holds: Optional[bool] = _fig("measured", "dense: the trajectory obeys it", None)
-    two_norm_increases: Optional[int] = _fig("measured", "dense: steps where ||x_k - x*||_2 grew", None)
-    two_norm_monotone: Optional[bool] = _fig("measured", "dense: ||x_k - x*||_2 never grew", None)
-    x_star_error_bound_inf: Optional[float] = _fig("computed", "conv: bound on the error of the computed x*", None)
-    solver_iterations: Optional[int] = _fig("setting", "conv: fixed-point iterations", None)
-    contraction_inf_norm: Optional[float] = _fig("computed", "conv: per-step contraction in ||.||_inf", None)
-    inf_norm_bound_holds: Optional[bool] = _fig("measured", "conv: the trajectory obeys it", None)
+    residual_energy_ratio_max: float | None = _fig("measured", "dense: max ||x_K - x*||_M / ||x_0 - x*||_M", None)
+    contraction_energy_norm: float | None = _fig("computed", "dense: proven per-step contraction in ||.||_M", None)
+    energy_norm_bound_holds: bool | None = _fig("measured", "dense: the trajectory obeys it", None)
+    two_norm_increases: int | None = _fig("measured", "dense: steps where ||x_k - x*||_2 grew", None)
+    two_norm_monotone: bool | None = _fig("measured", "dense: ||x_k - x*||_2 never grew", None)
+    x_star_error_bound_inf: float | None = _fig("computed", "conv: bound on the error of the computed x*", None)
+    solver_iterations: int | None = _fig("setting", "conv: fixed-point iterations", None)
+    contraction_inf_norm: float | None = _fig("computed", "conv: per-step contraction in ||.||_inf", None)
+    inf_norm_bound_holds: bool | None = _fig("measured", "conv: the trajectory obeys it", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,24 +167,27 @@ class Trajectory:
     states_in_P_fraction: float = _fig("measured", "share of visited states in P")
     unsaturated_fraction: float = _fig("measured", "share of units with slope >= sigma_min")
     slope_min: float = _fig("measured", "smallest slope met")
-    rho_J_max: Optional[float] = _fig("measured", "largest rho(J) over visited states in P (None: no state in P); "
-                                                  "dense: eigen-solver, conv: Arnoldi estimate")
-    rho_J_max_visited: Optional[float] = _fig("measured", "dense: largest rho(J) over all visited states", None)
-    rho_J_sampled: Optional[tuple[float, ...]] = _fig("estimate", "conv: Arnoldi radii of the worst states in P", None)
-    inf_norm_J_max: Optional[float] = _fig("measured", "conv: largest ||J||_inf over visited states", None)
-    inf_norm_J_max_in_P: Optional[float] = _fig("measured", "conv: largest ||J||_inf over visited states in P", None)
-    rho_bar_theorem: Optional[float] = _fig("computed", "the theorem's worst case for slopes in "
-                                                        "[max(slope_min, sigma_min), 1]", None)
-    rho_bar_measured: Optional[float] = _fig("measured", "rho_J_max (dense) or inf_norm_J_max (conv)", None)
-    B_norm_2: Optional[float] = _fig("computed", "dense: ||B||_2 of the input map", None)
-    B_norm_inf: Optional[float] = _fig("computed", "conv: ||B||_inf of the input map", None)
-    gamma_theorem: Optional[float] = _fig("computed", "h ||B|| / (1 - rho_bar_theorem)", None)
-    gamma_measured: Optional[float] = _fig("measured", "h ||B|| / (1 - rho_bar_measured)", None)
-    io_gain_measured: Optional[float] = _fig("measured", "max ||x_K(u + w) - x_K(u)|| / ||w|| over the sample", None)
-    gamma_bound: Optional[float] = _fig("computed", "a gain proved on the visited region (inf: no margin)", None)
-    io_gain_within_bound: Optional[bool] = _fig("measured", "io_gain_measured <= gamma_bound", None)
-    equilibrium: Optional[Equilibrium] = _fig("measured", "tanh, tied weights", None)
-    skipped: Optional[str] = _fig("setting", "why no trajectory figures", None)
+    rho_J_max: float | None = _fig(
+        "measured",
+        "largest rho(J) over visited states in P (None: no state in P); dense: eigen-solver, conv: Arnoldi estimate",
+    )
+    rho_J_max_visited: float | None = _fig("measured", "dense: largest rho(J) over all visited states", None)
+    rho_J_sampled: tuple[float, ...] | None = _fig("estimate", "conv: Arnoldi radii of the worst states in P", None)
+    inf_norm_J_max: float | None = _fig("measured", "conv: largest ||J||_inf over visited states", None)
+    inf_norm_J_max_in_P: float | None = _fig("measured", "conv: largest ||J||_inf over visited states in P", None)
+    rho_bar_theorem: float | None = _fig(
+        "computed", "the theorem's worst case for slopes in [max(slope_min, sigma_min), 1]", None
+    )
+    rho_bar_measured: float | None = _fig("measured", "rho_J_max (dense) or inf_norm_J_max (conv)", None)
+    B_norm_2: float | None = _fig("computed", "dense: ||B||_2 of the input map", None)
+    B_norm_inf: float | None = _fig("computed", "conv: ||B||_inf of the input map", None)
+    gamma_theorem: float | None = _fig("computed", "h ||B|| / (1 - rho_bar_theorem)", None)
+    gamma_measured: float | None = _fig("measured", "h ||B|| / (1 - rho_bar_measured)", None)
+    io_gain_measured: float | None = _fig("measured", "max ||x_K(u + w) - x_K(u)|| / ||w|| over the sample", None)
+    gamma_bound: float | None = _fig("computed", "a gain proved on the visited region (inf: no margin)", None)
+    io_gain_within_bound: bool | None = _fig("measured", "io_gain_measured <= gamma_bound", None)
+    equilibrium: Equilibrium | None = _fig("measured", "tanh, tied weights", None)
+    skipped: str | None = _fig("setting", "why no trajectory figures", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,13 +198,17 @@ class Spectrum:
     all_eigenvalues: bool = _fig("setting", "eigenvalues holds the whole spectrum")
     disc_centres: tuple[float, ...] = _fig("computed", "Gershgorin centres of I + h A")
     disc_radii: tuple[float, ...] = _fig("computed", "Gershgorin radii of I + h A")
-    bound: Optional[float] = _fig("proven", "the proven bound drawn as a circle", None)
-    bound_label: Optional[str] = _fig("setting", "what that bound is", None)
+    bound: float | None = _fig("proven", "the proven bound drawn as a circle", None)
+    bound_label: str | None = _fig("setting", "what that bound is", None)
 
 
-Parameters = typing.Union[DenseParameters, ConvParameters, BaselineParameters]
-_PARAMETER_TYPES = {"dense": DenseParameters, "conv": ConvParameters,
-                    "dense-baseline": BaselineParameters, "conv-baseline": BaselineParameters}
+Parameters = DenseParameters | ConvParameters | BaselineParameters
+_PARAMETER_TYPES = {
+    "dense": DenseParameters,
+    "conv": ConvParameters,
+    "dense-baseline": BaselineParameters,
+    "conv-baseline": BaselineParameters,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,8 +218,8 @@ class BlockReport:
     verdict: Verdict
     reason: str
     parameter: Parameters
-    trajectory: Optional[Trajectory] = None
-    spectrum: Optional[Spectrum] = None
+    trajectory: Trajectory | None = None
+    spectrum: Spectrum | None = None
 
     @property
     def certified(self) -> bool:
@@ -212,8 +228,8 @@ class BlockReport:
 
 @dataclasses.dataclass(frozen=True)
 class Hyperparameters:
-    eps: Optional[float]
-    eta: Optional[float]
+    eps: float | None
+    eta: float | None
     h: float
     relaxed: bool
     activation: str
@@ -224,13 +240,13 @@ class Source:
     """Where the audited parameters came from (a checkpoint, or a model in memory)."""
 
     kind: str  # "checkpoint" or "in-memory"
-    model: Optional[str] = None
-    path: Optional[str] = None
-    step: Optional[int] = None
-    epoch: Optional[int] = None
-    model_kwargs: Optional[dict] = None
-    dataset: Optional[str] = None
-    digest: Optional[str] = None
+    model: str | None = None
+    path: str | None = None
+    step: int | None = None
+    epoch: int | None = None
+    model_kwargs: dict | None = None
+    dataset: str | None = None
+    digest: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,9 +259,9 @@ class DataInfo:
 class Summary:
     blocks: int
     certified_blocks: int
-    rho_I_plus_hA_max: Optional[float]  # computed / estimate, over blocks
-    rho_bound_max: Optional[float]  # proven, over NAIS blocks
-    rho_J_trajectory_max: Optional[float]  # measured
+    rho_I_plus_hA_max: float | None  # computed / estimate, over blocks
+    rho_bound_max: float | None  # proven, over NAIS blocks
+    rho_J_trajectory_max: float | None  # measured
 
 
 # ------------------------------------------------------------------ the certificate
@@ -259,7 +275,7 @@ class Certificate:
     reason: str
     blocks: tuple[BlockReport, ...]
     summary: Summary
-    hyperparameters: Optional[Hyperparameters]
+    hyperparameters: Hyperparameters | None
     source: Source
     data: DataInfo
     device: str
@@ -285,8 +301,12 @@ class Certificate:
         """Deprecated: the schema-1 dict access (``cert["certified"]``); use the attributes."""
         import warnings
 
-        warnings.warn("Certificate[...] is the schema-1 dict access; use attributes (cert.certified, "
-                      "cert.blocks, cert.to_json())", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "Certificate[...] is the schema-1 dict access; use attributes (cert.certified, "
+            "cert.blocks, cert.to_json())",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.to_dict()[key]
 
     # ----------------------------------------------------------------- JSON
@@ -304,7 +324,7 @@ class Certificate:
         return json.dumps(self.to_dict(), allow_nan=False, **{"indent": 2, **kwargs})
 
     @classmethod
-    def from_json(cls, text: str | Mapping) -> "Certificate":
+    def from_json(cls, text: str | Mapping) -> Certificate:
         """Read back :meth:`to_json` (a string, or the parsed dict)."""
         data = json.loads(text) if isinstance(text, (str, bytes)) else dict(text)
         if data.get("schema") != SCHEMA:
@@ -325,8 +345,17 @@ class Certificate:
 
     def table(self) -> str:
         """Plain-text table, one row per block, with the proven figures marked."""
-        head = ["block", "kind", "Condition 1", "proven bound", "rho(I+hA) est.", "max rho(J) in P",
-                "in P", "gain", "status"]
+        head = [
+            "block",
+            "kind",
+            "Condition 1",
+            "proven bound",
+            "rho(I+hA) est.",
+            "max rho(J) in P",
+            "in P",
+            "gain",
+            "status",
+        ]
         rows = [_row(b) for b in self.blocks]
         widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
         line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))  # noqa: E731
@@ -336,18 +365,31 @@ class Certificate:
 
     def verdict_line(self) -> str:
         verdict = "CERTIFIED" if self.certified else "NOT CERTIFIED"
-        return (f"{verdict}: {self.reason}  ({self.summary.certified_blocks}/{self.summary.blocks} blocks; "
-                f"data: {self.data.source}; {self.seconds:.1f} s on {self.device})")
+        return (
+            f"{verdict}: {self.reason}  ({self.summary.certified_blocks}/{self.summary.blocks} blocks; "
+            f"data: {self.data.source}; {self.seconds:.1f} s on {self.device})"
+        )
 
     def _repr_html_(self) -> str:
-        head = ["block", "kind", "Condition 1 (proven)", "proven bound", "rho(I+hA) (estimate)",
-                "max rho(J) in P (measured)", "in P", "gain (measured)", "status"]
+        head = [
+            "block",
+            "kind",
+            "Condition 1 (proven)",
+            "proven bound",
+            "rho(I+hA) (estimate)",
+            "max rho(J) in P (measured)",
+            "in P",
+            "gain (measured)",
+            "status",
+        ]
         cells = lambda r, tag: "".join(f"<{tag}>{html.escape(str(c))}</{tag}>" for c in r)  # noqa: E731
         rows = "".join(f"<tr>{cells(_row(b), 'td')}</tr>" for b in self.blocks)
         colour = "green" if self.certified else "crimson"
-        return (f"<div><p style='color:{colour}'><b>{html.escape(self.verdict_line())}</b></p>"
-                f"<table><thead><tr>{cells(head, 'th')}</tr></thead><tbody>{rows}</tbody></table>"
-                f"<p><small>{html.escape(_LEGEND)}</small></p></div>")
+        return (
+            f"<div><p style='color:{colour}'><b>{html.escape(self.verdict_line())}</b></p>"
+            f"<table><thead><tr>{cells(head, 'th')}</tr></thead><tbody>{rows}</tbody></table>"
+            f"<p><small>{html.escape(_LEGEND)}</small></p></div>"
+        )
 
     def plot(self, block: str | int, ax=None):
         """The spectrum of ``I + h A`` of ``block``: eigenvalues, Gershgorin disc outlines, the
@@ -359,9 +401,11 @@ class Certificate:
         return plot_block(self.block(block), ax=ax)
 
 
-_LEGEND = ("Condition 1: proven for the float32 operator; proven bound: rho bound (dense) or "
-           "||I + hA||_inf bound (conv); rho(I+hA) est.: eigen-solver (dense) or Arnoldi estimate (conv); "
-           "rho(J) in P, in P, gain: measured on the sampled inputs")
+_LEGEND = (
+    "Condition 1: proven for the float32 operator; proven bound: rho bound (dense) or "
+    "||I + hA||_inf bound (conv); rho(I+hA) est.: eigen-solver (dense) or Arnoldi estimate (conv); "
+    "rho(J) in P, in P, gain: measured on the sampled inputs"
+)
 
 
 def _fmt(v, spec=".6f"):
@@ -381,7 +425,11 @@ def _row(b: BlockReport) -> list[str]:
     else:
         proof, bound = "-", p.inf_norm_bound_I_plus_hA
     return [
-        b.name, b.kind, proof, _fmt(bound), _fmt(p.rho_I_plus_hA),
+        b.name,
+        b.kind,
+        proof,
+        _fmt(bound),
+        _fmt(p.rho_I_plus_hA),
         _fmt(t.rho_J_max) if t else "-",
         f"{100 * t.states_in_P_fraction:.1f}%" if t and t.skipped is None else "-",
         _fmt(t.io_gain_measured, ".3g") if t else "-",

@@ -29,7 +29,8 @@ import dataclasses
 import functools
 import platform
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,6 @@ from .certificate import (
     Trajectory,
     Verdict,
 )
-
 
 # The numeric audit options and their ranges, stated once: AuditOptions and naisnet-verify's flags
 # (named ``--samples``, ...) are checked with these.
@@ -120,8 +120,10 @@ def _probes(model, variables, x, apply_kwargs) -> list[tuple[str, BlockProbe]]:
     try:
         _, state = _apply(model, dict(apply_kwargs))(variables, x)
     except (flax.errors.FlaxError, TypeError, ValueError) as e:
-        raise ModelApplyError(f"cannot apply {type(model).__name__} to these variables and inputs of shape "
-                              f"{tuple(x.shape)}: {type(e).__name__}: {e}") from e
+        raise ModelApplyError(
+            f"cannot apply {type(model).__name__} to these variables and inputs of shape "
+            f"{tuple(x.shape)}: {type(e).__name__}: {e}"
+        ) from e
     tree = state.get(AUDIT_COLLECTION, {})
     found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda v: isinstance(v, BlockProbe))[0]
     out = []
@@ -163,19 +165,35 @@ def audit_model(model, variables, *, inputs=None, options: AuditOptions | None =
     options = options or AuditOptions()
     check_finite_variables(variables)
     with x64_scope():
-        return _audit(model, variables, inputs, options, Source(kind="in-memory", model=type(model).__name__),
-                      "in-memory inputs" if inputs is not None else "none")
+        return _audit(
+            model,
+            variables,
+            inputs,
+            options,
+            Source(kind="in-memory", model=type(model).__name__),
+            "in-memory inputs" if inputs is not None else "none",
+        )
 
 
 def check_finite_variables(variables) -> None:
     """Refuse variables holding NaN or inf, naming each such leaf: no stability can be proven for
     them, and the numerics would fail deep inside an eigen-solver instead."""
-    check_finite("variables", variables, ": no stability can be proven for such parameters; audit a "
-                                         "checkpoint from before the divergence")
+    check_finite(
+        "variables",
+        variables,
+        ": no stability can be proven for such parameters; audit a checkpoint from before the divergence",
+    )
 
 
-def _audit(model, variables, inputs, options: AuditOptions, source: Source, data_source: str,
-           hyper: Hyperparameters | None = None) -> Certificate:
+def _audit(
+    model,
+    variables,
+    inputs,
+    options: AuditOptions,
+    source: Source,
+    data_source: str,
+    hyper: Hyperparameters | None = None,
+) -> Certificate:
     t_start, c_start = time.perf_counter(), time.process_time()
     timings: dict[str, float] = {}
     cpu = {"c": c_start}
@@ -196,15 +214,20 @@ def _audit(model, variables, inputs, options: AuditOptions, source: Source, data
         shape = np.shape(inputs)[1:] if inputs is not None else tuple(options.input_shape)
         x = np.zeros((1,) + tuple(shape), np.float64)
     else:
-        raise ValueError("audit_model needs inputs (a batch of real inputs) or options.input_shape "
-                         "(the shape of one input, for the parameter-level audit only)")
+        raise ValueError(
+            "audit_model needs inputs (a batch of real inputs) or options.input_shape "
+            "(the shape of one input, for the parameter-level audit only)"
+        )
     found = _probes(model, variables, jnp.asarray(x, jnp.float64), options.apply_kwargs)
     jax.block_until_ready(found)
     t = lap("forward pass (float32 operators, float64 states)", t)
     key = jax.random.PRNGKey(options.seed)
-    blocks = [Block(i, name, p, p if use_data else None, jax.random.fold_in(key, i))
-              for i, (name, p) in enumerate(found)]
-    by_kind = {kind: [b for b in blocks if b.kind == kind] for kind in ("dense", "conv", "dense-baseline", "conv-baseline")}
+    blocks = [
+        Block(i, name, p, p if use_data else None, jax.random.fold_in(key, i)) for i, (name, p) in enumerate(found)
+    ]
+    by_kind = {
+        kind: [b for b in blocks if b.kind == kind] for kind in ("dense", "conv", "dense-baseline", "conv-baseline")
+    }
 
     reports: dict[int, BlockReport] = {}
     dense_par = _dense.parameters(by_kind["dense"], options)
@@ -225,15 +248,27 @@ def _audit(model, variables, inputs, options: AuditOptions, source: Source, data
             params, spectrum = (dense_par if b.kind == "dense" else conv_par)[b.index]
             traj = (dense_traj if b.kind == "dense" else conv_traj).get(b.index)
             if traj is None and use_data:
-                traj = Trajectory(states=0, states_in_P_fraction=0.0, unsaturated_fraction=0.0, slope_min=0.0,
-                                  rho_J_max=None, skipped="no states recorded for this block")
+                traj = Trajectory(
+                    states=0,
+                    states_in_P_fraction=0.0,
+                    unsaturated_fraction=0.0,
+                    slope_min=0.0,
+                    rho_J_max=None,
+                    skipped="no states recorded for this block",
+                )
             verdict, reason = _decide(b, params, traj)
             reports[b.index] = BlockReport(b.name, b.kind, verdict, reason, params, traj, spectrum)
         else:
             params, spectrum = base[b.index]
-            reports[b.index] = BlockReport(b.name, b.kind, Verdict.BASELINE,
-                                           "baseline: plain ResNet weights with no stability parametrisation",
-                                           params, None, spectrum)
+            reports[b.index] = BlockReport(
+                b.name,
+                b.kind,
+                Verdict.BASELINE,
+                "baseline: plain ResNet weights with no stability parametrisation",
+                params,
+                None,
+                spectrum,
+            )
     ordered = tuple(reports[b.index] for b in blocks)
     nais = [r for r in ordered if r.kind in ("dense", "conv")]
     certified = bool(nais) and all(r.certified for r in ordered)
@@ -245,29 +280,54 @@ def _audit(model, variables, inputs, options: AuditOptions, source: Source, data
         failed = [r.name for r in ordered if not r.certified]
         reason = "every block certified stable" if not failed else f"not certified: {', '.join(failed)}"
     first_nais = next((b.p32 for b in blocks if b.kind in ("dense", "conv")), blocks[0].p32 if blocks else None)
-    hyper = hyper if hyper is not None or first_nais is None else Hyperparameters(
-        eps=first_nais.eps, eta=first_nais.eta, h=first_nais.h, relaxed=options.relaxed,
-        activation=first_nais.activation)
+    hyper = (
+        hyper
+        if hyper is not None or first_nais is None
+        else Hyperparameters(
+            eps=first_nais.eps,
+            eta=first_nais.eta,
+            h=first_nais.h,
+            relaxed=options.relaxed,
+            activation=first_nais.activation,
+        )
+    )
     finite = lambda xs: [x for x in xs if x is not None and np.isfinite(x)]  # noqa: E731
     rho = finite([r.parameter.rho_I_plus_hA for r in ordered])
-    bounds = finite([getattr(r.parameter, "rho_I_plus_hA_bound", None) or getattr(r.parameter, "inf_norm_bound_I_plus_hA", None)
-                     for r in nais])
+    bounds = finite(
+        [
+            getattr(r.parameter, "rho_I_plus_hA_bound", None) or getattr(r.parameter, "inf_norm_bound_I_plus_hA", None)
+            for r in nais
+        ]
+    )
     traj = finite([r.trajectory.rho_J_max for r in ordered if r.trajectory is not None])
     summary = Summary(
-        blocks=len(ordered), certified_blocks=sum(r.certified for r in ordered),
-        rho_I_plus_hA_max=max(rho) if rho else None, rho_bound_max=max(bounds) if bounds else None,
+        blocks=len(ordered),
+        certified_blocks=sum(r.certified for r in ordered),
+        rho_I_plus_hA_max=max(rho) if rho else None,
+        rho_bound_max=max(bounds) if bounds else None,
         rho_J_trajectory_max=max(traj) if traj else None,
     )
     timings["total"] = time.perf_counter() - t_start
     timings["total (cpu)"] = time.process_time() - c_start
     return Certificate(
-        certified=certified, reason=reason, blocks=ordered, summary=summary, hyperparameters=hyper,
-        source=source, data=DataInfo(source=data_source if use_data else "none",
-                                     samples=int(len(inputs)) if use_data else 0),
-        device=str(jax.devices()[0]), precision="float64, matmul precision HIGHEST (proofs on float32 operators)",
-        versions=_versions(), seconds=timings["total"], timings=timings,
-        tolerances={"sigma_min": options.sigma_min, "perturbation": options.perturbation,
-                    "arnoldi_rel_tol": 1e-10, "parameter_slack": 0.0},
+        certified=certified,
+        reason=reason,
+        blocks=ordered,
+        summary=summary,
+        hyperparameters=hyper,
+        source=source,
+        data=DataInfo(source=data_source if use_data else "none", samples=int(len(inputs)) if use_data else 0),
+        device=str(jax.devices()[0]),
+        precision="float64, matmul precision HIGHEST (proofs on float32 operators)",
+        versions=_versions(),
+        seconds=timings["total"],
+        timings=timings,
+        tolerances={
+            "sigma_min": options.sigma_min,
+            "perturbation": options.perturbation,
+            "arnoldi_rel_tol": 1e-10,
+            "parameter_slack": 0.0,
+        },
         schema=SCHEMA,
     )
 
@@ -279,13 +339,19 @@ def _decide(b: Block, par, traj) -> tuple[Verdict, str]:
     reasons, notes = [], []
     if not par.condition1_proven:
         if b.kind == "dense":
-            why = (f"proven eigenvalues of -(A + A^T)/2 in [{par.eig_M_lower}, {par.eig_M_upper}] and skew part "
-                   f"<= {par.skew_norm_bound:.3g} do not give h (a^2 + kappa^2) < 2a at both ends")
-            reasons.append(f"Condition 1 not proven for the float32 operator ({why}; rho(I + hA) bound "
-                           f"{par.rho_I_plus_hA_bound:.9g})")
+            why = (
+                f"proven eigenvalues of -(A + A^T)/2 in [{par.eig_M_lower}, {par.eig_M_upper}] and skew part "
+                f"<= {par.skew_norm_bound:.3g} do not give h (a^2 + kappa^2) < 2a at both ends"
+            )
+            reasons.append(
+                f"Condition 1 not proven for the float32 operator ({why}; rho(I + hA) bound "
+                f"{par.rho_I_plus_hA_bound:.9g})"
+            )
         else:
-            reasons.append(f"Condition 1 not proven for the float32 operator (Gershgorin bound on "
-                           f"||I + hA||_inf = {par.inf_norm_bound_I_plus_hA:.9g} >= 1)")
+            reasons.append(
+                f"Condition 1 not proven for the float32 operator (Gershgorin bound on "
+                f"||I + hA||_inf = {par.inf_norm_bound_I_plus_hA:.9g} >= 1)"
+            )
     if not par.condition_holds:
         (reasons if reasons else notes).append(f"projection condition violated ({par.condition})")
     if not 0 < h <= 1:
@@ -298,8 +364,10 @@ def _decide(b: Block, par, traj) -> tuple[Verdict, str]:
         reasons.append(f"inconsistent: estimated rho(I + hA) = {rho:.9g} above the proven bound {bound:.9g}")
     # (the trajectory runs with h in float64, the proof with float32(h): 1e-6 covers that)
     if traj is not None and traj.rho_J_max is not None and traj.rho_J_max > par.rho_bar_bound * (1 + 1e-6) + 1e-12:
-        reasons.append(f"inconsistent: a visited Jacobian in P has radius {traj.rho_J_max:.9g} above the "
-                       f"proven bound {par.rho_bar_bound:.9g}")
+        reasons.append(
+            f"inconsistent: a visited Jacobian in P has radius {traj.rho_J_max:.9g} above the "
+            f"proven bound {par.rho_bar_bound:.9g}"
+        )
     if reasons:
         return Verdict.NOT_PROVEN, "; ".join(reasons)
     text = "Condition 1 proven for the float32 operator"
@@ -314,8 +382,14 @@ def _versions() -> dict:
 
     from naisnet_jax import __version__
 
-    return {"naisnet_jax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "flax": flax.__version__, "numpy": np.__version__, "python": platform.python_version()}
+    return {
+        "naisnet_jax": __version__,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -333,13 +407,16 @@ def _inputs(meta: ckpt.CheckpointMetadata, options: AuditOptions) -> tuple[np.nd
 
     name = options.data or meta.dataset
     if name not in data_lib.DATASET_NAMES:
-        raise ckpt.CheckpointError(f"dataset {name!r} is unknown (valid: {', '.join(data_lib.DATASET_NAMES)}); "
-                                   f"pass --data=random or --data=none")
+        raise ckpt.CheckpointError(
+            f"dataset {name!r} is unknown (valid: {', '.join(data_lib.DATASET_NAMES)}); "
+            f"pass --data=random or --data=none"
+        )
     data_dir = options.data_dir or meta.config.get("data_dir")
     ds = data_lib.load_dataset(name, data_dir=data_dir, limit_test=options.samples)
     images = ds.test_images[: options.samples].astype(np.float64) / 255.0
-    return (images - np.asarray(meta.channel_mean)) / np.asarray(meta.channel_std), \
-        f"{name} test split: first {len(images)} images"
+    return (images - np.asarray(meta.channel_mean)) / np.asarray(
+        meta.channel_std
+    ), f"{name} test split: first {len(images)} images"
 
 
 def audit(checkpoint_dir: str, options: AuditOptions | None = None, *, step: int | None = None) -> Certificate:
@@ -366,11 +443,23 @@ def audit(checkpoint_dir: str, options: AuditOptions | None = None, *, step: int
             raise ckpt.CheckpointError(str(e)) from None
         inputs, data_source = _inputs(meta, options)
         options = dataclasses.replace(options, relaxed=meta.relaxed, input_shape=meta.input_shape)
-        source = Source(kind="checkpoint", model=meta.model, path=str(checkpoint_dir), step=meta.step,
-                        epoch=meta.epoch, model_kwargs=dict(meta.model_kwargs), dataset=meta.dataset,
-                        digest=meta.digest)
-        hyper = Hyperparameters(eps=meta.eps, eta=meta.eta, h=float(getattr(model, "h", meta.h)),
-                                relaxed=meta.relaxed, activation=str(getattr(model, "activation", "relu")))
+        source = Source(
+            kind="checkpoint",
+            model=meta.model,
+            path=str(checkpoint_dir),
+            step=meta.step,
+            epoch=meta.epoch,
+            model_kwargs=dict(meta.model_kwargs),
+            dataset=meta.dataset,
+            digest=meta.digest,
+        )
+        hyper = Hyperparameters(
+            eps=meta.eps,
+            eta=meta.eta,
+            h=float(getattr(model, "h", meta.h)),
+            relaxed=meta.relaxed,
+            activation=str(getattr(model, "activation", "relu")),
+        )
         try:
             cert = _audit(model, variables, inputs, options, source, data_source, hyper)
         except ModelApplyError as e:

@@ -16,8 +16,14 @@ from .certify import AuditOptions, audit, check_option
 from .report import write_figures, write_json
 
 
-def audit_and_report(checkpoint_dir: str, *, json_path: str | None = None, figures_dir: str | None = None,
-                     options: AuditOptions | None = None, progress: bool | None = None) -> int:
+def audit_and_report(
+    checkpoint_dir: str,
+    *,
+    json_path: str | None = None,
+    figures_dir: str | None = None,
+    options: AuditOptions | None = None,
+    progress: bool | None = None,
+) -> int:
     """Audit, print the table, write the certificate and figures; return the exit status."""
     del progress  # the audit reports its phases in the certificate's timings
     try:
@@ -26,8 +32,7 @@ def audit_and_report(checkpoint_dir: str, *, json_path: str | None = None, figur
         print(f"naisnet-verify: unusable checkpoint: {e}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ImportError) as e:
-        print(f"naisnet-verify: cannot read the audit's data ({e}); pass --data=random or --data=none",
-              file=sys.stderr)
+        print(f"naisnet-verify: cannot read the audit's data ({e}); pass --data=random or --data=none", file=sys.stderr)
         return 2
     print(cert.table())
     if figures_dir:
@@ -52,23 +57,38 @@ def main(argv=None) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the JSON certificate here")
     parser.add_argument("--figures", metavar="DIR", help="write one eigenvalue figure per block here")
     parser.add_argument("--samples", type=int, default=64, help="inputs to unroll for the trajectory checks")
-    parser.add_argument("--data", default=None,
-                        help="dataset for the trajectories (default: the checkpoint's); 'random' for synthetic "
-                        "inputs, 'none' to skip the data-driven checks")
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="dataset for the trajectories (default: the checkpoint's); 'random' for synthetic "
+        "inputs, 'none' to skip the data-driven checks",
+    )
     parser.add_argument("--data-dir", default=None, help="where that dataset lives")
-    parser.add_argument("--sigma-min", type=float, default=1e-2,
-                        help="slope threshold of Condition 1's set P (for ReLU, P is 'every unit active')")
-    parser.add_argument("--jacobian-samples", type=int, default=1,
-                        help="conv blocks: trajectory Jacobians in P whose radius is estimated (the worst by the "
-                        "inf-norm first)")
+    parser.add_argument(
+        "--sigma-min",
+        type=float,
+        default=1e-2,
+        help="slope threshold of Condition 1's set P (for ReLU, P is 'every unit active')",
+    )
+    parser.add_argument(
+        "--jacobian-samples",
+        type=int,
+        default=1,
+        help="conv blocks: trajectory Jacobians in P whose radius is estimated (the worst by the inf-norm first)",
+    )
     args = parser.parse_args(argv)
     for field in ("samples", "jacobian_samples", "sigma_min"):
         try:
             check_option(field, getattr(args, field), "--" + field.replace("_", "-"))
         except ValueError as e:
             parser.error(str(e))
-    options = AuditOptions(samples=args.samples, data=args.data, data_dir=args.data_dir, sigma_min=args.sigma_min,
-                           jacobian_samples=args.jacobian_samples)
+    options = AuditOptions(
+        samples=args.samples,
+        data=args.data,
+        data_dir=args.data_dir,
+        sigma_min=args.sigma_min,
+        jacobian_samples=args.jacobian_samples,
+    )
     sys.exit(audit_and_report(args.checkpoint_dir, json_path=args.json, figures_dir=args.figures, options=options))
 
 

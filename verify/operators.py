@@ -12,7 +12,7 @@ row-major, so entry `(y, x, c)` sits at index `(y * W + x) * C + c`.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,13 +31,11 @@ _PADDINGS = ("SAME", "CIRCULAR")
 def _image_hw(image_shape) -> tuple[int, int]:
     shape = tuple(int(s) for s in image_shape)
     if len(shape) not in (2, 3) or min(shape) < 1:
-        raise ValueError(
-            f"image_shape must be (H, W) or (H, W, C) with positive sizes; got {shape}"
-        )
+        raise ValueError(f"image_shape must be (H, W) or (H, W, C) with positive sizes; got {shape}")
     return shape[0], shape[1]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _conv_flat_fn(height: int, width: int, padding: str) -> Callable[[Array, Array], Array]:
     """One fixed function object per (H, W, padding), so jit caches hit across kernels."""
 
@@ -142,8 +140,7 @@ def jacobian_operator(a, slopes, h) -> Callable[[Array], Array]:
         n = a.shape[0]
         if a.shape != (n, n) or slopes.shape != (n,):
             raise ValueError(
-                f"A must be square with one slope per row; got A {tuple(a.shape)}, "
-                f"slopes with {slopes.size} entries"
+                f"A must be square with one slope per row; got A {tuple(a.shape)}, slopes with {slopes.size} entries"
             )
     return Partial(_jacobian_mv, op, slopes, jnp.asarray(h))
 
@@ -171,7 +168,5 @@ def operator_matrix(op, n: int, *, dtype=None, chunk: int = 256) -> Array:
         blocks.append(_apply_rows(op, rows)[: min(chunk, n - start)])
     columns = jnp.concatenate(blocks, axis=0)  # row j holds op(e_j)
     if columns.shape != (n, n):
-        raise ValueError(
-            f"op must map length-{n} vectors to length-{n} vectors; got {columns.shape[1]}"
-        )
+        raise ValueError(f"op must map length-{n} vectors to length-{n} vectors; got {columns.shape[1]}")
     return columns.T

@@ -30,15 +30,31 @@ def plot_block(block, ax=None):
     discs = np.unique(np.round(np.stack([centres, radii], axis=1), 12), axis=0) if len(centres) else []
     for a in axes:
         for i, (c, r) in enumerate(discs):
-            a.add_patch(Circle((c, 0.0), r, fill=False, lw=0.6, color="C0", alpha=0.7,
-                               label="Gershgorin discs" if i == 0 else None))
+            a.add_patch(
+                Circle(
+                    (c, 0.0), r, fill=False, lw=0.6, color="C0", alpha=0.7, label="Gershgorin discs" if i == 0 else None
+                )
+            )
         a.plot(np.cos(t), np.sin(t), "k-", lw=0.9, label="unit circle")
         if sp.bound is not None and np.isfinite(sp.bound):
-            a.plot(sp.bound * np.cos(t), sp.bound * np.sin(t), "--", color="C2", lw=1.0,
-                   label=f"proven bound {sp.bound:.6g} ({sp.bound_label})")
+            a.plot(
+                sp.bound * np.cos(t),
+                sp.bound * np.sin(t),
+                "--",
+                color="C2",
+                lw=1.0,
+                label=f"proven bound {sp.bound:.6g} ({sp.bound_label})",
+            )
         if len(eig):
-            a.plot(eig.real, eig.imag, "x", color="C3", ms=5, mew=1.0,
-                   label="eigenvalues" if sp.all_eigenvalues else "dominant eigenvalue(s), estimate")
+            a.plot(
+                eig.real,
+                eig.imag,
+                "x",
+                color="C3",
+                ms=5,
+                mew=1.0,
+                label="eigenvalues" if sp.all_eigenvalues else "dominant eigenvalue(s), estimate",
+            )
         a.axhline(0, color="k", lw=0.3)
         a.set_aspect("equal")
         a.set(xlabel="Re", ylabel="Im")
@@ -58,8 +74,11 @@ def plot_block(block, ax=None):
         d = max(abs(1.0 - inner), 1e-9)
         centre = (1.0 - d / 2) * np.exp(1j * theta)
         half = 1.5 * d
-        axes[1].set(xlim=(centre.real - half, centre.real + half), ylim=(centre.imag - half, centre.imag + half),
-                    title="zoom: proven bound vs unit circle")
+        axes[1].set(
+            xlim=(centre.real - half, centre.real + half),
+            ylim=(centre.imag - half, centre.imag + half),
+            title="zoom: proven bound vs unit circle",
+        )
         axes[1].ticklabel_format(useOffset=False)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=7, frameon=False)

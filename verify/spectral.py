@@ -19,13 +19,13 @@ they are linear: nothing here can tell a nonlinear function from a linear one.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
 from jax.tree_util import Partial
 
 from naisnet_jax.cell import check_kernel_shape
@@ -98,7 +98,7 @@ def _extend_batch(ops, V: Array, H: Array, start: Array, keys: Array) -> tuple[A
     scalars: a member that needs a third pass or a random direction gets it with the others
     masked, not every member every step.
     """
-    B, m = H.shape[0], H.shape[-1]
+    m = H.shape[-1]
     rows = jnp.arange(m + 1)
     dtype = V.dtype
     real = jnp.finfo(dtype).dtype
@@ -132,8 +132,9 @@ def _extend_batch(ops, V: Array, H: Array, start: Array, keys: Array) -> tuple[A
             r = r / jnp.maximum(jnp.linalg.norm(r, axis=1), jnp.finfo(real).tiny)[:, None]
             return jnp.where(broke[:, None], r, w / jnp.where(broke, 1, beta)[:, None])
 
-        v_next = lax.cond(jnp.any(broke & active), random_direction,
-                          lambda w: w / jnp.where(broke, 1, beta)[:, None], w)
+        v_next = lax.cond(
+            jnp.any(broke & active), random_direction, lambda w: w / jnp.where(broke, 1, beta)[:, None], w
+        )
         column = c.at[:, j + 1].set(jnp.where(broke, 0, beta).astype(dtype))
         V = V.at[:, j + 1].set(jnp.where(active[:, None], v_next, V[:, j + 1]))
         H = H.at[:, :, j].set(jnp.where(active[:, None], column, H[:, :, j]))
@@ -292,8 +293,10 @@ def arnoldi_eigs_batch(
     if keys is None:
         keys = jnp.broadcast_to(jax.random.PRNGKey(0), (B, 2))
     keys = jnp.asarray(keys)
-    in_dtype = jnp.dtype(dtype) if dtype is not None else (
-        jnp.asarray(v0).dtype if v0 is not None else jnp.zeros((), float).dtype
+    in_dtype = (
+        jnp.dtype(dtype)
+        if dtype is not None
+        else (jnp.asarray(v0).dtype if v0 is not None else jnp.zeros((), float).dtype)
     )
     one = jax.tree.map(lambda x: x[0], ops)
     out = jax.eval_shape(one, jax.ShapeDtypeStruct((n,), in_dtype))
@@ -318,7 +321,8 @@ def arnoldi_eigs_batch(
     H = jnp.zeros((B, m + 1, m), basis_dtype)
     with single_threaded_blas():
         V, H, final, matvecs, restarts, converged = _restarted_loop(
-            ops, V, H, keys, m, k, tol, max_restarts, real_basis, host_dtype, basis_dtype)
+            ops, V, H, keys, m, k, tol, max_restarts, real_basis, host_dtype, basis_dtype
+        )
 
     complex_dtype = jnp.result_type(basis_dtype, 1j)
     coeffs = jnp.asarray(np.stack([f[1][:, :k].T for f in final]), complex_dtype)
@@ -326,17 +330,19 @@ def arnoldi_eigs_batch(
     vectors, residuals = _ritz_vectors_batch(ops, V[:, :m].astype(complex_dtype), coeffs, theta0, real_basis)
     residuals = np.asarray(residuals)
     results = []
-    for b, (theta, Y, estimates) in enumerate(final):
+    for b, (theta, _, estimates) in enumerate(final):
         extra = 2 if (real_basis and theta[0].imag != 0) else 1
-        results.append(ArnoldiResult(
-            eigenvalues=theta[:k],
-            eigenvectors=vectors[b],
-            residual_estimates=estimates[:k],
-            residual=float(residuals[b]),
-            matvecs=int(matvecs[b]) + extra,
-            restarts=int(restarts[b]),
-            converged=bool(converged[b]),
-        ))
+        results.append(
+            ArnoldiResult(
+                eigenvalues=theta[:k],
+                eigenvectors=vectors[b],
+                residual_estimates=estimates[:k],
+                residual=float(residuals[b]),
+                matvecs=int(matvecs[b]) + extra,
+                restarts=int(restarts[b]),
+                converged=bool(converged[b]),
+            )
+        )
     return results
 
 
@@ -352,8 +358,14 @@ def _restarted_loop(ops, V, H, keys, m, k, tol, max_restarts, real_basis, host_d
     identity = np.eye(m, dtype=host_dtype)
     plan = (np.broadcast_to(identity, (B, m, m)), np.full(B, m), np.ones(B, bool))  # no restart yet
     for restart in range(max_restarts + 1):
-        V, H = _restart_extend_batch(ops, V, H, *(jnp.asarray(x) for x in plan), jnp.asarray(start),
-                                     jax.vmap(jax.random.fold_in, (0, None))(keys, restart))
+        V, H = _restart_extend_batch(
+            ops,
+            V,
+            H,
+            *(jnp.asarray(x) for x in plan),
+            jnp.asarray(start),
+            jax.vmap(jax.random.fold_in, (0, None))(keys, restart),
+        )
         matvecs += np.where(done, 0, m - start)
         Hn = np.asarray(H, dtype=host_dtype)
         plans = []
@@ -429,8 +441,15 @@ def arnoldi_eigs(
     if not jax.tree_util.tree_leaves(batch):  # an operator holding no arrays: give it one
         batch = Partial(_leafless, op, jnp.zeros((1,)))
     (res,) = arnoldi_eigs_batch(
-        batch, n, k=k, krylov_dim=krylov_dim, tol=tol, max_restarts=max_restarts, keys=key[None],
-        v0=None if v0 is None else jnp.asarray(v0).reshape(1, -1), dtype=dtype,
+        batch,
+        n,
+        k=k,
+        krylov_dim=krylov_dim,
+        tol=tol,
+        max_restarts=max_restarts,
+        keys=key[None],
+        v0=None if v0 is None else jnp.asarray(v0).reshape(1, -1),
+        dtype=dtype,
     )
     return res
 
@@ -518,16 +537,10 @@ def spectral_radius_info(
         if method == "dense" or (method == "auto" and n <= dense_max_n):
             return _dense_result(np.asarray(operator_matrix(fn, n)), iterations=n)
     else:
-        raise TypeError(
-            f"op must be a square matrix or a function v -> A v; got {type(op).__name__}"
-        )
-    res = arnoldi_eigs(
-        fn, n, k=1, krylov_dim=krylov_dim, tol=tol, max_restarts=max_restarts, key=key
-    )
+        raise TypeError(f"op must be a square matrix or a function v -> A v; got {type(op).__name__}")
+    res = arnoldi_eigs(fn, n, k=1, krylov_dim=krylov_dim, tol=tol, max_restarts=max_restarts, key=key)
     eigenvalue = complex(res.eigenvalues[0])
-    return SpectralResult(
-        abs(eigenvalue), eigenvalue, res.residual, res.matvecs, "arnoldi", res.converged
-    )
+    return SpectralResult(abs(eigenvalue), eigenvalue, res.residual, res.matvecs, "arnoldi", res.converged)
 
 
 def spectral_radius(
@@ -547,8 +560,14 @@ def spectral_radius(
     `spectral_radius_info` returns it with `converged=False` instead.
     """
     res = spectral_radius_info(
-        op, n=n, method=method, dense_max_n=dense_max_n, tol=tol, krylov_dim=krylov_dim,
-        max_restarts=max_restarts, key=key,
+        op,
+        n=n,
+        method=method,
+        dense_max_n=dense_max_n,
+        tol=tol,
+        krylov_dim=krylov_dim,
+        max_restarts=max_restarts,
+        key=key,
     )
     if not res.converged:
         raise RuntimeError(
@@ -619,8 +638,11 @@ def power_norm_bound(*args, **kwargs) -> float:
     bound)."""
     import warnings
 
-    warnings.warn("power_norm_bound is renamed power_norm_estimate: it returns an estimate of "
-                  "||A||_2 from below, not a bound", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "power_norm_bound is renamed power_norm_estimate: it returns an estimate of ||A||_2 from below, not a bound",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return power_norm_estimate(*args, **kwargs)
 
 

@@ -17,8 +17,10 @@ MODELS = ("naisnet_cifar1", "naisnet_cifar10", "resnet_cifar")
 def get_config(arg: str | None = None):
     dataset, model = (arg or "cifar10,naisnet_cifar10").split(",")
     if dataset not in DATASETS or model not in MODELS:
-        raise ValueError(f"cifar_paper config argument {arg!r}: expected 'DATASET,MODEL' with DATASET in "
-                         f"{DATASETS} and MODEL in {MODELS}.")
+        raise ValueError(
+            f"cifar_paper config argument {arg!r}: expected 'DATASET,MODEL' with DATASET in "
+            f"{DATASETS} and MODEL in {MODELS}."
+        )
     config = default.get_config()
     config.dataset = dataset
     config.model = model

@@ -28,8 +28,11 @@ def execute(nb, *, cwd, quick: bool = False, timeout: int = 600) -> None:
     from jupyter_client.kernelspec import KernelSpecManager
     from nbclient import NotebookClient
 
-    env = dict(os.environ, NAISNET_NOTEBOOK_QUICK="1" if quick else "0",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        NAISNET_NOTEBOOK_QUICK="1" if quick else "0",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
     # kernel_dirs=[]: only ipykernel's own spec, whose command is this interpreter
     km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[]))
     client = NotebookClient(nb, km=km, timeout=timeout, resources={"metadata": {"path": str(cwd)}})
@@ -52,8 +55,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     source, out = pathlib.Path(args.notebook).resolve(), pathlib.Path(args.out).resolve()
     if out == source:
-        raise ValueError(f"--out={args.out!r} is the notebook itself; committed notebooks carry no outputs, "
-                         f"write the executed copy elsewhere (e.g. runs/).")
+        raise ValueError(
+            f"--out={args.out!r} is the notebook itself; committed notebooks carry no outputs, "
+            f"write the executed copy elsewhere (e.g. runs/)."
+        )
     nb = nbformat.read(source, as_version=4)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:

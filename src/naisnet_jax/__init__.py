@@ -10,8 +10,8 @@ from naisnet_jax.cell import ACTIVATIONS, activation_slope, conv_same, conv_step
 from naisnet_jax.parametrize import centre_mask, conv_state_kernel, fc_state_matrix
 from naisnet_jax.projection import (
     count_projected_blocks,
-    iter_state_blocks,
     fc_delta,
+    iter_state_blocks,
     project_conv,
     project_fc,
     project_params,

@@ -19,7 +19,7 @@ block's memory is then only its input).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -101,9 +101,7 @@ def _tied_bwd(op, steps, h, activation, residuals, scan_unroll, res, g):
         (gx,) = op_x_t(s)
         return (g + gx, d_drive + s), s
 
-    (g0, d_drive), ss = lax.scan(
-        body, (g, jnp.zeros_like(g)), rs, reverse=True, unroll=scan_unroll
-    )
+    (g0, d_drive), ss = lax.scan(body, (g, jnp.zeros_like(g)), rs, reverse=True, unroll=scan_unroll)
     stacked_x = xs.reshape((-1,) + xs.shape[2:])  # (K * batch, ...)
     stacked_s = ss.reshape((-1,) + ss.shape[2:])
     (dW,) = jax.linear_transpose(lambda w: op(stacked_x, w), W)(stacked_s)

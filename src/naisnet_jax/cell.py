@@ -21,7 +21,7 @@ with the step's own parameters; ``unroll(..., xs=(As, drives))`` feeds them.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +45,9 @@ def check_step_size(h: float, name: str = "h") -> float:
     """``h`` must lie in (0, 1]: the stability proofs need ``h <= 1``. A traced ``h`` passes."""
     if isinstance(h, jax.core.Tracer):  # a traced h cannot be checked here
         return h
-    return check_number(name, h, 0.0, 1.0, lo_open=True,
-                        why=": h must be positive and at most 1 (the stability proofs need h <= 1)")
+    return check_number(
+        name, h, 0.0, 1.0, lo_open=True, why=": h must be positive and at most 1 (the stability proofs need h <= 1)"
+    )
 
 
 def activation_slope(activation: str, z: Array) -> Array:
@@ -92,9 +93,7 @@ def fc_step(
     if A.ndim != 2 or A.shape[0] != A.shape[1]:
         raise ValueError(f"state matrix A must be square (n, n); got shape {A.shape}.")
     if x.shape[-1] != A.shape[0]:
-        raise ValueError(
-            f"state x has {x.shape[-1]} features but A has shape {A.shape}."
-        )
+        raise ValueError(f"state x has {x.shape[-1]} features but A has shape {A.shape}.")
     return x + h * act(jnp.matmul(x, A.T, precision=precision) + drive)
 
 
@@ -121,22 +120,19 @@ def conv_step(
     act = ACTIVATIONS[check_activation(activation)]
     check_kernel_shape(kernel.shape)
     if x.shape[-1] != kernel.shape[-1]:
-        raise ValueError(
-            f"state x has {x.shape[-1]} channels but the state kernel has shape "
-            f"{kernel.shape}."
-        )
+        raise ValueError(f"state x has {x.shape[-1]} channels but the state kernel has shape {kernel.shape}.")
     return x + h * act(conv_same(x, kernel, precision=precision) + drive)
 
 
-def check_kernel_shape(shape: tuple[int, ...], *, square_channels: bool = True,
-                       leading_axes: bool = True) -> None:
+def check_kernel_shape(shape: tuple[int, ...], *, square_channels: bool = True, leading_axes: bool = True) -> None:
     """A conv kernel is HWIO ``(k, k, C_in, C_out)`` with an odd ``k = 2p+1`` (every channel has a
     centre tap); a state kernel also has ``C_in == C_out`` (``square_channels``).
     ``leading_axes`` allows ``(..., k, k, C, C)`` (untied per-step kernels)."""
     shape = tuple(int(s) for s in shape)
     if len(shape) < 4 or (not leading_axes and len(shape) != 4):
-        axes = "(..., k, k, C_in, C_out) HWIO with optional leading axes" if leading_axes else \
-            "(k, k, C_in, C_out) HWIO"
+        axes = (
+            "(..., k, k, C_in, C_out) HWIO with optional leading axes" if leading_axes else "(k, k, C_in, C_out) HWIO"
+        )
         raise ValueError(f"kernel of shape {shape} is not {axes}.")
     kh, kw, cin, cout = shape[-4:]
     if kh != kw or kh % 2 == 0:

@@ -24,7 +24,8 @@ import hashlib
 import json
 import math
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -133,8 +134,7 @@ class CheckpointMetadata:
             except TypeError:
                 values = None
             if values is None or len(values) != channels:
-                raise ValueError(f"{field}={getattr(self, field)!r} must be {channels} numbers, one per "
-                                 f"input channel.")
+                raise ValueError(f"{field}={getattr(self, field)!r} must be {channels} numbers, one per input channel.")
             for i, v in enumerate(values):
                 check_number(f"{field}[{i}]", v, lo, math.inf, lo_open=True, hi_open=True)
             object.__setattr__(self, field, tuple(float(v) for v in values))
@@ -151,8 +151,9 @@ class CheckpointMetadata:
             raise ValueError(f"model_kwargs={self.model_kwargs!r} must be a mapping of keyword arguments.")
         repeated = sorted(set(self.model_kwargs) & set(_STORED_ONCE))
         if repeated:
-            raise ValueError(f"model_kwargs={self.model_kwargs!r} must hold no {repeated} (stored once, "
-                             f"as top-level fields).")
+            raise ValueError(
+                f"model_kwargs={self.model_kwargs!r} must hold no {repeated} (stored once, as top-level fields)."
+            )
         for field in ("config", "extra"):
             if not isinstance(getattr(self, field), Mapping):
                 raise ValueError(f"{field}={getattr(self, field)!r} must be a mapping.")
@@ -165,7 +166,7 @@ class CheckpointMetadata:
     # ------------------------------------------------------------ constructors
 
     @classmethod
-    def from_config(cls, config, dataset, mean, std, *, epoch: int | None = None) -> "CheckpointMetadata":
+    def from_config(cls, config, dataset, mean, std, *, epoch: int | None = None) -> CheckpointMetadata:
         """The metadata of a run of ``config`` on ``dataset`` (an object with ``num_classes``
         and ``train_images``) normalised with per-channel ``mean`` and ``std``.
 
@@ -182,15 +183,23 @@ class CheckpointMetadata:
                 if field in accepted and config.get(field) is not None:
                     kwargs[field] = config[field]
         return cls(
-            model=config.model, model_kwargs=kwargs, num_classes=int(dataset.num_classes),
-            input_shape=tuple(int(d) for d in dataset.train_images.shape[1:]), dataset=config.dataset,
-            channel_mean=tuple(float(v) for v in np.ravel(mean)), channel_std=tuple(float(v) for v in np.ravel(std)),
-            eps=config.eps, eta=config.eta, h=config.h, relaxed=bool(config.relaxed), config=config,
+            model=config.model,
+            model_kwargs=kwargs,
+            num_classes=int(dataset.num_classes),
+            input_shape=tuple(int(d) for d in dataset.train_images.shape[1:]),
+            dataset=config.dataset,
+            channel_mean=tuple(float(v) for v in np.ravel(mean)),
+            channel_std=tuple(float(v) for v in np.ravel(std)),
+            eps=config.eps,
+            eta=config.eta,
+            h=config.h,
+            relaxed=bool(config.relaxed),
+            config=config,
             epoch=epoch,
         )
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "CheckpointMetadata":
+    def from_json(cls, data: Mapping[str, Any]) -> CheckpointMetadata:
         """Validated metadata from its JSON dict (as :func:`restore` returns it).
 
         Reads both versions: 2 (this one) and 1 (``model_kwargs`` repeating
@@ -203,8 +212,11 @@ class CheckpointMetadata:
         if version not in (1, METADATA_VERSION):
             raise CheckpointError(f"checkpoint metadata_version={version!r}; this code reads 1 and {METADATA_VERSION}.")
         fields = {f.name for f in dataclasses.fields(cls)}
-        required = [f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         missing = [k for k in required if k not in data]
         if missing:
             raise CheckpointError(f"the checkpoint's metadata lacks {missing}; it was not written by naisnet-jax.")
@@ -213,8 +225,9 @@ class CheckpointMetadata:
         for field in _STORED_ONCE:  # version 1 repeated these in model_kwargs
             if field in kwargs:
                 top = values.get(field, kwargs[field])
-                if not isinstance(kwargs[field], (int, float)) or not math.isclose(float(kwargs[field]), float(top),
-                                                                                   rel_tol=1e-12, abs_tol=0):
+                if not isinstance(kwargs[field], (int, float)) or not math.isclose(
+                    float(kwargs[field]), float(top), rel_tol=1e-12, abs_tol=0
+                ):
                     raise CheckpointError(
                         f"the metadata's {field}={top!r} disagrees with model_kwargs {field}={kwargs[field]!r}; "
                         f"the checkpoint does not say which one the network ran with."
@@ -233,7 +246,7 @@ class CheckpointMetadata:
         out["metadata_version"] = METADATA_VERSION
         return out
 
-    def replace(self, **changes) -> "CheckpointMetadata":
+    def replace(self, **changes) -> CheckpointMetadata:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ model
@@ -303,9 +316,7 @@ def manager(directory: str, *, max_to_keep: int = 3, create: bool = True):
     """An Orbax ``CheckpointManager`` over ``directory`` with our two items."""
     ocp = _ocp()
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create)
-    return ocp.CheckpointManager(
-        os.path.abspath(directory), options=options, item_names=("state", "metadata")
-    )
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_names=("state", "metadata"))
 
 
 def save(mngr, step: int, state: Any, metadata: CheckpointMetadata) -> None:
@@ -326,9 +337,7 @@ def save(mngr, step: int, state: Any, metadata: CheckpointMetadata) -> None:
     meta.update(format=FORMAT, format_version=FORMAT_VERSION)
     mngr.save(
         int(step),
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(meta)
-        ),
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(meta)),
         force=True,
     )
     mngr.wait_until_finished()
@@ -341,7 +350,8 @@ def _read_metadata(mngr, step: int, where: str) -> dict:
     except Exception as e:  # noqa: BLE001 - any failure means unusable
         raise CheckpointError(f"{where}: cannot read the checkpoint metadata ({type(e).__name__}: {e}).") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{where} is not a {FORMAT} checkpoint (metadata format={meta.get('format') if isinstance(meta, dict) else meta!r}).")
+        found = meta.get("format") if isinstance(meta, dict) else meta
+        raise CheckpointError(f"{where} is not a {FORMAT} checkpoint (metadata format={found!r}).")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{where}: checkpoint format_version={meta.get('format_version')!r}, this code reads {FORMAT_VERSION}."
@@ -376,9 +386,7 @@ def restore(mngr, step: int | None = None, *, target: Any = None) -> tuple[Any, 
     if target is not None:
         target = jax.tree.map(lambda x: ocp.utils.to_shape_dtype_struct(jax.numpy.asarray(x)), target)
     try:
-        state = mngr.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-        )["state"]
+        state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(
             f"{where} (step {step}): the checkpoint's arrays cannot be read "

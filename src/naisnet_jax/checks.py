@@ -12,7 +12,8 @@ unchanged. The domain rules built on them live beside their maths and are the on
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 import numpy as np
@@ -56,9 +57,17 @@ def interval(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False)
     return f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
 
 
-def check_number(name: str, value: Any, lo: float = -math.inf, hi: float = math.inf, *,
-                 lo_open: bool = False, hi_open: bool = False, label: str | None = None,
-                 why: str = "") -> Any:
+def check_number(
+    name: str,
+    value: Any,
+    lo: float = -math.inf,
+    hi: float = math.inf,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    label: str | None = None,
+    why: str = "",
+) -> Any:
     """``value`` is a finite real number (not a bool) in the interval from ``lo`` to ``hi``.
 
     ``label`` names the interval symbolically (``"(eps, 1)"`` is written ``(eps, 1) = (0.01, 1)``);
@@ -122,5 +131,6 @@ def check_finite(what: str, tree: Any, why: str = "") -> Any:
         message = f"{what} has {total} non-finite entries (NaN or inf) out of {bad[0][2]}"
     else:
         message = f"{what} has {total} non-finite entries (NaN or inf): " + ", ".join(
-            f"{label} ({count} of {size})" for label, count, size in bad)
+            f"{label} ({count} of {size})" for label, count, size in bad
+        )
     raise ValueError(f"{message}{why}.")

@@ -62,7 +62,11 @@ _FASHION_MNIST_HINT = (
 
 TFDS_NAMES = ("mnist", "fashion_mnist", "cifar10", "cifar100")
 DATASET_NAMES = (
-    "fashion_mnist_idx", "fashion_mnist_tfds_idx", "mnist_pinned", "mnist_tfds_pinned", "digits",
+    "fashion_mnist_idx",
+    "fashion_mnist_tfds_idx",
+    "mnist_pinned",
+    "mnist_tfds_pinned",
+    "digits",
     *TFDS_NAMES,
 )
 
@@ -103,18 +107,12 @@ class Dataset:
             labels = getattr(self, f"{split}_labels")
             if images.dtype != np.uint8 or images.ndim != 4:
                 raise ValueError(
-                    f"{self.name}: {split}_images must be (N, H, W, C) uint8, "
-                    f"found {images.shape} {images.dtype}"
+                    f"{self.name}: {split}_images must be (N, H, W, C) uint8, found {images.shape} {images.dtype}"
                 )
             if labels.dtype != np.int32 or labels.ndim != 1:
-                raise ValueError(
-                    f"{self.name}: {split}_labels must be (N,) int32, "
-                    f"found {labels.shape} {labels.dtype}"
-                )
+                raise ValueError(f"{self.name}: {split}_labels must be (N,) int32, found {labels.shape} {labels.dtype}")
             if len(images) != len(labels):
-                raise ValueError(
-                    f"{self.name}: {len(images)} {split} images but {len(labels)} labels"
-                )
+                raise ValueError(f"{self.name}: {len(images)} {split} images but {len(labels)} labels")
             if labels.size and (labels.min() < 0 or labels.max() >= self.num_classes):
                 raise ValueError(
                     f"{self.name}: {split} labels span [{labels.min()}, {labels.max()}], "
@@ -180,9 +178,7 @@ def read_idx(path: str | os.PathLike, *, ndim: int | None = None) -> np.ndarray:
         )
     if type_code != 0x08:
         found = _IDX_TYPE_NAMES.get(type_code, "unknown")
-        raise ValueError(
-            f"{path}: data type code 0x{type_code:02x} ({found}), expected 0x08 (unsigned byte)"
-        )
+        raise ValueError(f"{path}: data type code 0x{type_code:02x} ({found}), expected 0x08 (unsigned byte)")
     if ndim is not None and rank != ndim:
         raise ValueError(
             f"{path}: magic number 0x{magic:08x} ({rank}-D), expected 0x{0x800 + ndim:08x} "
@@ -191,26 +187,17 @@ def read_idx(path: str | os.PathLike, *, ndim: int | None = None) -> np.ndarray:
 
     header = 4 + 4 * rank
     if len(raw) < header:
-        raise ValueError(
-            f"{path}: truncated header, {len(raw)} bytes, expected {header} for {rank} dims"
-        )
+        raise ValueError(f"{path}: truncated header, {len(raw)} bytes, expected {header} for {rank} dims")
     dims = pystruct.unpack(f">{rank}I", raw[4:header])
     expected, found = math.prod(dims), len(raw) - header
     if found < expected:
-        raise ValueError(
-            f"{path}: truncated, dims {dims} need {expected} data bytes, found {found}"
-        )
+        raise ValueError(f"{path}: truncated, dims {dims} need {expected} data bytes, found {found}")
     if found > expected:
-        raise ValueError(
-            f"{path}: dims {dims} need {expected} data bytes, found {found} "
-            f"({found - expected} extra)"
-        )
+        raise ValueError(f"{path}: dims {dims} need {expected} data bytes, found {found} ({found - expected} extra)")
     return np.frombuffer(raw, np.uint8, count=expected, offset=header).reshape(dims).copy()
 
 
-def load_idx_pair(
-    images_path: str | os.PathLike, labels_path: str | os.PathLike
-) -> tuple[np.ndarray, np.ndarray]:
+def load_idx_pair(images_path: str | os.PathLike, labels_path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
     """Reads an images file and its labels file: ``(N, H, W, 1)`` uint8 and ``(N,)`` int32.
 
     Raises ``ValueError`` naming both files when their counts differ.
@@ -257,9 +244,7 @@ def load_fashion_mnist_idx(data_dir: str | os.PathLike | None = None) -> Dataset
     directory = fashion_mnist_dir(data_dir)
     train_images, train_labels = _fashion_mnist_split(directory, "train")
     test_images, test_labels = _fashion_mnist_split(directory, "t10k")
-    return Dataset(
-        train_images, train_labels, test_images, test_labels, 10, "fashion_mnist_idx"
-    )
+    return Dataset(train_images, train_labels, test_images, test_labels, 10, "fashion_mnist_idx")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,15 +368,11 @@ def _mnist_split(split: Any, name: str, rows: int, path: pathlib.Path):
         if type(array) is not np.ndarray:
             raise ValueError(f"{path}: {label} is {type(array).__name__}, expected numpy.ndarray")
     if x.dtype != np.float32 or x.shape != (rows, 784):
-        raise ValueError(
-            f"{path}: {name}_x is {x.shape} {x.dtype}, expected ({rows}, 784) float32"
-        )
+        raise ValueError(f"{path}: {name}_x is {x.shape} {x.dtype}, expected ({rows}, 784) float32")
     if y.dtype != np.int64 or y.shape != (rows,):
         raise ValueError(f"{path}: {name}_y is {y.shape} {y.dtype}, expected ({rows},) int64")
     if rows and (y.min() < 0 or y.max() > 9):
-        raise ValueError(
-            f"{path}: {name}_y spans [{y.min()}, {y.max()}], expected labels 0..9"
-        )
+        raise ValueError(f"{path}: {name}_y spans [{y.min()}, {y.max()}], expected labels 0..9")
     return _mnist_pixels_to_uint8(x, f"{path}: {name}_x"), y.astype(np.int32)
 
 
@@ -417,8 +398,16 @@ def read_mnist_pickle(path: str | os.PathLike, *, pin: MnistPin | None = None):
             obj = _NumpyOnlyUnpickler(stream, encoding="latin1").load()
     except RefusedPickleError as e:
         raise RefusedPickleError(f"{path}: {e}") from None
-    except (EOFError, OSError, zlib.error, pickle.UnpicklingError, TypeError, ValueError,
-            AttributeError, IndexError) as e:
+    except (
+        EOFError,
+        OSError,
+        zlib.error,
+        pickle.UnpicklingError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        IndexError,
+    ) as e:
         raise ValueError(f"{path}: not a readable MNIST pickle ({type(e).__name__}: {e})") from e
     if not (isinstance(obj, tuple) and len(obj) == 3):
         raise ValueError(
@@ -426,14 +415,11 @@ def read_mnist_pickle(path: str | os.PathLike, *, pin: MnistPin | None = None):
             "((train_x, train_y), (valid_x, valid_y), (test_x, test_y))"
         )
     return tuple(
-        _mnist_split(split, name, rows, path)
-        for split, name, rows in zip(obj, ("train", "valid", "test"), pin.rows)
+        _mnist_split(split, name, rows, path) for split, name, rows in zip(obj, ("train", "valid", "test"), pin.rows)
     )
 
 
-def load_mnist_pinned(
-    data_dir: str | os.PathLike | None = None, *, pin: MnistPin | None = None
-) -> Dataset:
+def load_mnist_pinned(data_dir: str | os.PathLike | None = None, *, pin: MnistPin | None = None) -> Dataset:
     """Real MNIST from ``mnist_dir(data_dir)/mnist.pkl.gz`` (see ``read_mnist_pickle``).
 
     Train is the file's train then valid rows (60,000 for the real file), test its test rows
@@ -444,12 +430,14 @@ def load_mnist_pinned(
     (train_x, train_y), (valid_x, valid_y), (test_x, test_y) = read_mnist_pickle(path, pin=pin)
     counts = tuple(int(c) for c in np.bincount(test_y, minlength=10))
     if counts != tuple(pin.test_label_counts):
-        raise ValueError(
-            f"{path}: test labels count {counts} per class, expected {tuple(pin.test_label_counts)}"
-        )
+        raise ValueError(f"{path}: test labels count {counts} per class, expected {tuple(pin.test_label_counts)}")
     return Dataset(
-        np.concatenate([train_x, valid_x]), np.concatenate([train_y, valid_y]),
-        test_x, test_y, 10, "mnist_pinned",
+        np.concatenate([train_x, valid_x]),
+        np.concatenate([train_y, valid_y]),
+        test_x,
+        test_y,
+        10,
+        "mnist_pinned",
     )
 
 
@@ -466,9 +454,7 @@ def load_digits_dataset() -> Dataset:
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        raise ImportError(
-            "the digits dataset comes with scikit-learn: pip install 'naisnet-jax[digits]'"
-        ) from None
+        raise ImportError("the digits dataset comes with scikit-learn: pip install 'naisnet-jax[digits]'") from None
 
     digits = load_digits()
     images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)[..., None]
@@ -517,8 +503,7 @@ def _source_to_numpy(source: Any, chunk: int = 4096) -> tuple[np.ndarray, np.nda
     images = np.stack(images)
     if images.dtype != np.uint8 or images.ndim != 4:
         raise ValueError(
-            f"TFDS data source {source!r}: images are {images.shape[1:]} {images.dtype}, "
-            "expected (H, W, C) uint8"
+            f"TFDS data source {source!r}: images are {images.shape[1:]} {images.dtype}, expected (H, W, C) uint8"
         )
     return images, np.asarray(labels, np.int32)
 
@@ -555,7 +540,10 @@ def _read_tfds(tfds, name: str, data_dir: pathlib.Path, num_classes: int | None 
     """``tfds.data_source`` for train and test, converted to a ``Dataset``; never downloads."""
     try:
         train, test = tfds.data_source(
-            name, split=["train", "test"], data_dir=os.fspath(data_dir), download=False,
+            name,
+            split=["train", "test"],
+            data_dir=os.fspath(data_dir),
+            download=False,
             try_gcs=False,
         )
     except Exception as e:  # tfds 4.9.10 reports missing data as a TFRECORD NotImplementedError
@@ -624,18 +612,14 @@ def _fashion_mnist_idx_builder():
         def _generate_examples(self, directory, prefix):
             images, labels = _fashion_mnist_split(directory, prefix)
             if images.shape[1:] != (28, 28, 1):
-                raise ValueError(
-                    f"{directory}: {prefix} images are {images.shape[1:3]}, expected (28, 28)"
-                )
+                raise ValueError(f"{directory}: {prefix} images are {images.shape[1:3]}, expected (28, 28)")
             for i, (image, label) in enumerate(zip(images, labels)):
                 yield i, {"image": image, "label": int(label)}
 
     return FashionMnistIdx
 
 
-def prepare_fashion_mnist_idx(
-    *, data_dir: str | os.PathLike, idx_dir: str | os.PathLike | None = None
-) -> pathlib.Path:
+def prepare_fashion_mnist_idx(*, data_dir: str | os.PathLike, idx_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Builds the ``fashion_mnist_idx`` TFDS dataset (array_record) from local IDX files.
 
     ``idx_dir`` is resolved like ``fashion_mnist_dir``. No network: the files come from
@@ -652,16 +636,12 @@ def prepare_fashion_mnist_idx(
         data_dir=os.fspath(pathlib.Path(data_dir).expanduser()), file_format="array_record"
     )
     builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(
-            manual_dir=os.fspath(idx_dir), try_download_gcs=False
-        )
+        download_config=tfds.download.DownloadConfig(manual_dir=os.fspath(idx_dir), try_download_gcs=False)
     )
     return pathlib.Path(builder.data_dir)
 
 
-def load_fashion_mnist_tfds_idx(
-    *, data_dir: str | os.PathLike, idx_dir: str | os.PathLike | None = None
-) -> Dataset:
+def load_fashion_mnist_tfds_idx(*, data_dir: str | os.PathLike, idx_dir: str | os.PathLike | None = None) -> Dataset:
     """Fashion-MNIST through the TFDS builder: prepare into ``data_dir``, read back as numpy."""
     tfds = _import_tfds()
     prepare_fashion_mnist_idx(data_dir=data_dir, idx_dir=idx_dir)
@@ -731,16 +711,12 @@ def prepare_mnist_pinned(
         data_dir=os.fspath(pathlib.Path(data_dir).expanduser()), file_format="array_record"
     )
     builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(
-            manual_dir=os.fspath(source), try_download_gcs=False
-        )
+        download_config=tfds.download.DownloadConfig(manual_dir=os.fspath(source), try_download_gcs=False)
     )
     return pathlib.Path(builder.data_dir)
 
 
-def load_mnist_tfds_pinned(
-    *, data_dir: str | os.PathLike, mnist_data_dir: str | os.PathLike | None = None
-) -> Dataset:
+def load_mnist_tfds_pinned(*, data_dir: str | os.PathLike, mnist_data_dir: str | os.PathLike | None = None) -> Dataset:
     """Real MNIST through the TFDS builder: prepare into ``data_dir``, read back as numpy."""
     tfds = _import_tfds()
     prepare_mnist_pinned(data_dir=data_dir, mnist_data_dir=mnist_data_dir)
@@ -766,8 +742,8 @@ def load_dataset(
     ``fashion_mnist_dir``); the folder of ``mnist.pkl.gz`` for ``mnist_pinned`` (default: see
     ``mnist_dir``); the TFDS data_dir for ``fashion_mnist_tfds_idx``, ``mnist_tfds_pinned`` and
     the TFDS names (default: ``default_tfds_data_dir()``), where the two builders take their
-    source files (IDX files, the MNIST pickle) from ``idx_dir``. ``digits`` ignores both. ``limit_train`` / ``limit_test`` keep the first n
-    examples of each split.
+    source files (IDX files, the MNIST pickle) from ``idx_dir``. ``digits`` ignores both.
+    ``limit_train`` / ``limit_test`` keep the first n examples of each split.
     """
     if name == "fashion_mnist_idx":
         ds = load_fashion_mnist_idx(data_dir)
@@ -851,9 +827,7 @@ def epoch_batches(key: jax.Array, num_examples: int, batch_size: int) -> jax.Arr
     """
     steps = num_examples // batch_size
     if batch_size < 1 or steps < 1:
-        raise ValueError(
-            f"batch_size must be in [1, num_examples={num_examples}], got {batch_size}"
-        )
+        raise ValueError(f"batch_size must be in [1, num_examples={num_examples}], got {batch_size}")
     perm = jax.random.permutation(key, num_examples)[: steps * batch_size]
     return perm.reshape(steps, batch_size).astype(jnp.int32)
 
@@ -866,9 +840,7 @@ def eval_batches(num_examples: int, batch_size: int) -> tuple[jax.Array, jax.Arr
     counts each example exactly once.
     """
     if num_examples < 1 or batch_size < 1:
-        raise ValueError(
-            f"num_examples and batch_size must be >= 1, got {num_examples}, {batch_size}"
-        )
+        raise ValueError(f"num_examples and batch_size must be >= 1, got {num_examples}, {batch_size}")
     steps = -(-num_examples // batch_size)
     flat = jnp.arange(steps * batch_size, dtype=jnp.int32)
     mask = flat < num_examples

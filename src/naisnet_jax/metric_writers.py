@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from naisnet_jax.checks import check_real
 
@@ -142,9 +143,7 @@ class TensorBoardWriter:
         try:
             import tensorboardX  # noqa: F401
         except ImportError:
-            raise ImportError(
-                "TensorBoardWriter needs tensorboardX: pip install 'naisnet-jax[tensorboard]'."
-            ) from None
+            raise ImportError("TensorBoardWriter needs tensorboardX: pip install 'naisnet-jax[tensorboard]'.") from None
         self.logdir = os.fspath(logdir)
         self._writer = None
 

@@ -58,7 +58,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -115,8 +115,7 @@ class HyperParameters(nn.Module, kw_only=True):
 def options_of(module: nn.Module, options: type) -> dict:
     """The values on ``module`` of every field that the option class ``options`` declares
     (inherited ones included), as keyword arguments for a block of that class."""
-    return {f.name: getattr(module, f.name) for f in dataclasses.fields(options)
-            if f.name not in ("parent", "name")}
+    return {f.name: getattr(module, f.name) for f in dataclasses.fields(options) if f.name not in ("parent", "name")}
 
 
 class Classifier(HyperParameters, kw_only=True):
@@ -137,8 +136,12 @@ class ComputeDtype(HyperParameters, kw_only=True):
 
     @nn.nowrap
     def _check_fields(self):
-        check_choice("dtype", self.dtype, (None,) + COMPUTE_DTYPES,
-                     why="; None keeps the inputs' dtype, and parameters stay float32 whatever it is")
+        check_choice(
+            "dtype",
+            self.dtype,
+            (None,) + COMPUTE_DTYPES,
+            why="; None keeps the inputs' dtype, and parameters stay float32 whatever it is",
+        )
 
 
 class KernelSize(HyperParameters, kw_only=True):
@@ -216,8 +219,12 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
     def _check_fields(self):
         check_int("steps", self.steps)
         check_int("max_steps", self.max_steps)
-        check_choice("initial_state", self.initial_state, INITIAL_STATES,
-                     why=": 'zero' is the paper's x_0 = 0, 'input' starts the block at its input u")
+        check_choice(
+            "initial_state",
+            self.initial_state,
+            INITIAL_STATES,
+            why=": 'zero' is the paper's x_0 = 0, 'input' starts the block at its input u",
+        )
         check_bool("untied", self.untied)
         if self.adaptive_tol is not None:
             check_positive("adaptive_tol", self.adaptive_tol)
@@ -271,9 +278,7 @@ class DenseOptions(NaisOptions, kw_only=True):
             return
         check_int("rank", self.rank)
         if self.rank > self.features:
-            raise ValueError(
-                f"rank={self.rank} exceeds features={self.features}; R is (rank, n) with rank <= n."
-            )
+            raise ValueError(f"rank={self.rank} exceeds features={self.features}; R is (rank, n) with rank <= n.")
 
 
 class ConvOptions(KernelSize, NaisOptions, kw_only=True):
@@ -340,7 +345,10 @@ def _conv_init(eps: float, eta: float) -> Callable:
 
 def _batch_norm(train: bool, name: str, dtype=None) -> nn.BatchNorm:
     return nn.BatchNorm(
-        use_running_average=not train, momentum=BN_MOMENTUM, epsilon=BN_EPSILON, name=name,
+        use_running_average=not train,
+        momentum=BN_MOMENTUM,
+        epsilon=BN_EPSILON,
+        name=name,
         dtype=_compute_dtype(dtype),
     )
 
@@ -348,9 +356,23 @@ def _batch_norm(train: bool, name: str, dtype=None) -> nn.BatchNorm:
 # ------------------------------------------------------------------ unrolling
 
 
-def _unroll_block(step, x0, *, steps, xs, adaptive_tol, max_steps, train, trajectory,
-                  scan_unroll=1, remat="none", block_vjp="autodiff", tied=None,
-                  check_every=1, compact=False):
+def _unroll_block(
+    step,
+    x0,
+    *,
+    steps,
+    xs,
+    adaptive_tol,
+    max_steps,
+    train,
+    trajectory,
+    scan_unroll=1,
+    remat="none",
+    block_vjp="autodiff",
+    tied=None,
+    check_every=1,
+    compact=False,
+):
     """Fixed or adaptive unroll; returns ``(x_K, depth, states or None)``.
 
     Adaptive: training uses the masked scan (differentiable), evaluation the
@@ -367,20 +389,29 @@ def _unroll_block(step, x0, *, steps, xs, adaptive_tol, max_steps, train, trajec
         if block_vjp != "autodiff" and not trajectory:
             op, drive, W, h, activation = tied
             run = functools.partial(
-                unroll_tied, op, drive=drive, W=W, steps=steps, h=h, activation=activation,
-                residuals=BLOCK_VJP[block_vjp], scan_unroll=scan_unroll,
+                unroll_tied,
+                op,
+                drive=drive,
+                W=W,
+                steps=steps,
+                h=h,
+                activation=activation,
+                residuals=BLOCK_VJP[block_vjp],
+                scan_unroll=scan_unroll,
             )
         else:
-            run = functools.partial(
-                unroll, step, steps=steps, trajectory=trajectory, xs=xs, scan_unroll=scan_unroll
-            )
+            run = functools.partial(unroll, step, steps=steps, trajectory=trajectory, xs=xs, scan_unroll=scan_unroll)
         out = jax.checkpoint(run)(x0) if remat == "block" else run(x0)
         x, states = out if trajectory else (out, None)
         return x, jnp.full((batch,), steps, jnp.int32), states
     if train or trajectory:
         run = functools.partial(
-            unroll_adaptive_bounded, step, tol=adaptive_tol, max_steps=max_steps,
-            trajectory=trajectory, scan_unroll=scan_unroll,
+            unroll_adaptive_bounded,
+            step,
+            tol=adaptive_tol,
+            max_steps=max_steps,
+            trajectory=trajectory,
+            scan_unroll=scan_unroll,
         )
         out = jax.checkpoint(run)(x0) if remat == "block" else run(x0)
         return out if trajectory else (*out, None)
@@ -390,8 +421,13 @@ def _unroll_block(step, x0, *, steps, xs, adaptive_tol, max_steps, train, trajec
     op, drive, W, h, activation = tied  # the drive is per pattern: compaction moves it along
     act = ACTIVATIONS[activation]
     x, depth = unroll_adaptive(
-        lambda x, d: x + h * act(op(x, W) + d), x0, inputs=jnp.broadcast_to(drive, x0.shape),
-        tol=adaptive_tol, max_steps=max_steps, check_every=check_every, compact=compact,
+        lambda x, d: x + h * act(op(x, W) + d),
+        x0,
+        inputs=jnp.broadcast_to(drive, x0.shape),
+        tol=adaptive_tol,
+        max_steps=max_steps,
+        check_every=check_every,
+        compact=compact,
     )
     return x, depth, None
 
@@ -437,9 +473,7 @@ class NaisDenseBlock(DenseOptions):
         dtype = _compute_dtype(self.dtype)
         drive = nn.Dense(n * K if self.untied else n, dtype=dtype, name="input")(u)
         A = A if dtype is None else A.astype(dtype)
-        x0 = initial_state_x0(
-            u, (u.shape[0], n), jnp.result_type(drive, A), self.initial_state, "NaisDenseBlock"
-        )
+        x0 = initial_state_x0(u, (u.shape[0], n), jnp.result_type(drive, A), self.initial_state, "NaisDenseBlock")
         step = functools.partial(fc_step, h=self.h, activation=self.activation)
         if self.untied:
             drives = jnp.moveaxis(drive.reshape(u.shape[0], K, n), 1, 0)  # (K, batch, n)
@@ -447,17 +481,37 @@ class NaisDenseBlock(DenseOptions):
         else:
             step, xs = functools.partial(step, drive=drive, A=A), None
         x, depth, states = _unroll_block(
-            step, x0, steps=K, xs=xs, adaptive_tol=self.adaptive_tol,
-            max_steps=self.max_steps, train=train, trajectory=return_aux or probe.auditing(self),
-            scan_unroll=self.scan_unroll, remat=self.remat, block_vjp=self.block_vjp,
+            step,
+            x0,
+            steps=K,
+            xs=xs,
+            adaptive_tol=self.adaptive_tol,
+            max_steps=self.max_steps,
+            train=train,
+            trajectory=return_aux or probe.auditing(self),
+            scan_unroll=self.scan_unroll,
+            remat=self.remat,
+            block_vjp=self.block_vjp,
             tied=(dense_op, drive, A, self.h, self.activation),
-            check_every=self.check_every, compact=self.compact,
+            check_every=self.check_every,
+            compact=self.compact,
         )
         if probe.auditing(self):
-            probe.sow_block(self, kind="dense", activation=self.activation, h=self.h, eps=self.eps,
-                            untied=self.untied, operator=A, factor=R, u=u, x0=x0, states=states,
-                            drive=xs[0] if self.untied else drive,
-                            input_kernel=self.variables["params"]["input"]["kernel"])
+            probe.sow_block(
+                self,
+                kind="dense",
+                activation=self.activation,
+                h=self.h,
+                eps=self.eps,
+                untied=self.untied,
+                operator=A,
+                factor=R,
+                u=u,
+                x0=x0,
+                states=states,
+                drive=xs[0] if self.untied else drive,
+                input_kernel=self.variables["params"]["input"]["kernel"],
+            )
         return _block_output(x, depth, states, return_aux)
 
 
@@ -501,9 +555,7 @@ class NaisConvBlock(ConvOptions):
             raise ValueError(f"NaisConvBlock input must be NHWC; got shape {u.shape}.")
         C, K, k = self.features, self.steps, self.kernel_size
         per_step = (K,) if self.untied else ()
-        kernel = self.param(
-            "state_kernel", _conv_init(self.eps, self.eta), per_step + (k, k, C, C), PARAM_DTYPE
-        )
+        kernel = self.param("state_kernel", _conv_init(self.eps, self.eta), per_step + (k, k, C, C), PARAM_DTYPE)
         if self.learn_delta:
             delta = self.param("delta", nn.initializers.zeros, per_step + (C,), PARAM_DTYPE)
         else:
@@ -523,9 +575,7 @@ class NaisConvBlock(ConvOptions):
         batch, height, width = drive.shape[:3]
         dtype = _compute_dtype(self.dtype) or jnp.result_type(drive, kernel)  # conv: equal dtypes
         drive, kernel = drive.astype(dtype), kernel.astype(dtype)
-        x0 = initial_state_x0(
-            u, (batch, height, width, C), dtype, self.initial_state, "NaisConvBlock"
-        )
+        x0 = initial_state_x0(u, (batch, height, width, C), dtype, self.initial_state, "NaisConvBlock")
         step = functools.partial(conv_step, h=self.h, activation=self.activation)
         if self.untied:
             drives = jnp.moveaxis(drive.reshape(batch, height, width, K, C), 3, 0)
@@ -533,20 +583,41 @@ class NaisConvBlock(ConvOptions):
         else:
             step, xs = functools.partial(step, drive=drive, kernel=kernel), None
         x, depth, states = _unroll_block(
-            step, x0, steps=K, xs=xs, adaptive_tol=self.adaptive_tol,
-            max_steps=self.max_steps, train=train, trajectory=return_aux or probe.auditing(self),
-            scan_unroll=self.scan_unroll, remat=self.remat, block_vjp=self.block_vjp,
+            step,
+            x0,
+            steps=K,
+            xs=xs,
+            adaptive_tol=self.adaptive_tol,
+            max_steps=self.max_steps,
+            train=train,
+            trajectory=return_aux or probe.auditing(self),
+            scan_unroll=self.scan_unroll,
+            remat=self.remat,
+            block_vjp=self.block_vjp,
             tied=(conv_op, drive, kernel, self.h, self.activation),
-            check_every=self.check_every, compact=self.compact,
+            check_every=self.check_every,
+            compact=self.compact,
         )
         if probe.auditing(self):
-            probe.sow_block(self, kind="conv", activation=self.activation, h=self.h, eps=self.eps,
-                            eta=self.eta, untied=self.untied, learn_delta=self.learn_delta,
-                            operator=kernel, factor=delta, u=u, x0=x0, states=states,
-                            drive=xs[0] if self.untied else drive, input_stride=self.strides,
-                            input_kernel=self.variables["params"]["input"]["kernel"],
-                            input_scale=probe.batch_norm_multiplier(self, "drive_norm")
-                            if self.normalize_drive else None)
+            probe.sow_block(
+                self,
+                kind="conv",
+                activation=self.activation,
+                h=self.h,
+                eps=self.eps,
+                eta=self.eta,
+                untied=self.untied,
+                learn_delta=self.learn_delta,
+                operator=kernel,
+                factor=delta,
+                u=u,
+                x0=x0,
+                states=states,
+                drive=xs[0] if self.untied else drive,
+                input_stride=self.strides,
+                input_kernel=self.variables["params"]["input"]["kernel"],
+                input_scale=probe.batch_norm_multiplier(self, "drive_norm") if self.normalize_drive else None,
+            )
         return _block_output(x, depth, states, return_aux)
 
 
@@ -601,8 +672,7 @@ class NaisNetConv(ConvOptions, Classifier, Stages, kw_only=True):
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
         dtype = _compute_dtype(self.dtype)
-        x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype,
-                    name="stem")(x)
+        x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype, name="stem")(x)
         x = ACTIVATIONS[self.activation](_batch_norm(train, "stem_bn", self.dtype)(x))
         states, depths = [], []
         options = options_of(self, ConvOptions)
@@ -610,7 +680,9 @@ class NaisNetConv(ConvOptions, Classifier, Stages, kw_only=True):
             for j in range(size):
                 change = i > 0 and j == 0
                 block = NaisConvBlock(
-                    width, strides=2 if change else 1, normalize_drive=change,
+                    width,
+                    strides=2 if change else 1,
+                    normalize_drive=change,
                     name=f"stage{i}_block{j}",
                     **{**options, "initial_state": "zero" if change else self.initial_state},
                 )
@@ -723,8 +795,9 @@ class ResNetFC(StepOptions, Classifier, kw_only=True):
     def _sow_probe(self, u, W, drive, x0, states):
         """The residual map's weights for the verifier (stable: a dense NAIS-type block)."""
         variables, batch = self.variables["params"], u.shape[0]
-        common = dict(activation=self.activation, h=self.h, untied=not self.shared, u=u, x0=x0,
-                      states=states, operator=W)
+        common = dict(
+            activation=self.activation, h=self.h, untied=not self.shared, u=u, x0=x0, states=states, operator=W
+        )
         if not self.stable:
             scale = None
             if self.batch_norm:
@@ -733,8 +806,15 @@ class ResNetFC(StepOptions, Classifier, kw_only=True):
             return
         if drive.ndim == W.ndim - 1:  # autonomous: the bias b, one per pattern
             drive = jnp.broadcast_to(drive[..., None, :], drive.shape[:-1] + (batch, drive.shape[-1]))
-        probe.sow_block(self, kind="dense", eps=self.eps, factor=variables["R"], drive=drive,
-                        input_kernel=variables["input"]["kernel"] if self.nonautonomous else None, **common)
+        probe.sow_block(
+            self,
+            kind="dense",
+            eps=self.eps,
+            factor=variables["R"],
+            drive=drive,
+            input_kernel=variables["input"]["kernel"] if self.nonautonomous else None,
+            **common,
+        )
 
 
 class ResNetConvOptions(KernelSize, ComputeDtype, kw_only=True):
@@ -759,17 +839,22 @@ class ResNetConvBlock(ResNetConvOptions):
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False) -> Array:
         s, k, dtype = self.strides, self.kernel_size, _compute_dtype(self.dtype)
-        y = nn.Conv(self.features, (k, k), strides=(s, s), padding="SAME", use_bias=False,
-                    dtype=dtype, name="conv")(x)
+        y = nn.Conv(self.features, (k, k), strides=(s, s), padding="SAME", use_bias=False, dtype=dtype, name="conv")(x)
         y = nn.relu(_batch_norm(train, "bn", self.dtype)(y))
         square = s == 1 and x.shape[-1] == self.features
         if probe.auditing(self):
-            probe.sow_block(self, kind="conv-baseline", activation="relu", h=1.0, square=square, u=x,
-                            operator=self.variables["params"]["conv"]["kernel"],
-                            scale=probe.batch_norm_multiplier(self, "bn"))
+            probe.sow_block(
+                self,
+                kind="conv-baseline",
+                activation="relu",
+                h=1.0,
+                square=square,
+                u=x,
+                operator=self.variables["params"]["conv"]["kernel"],
+                scale=probe.batch_norm_multiplier(self, "bn"),
+            )
         if not square:
-            x = nn.Conv(self.features, (1, 1), strides=(s, s), use_bias=False, dtype=dtype,
-                        name="shortcut")(x)
+            x = nn.Conv(self.features, (1, 1), strides=(s, s), use_bias=False, dtype=dtype, name="shortcut")(x)
         return x + y
 
 
@@ -785,15 +870,13 @@ class ResNetConv(ResNetConvOptions, Classifier, Stages, kw_only=True):
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
         dtype = _compute_dtype(self.dtype)
-        x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype,
-                    name="stem")(x)
+        x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype, name="stem")(x)
         x = nn.relu(_batch_norm(train, "stem_bn", self.dtype)(x))
         states, options = [], options_of(self, ResNetConvOptions)
         for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):
             for j in range(size):
                 strides = 2 if i > 0 and j == 0 else 1
-                x = ResNetConvBlock(width, strides=strides, name=f"stage{i}_block{j}", **options)(
-                    x, train=train)
+                x = ResNetConvBlock(width, strides=strides, name=f"stage{i}_block{j}", **options)(x, train=train)
                 states.append(x[None])
         x = x if dtype is None else x.astype(jnp.float32)  # pool and classify in float32
         logits = nn.Dense(self.num_classes, name="classifier")(jnp.mean(x, axis=(1, 2)))
@@ -814,9 +897,7 @@ _CIFAR = dict(stage_sizes=(18, 18, 18), filters=(16, 32, 64))
 NaisNetCifar1 = functools.partial(NaisNetConv, steps=1, **_CIFAR)
 NaisNetCifar10 = functools.partial(NaisNetConv, steps=10, **_CIFAR)
 ResNetCifar = functools.partial(ResNetConv, **_CIFAR)
-NaisNetConvTiny = functools.partial(
-    NaisNetConv, num_classes=3, stage_sizes=(1, 1), filters=(4, 8), steps=2
-)
+NaisNetConvTiny = functools.partial(NaisNetConv, num_classes=3, stage_sizes=(1, 1), filters=(4, 8), steps=2)
 ResNetConvTiny = functools.partial(ResNetConv, num_classes=3, stage_sizes=(1, 1), filters=(4, 8))
 
 # Section 5.1's ablation: 30-layer ResNets with switches SH, NA, BN, Stable.

@@ -93,9 +93,9 @@ def batch_norm_multiplier(module: nn.Module, name: str, batch_stats_name: str | 
 
     ``g = scale / sqrt(var + epsilon)`` from the running statistics.
     """
-    from naisnet_jax.models import BN_EPSILON
-
     import jax.numpy as jnp
+
+    from naisnet_jax.models import BN_EPSILON
 
     params = module.variables["params"][name]
     var = module.variables["batch_stats"][batch_stats_name or name]["var"]

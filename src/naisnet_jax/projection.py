@@ -122,8 +122,7 @@ def _pairwise_sum(x: Array) -> tuple[Array, int]:
     return x[..., 0], depth
 
 
-_FINITE_WHY = ("; the projection needs finite values (under jax.jit it cannot check and returns NaN "
-               "instead)")
+_FINITE_WHY = "; the projection needs finite values (under jax.jit it cannot check and returns NaN instead)"
 
 
 def _nan_unless_finite(out: Array, *inputs: Array) -> Array:
@@ -193,9 +192,7 @@ def _project_fc(R: Array, delta_low: Array) -> Array:
     return _nan_unless_finite(out, R)
 
 
-def project_conv(
-    kernel: Array, delta: Array, *, eps: float, eta: float
-) -> tuple[Array, Array]:
+def project_conv(kernel: Array, delta: Array, *, eps: float, eta: float) -> tuple[Array, Array]:
     """Algorithm 2: keep a convolutional state kernel inside its Gershgorin set.
 
     Per output channel ``c`` (``kernel`` is HWIO ``(k, k, C, C)``):
@@ -233,8 +230,12 @@ def project_conv(
     check_finite("delta", delta, _FINITE_WHY)
     kernel, delta = jnp.asarray(kernel), jnp.asarray(delta)
     dtype = kernel.dtype
-    return _project_conv(kernel, delta, jnp.asarray(_round_down(1.0 - eps, dtype), dtype),
-                         jnp.asarray(_round_down(1.0 - eta, dtype), dtype))
+    return _project_conv(
+        kernel,
+        delta,
+        jnp.asarray(_round_down(1.0 - eps, dtype), dtype),
+        jnp.asarray(_round_down(1.0 - eta, dtype), dtype),
+    )
 
 
 @jax.jit
@@ -336,9 +337,7 @@ def _projected_leaves(tree: Any, eps: float, eta: float, relaxed: bool):
     return leaves, treedef, projected
 
 
-def project_params(
-    params: Any, *, eps: float, eta: float = 0.5, relaxed: bool = False
-) -> Any:
+def project_params(params: Any, *, eps: float, eta: float = 0.5, relaxed: bool = False) -> Any:
     """Project every NAIS block's state parameters in a params pytree.
 
     Blocks are found by leaf name: a leaf named ``"R"`` gets Algorithm 1; a
@@ -373,7 +372,7 @@ def iter_state_blocks(params: Any):
         node: dict = {}
         for names, leaf in flat:
             if len(names) > len(parent) and names[: len(parent)] == parent:
-                *inner, last = names[len(parent):]
+                *inner, last = names[len(parent) :]
                 target = node
                 for name in inner:
                     target = target.setdefault(name, {})
@@ -386,9 +385,7 @@ def count_projected_blocks(params: Any) -> int:
     return len(_state_leaves(params)[2])
 
 
-def stability_projection(
-    *, eps: float, eta: float = 0.5, relaxed: bool = False
-) -> optax.GradientTransformation:
+def stability_projection(*, eps: float, eta: float = 0.5, relaxed: bool = False) -> optax.GradientTransformation:
     """Optax transform that makes ``params + updates`` satisfy Algorithms 1 and 2.
 
     The returned updates are ``project_params(params + updates) - params`` on
@@ -408,9 +405,7 @@ def stability_projection(
 
     def update_fn(updates, state, params=None):
         if params is None:
-            raise ValueError(
-                "stability_projection needs params: call tx.update(updates, state, params)."
-            )
+            raise ValueError("stability_projection needs params: call tx.update(updates, state, params).")
         u_leaves, u_def = jax.tree_util.tree_flatten(updates)
         p_leaves, p_def = jax.tree_util.tree_flatten(params)
         if len(u_leaves) != len(p_leaves):
@@ -422,10 +417,7 @@ def stability_projection(
         leaves, _, projected = _projected_leaves(new_params, eps, eta, relaxed)
         # Only the state parameters change; elsewhere updates pass through
         # untouched (no params + u - params round-off).
-        out = [
-            (projected[i] - p_leaves[i]).astype(u.dtype) if i in projected else u
-            for i, u in enumerate(u_leaves)
-        ]
+        out = [(projected[i] - p_leaves[i]).astype(u.dtype) if i in projected else u for i, u in enumerate(u_leaves)]
         return jax.tree_util.tree_unflatten(u_def, out), state
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -38,7 +38,8 @@ import os
 import re
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,8 +47,7 @@ import numpy as np
 
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
-from naisnet_jax import metric_writers
-from naisnet_jax import train
+from naisnet_jax import metric_writers, train
 from naisnet_jax.checks import check_int
 from naisnet_jax.projection import count_projected_blocks
 from naisnet_jax.stability import max_radius_bound
@@ -55,8 +55,7 @@ from naisnet_jax.stability import max_radius_bound
 SWEEP_CHECKPOINT_DIR = "sweep_checkpoints"
 CERTIFICATE_FILE = "certificate.json"
 # What a resumed sweep must share with the checkpoint it resumes.
-_RESUME_FIELDS = ("model", "model_kwargs", "seeds", "dataset", "limit_train", "limit_test", "batch_size",
-                  "standardize")
+_RESUME_FIELDS = ("model", "model_kwargs", "seeds", "dataset", "limit_train", "limit_test", "batch_size", "standardize")
 
 
 # --------------------------------------------------------------------------- results
@@ -184,8 +183,17 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
-def make_sweep_epoch(mean, std, *, augment: bool, batch_size: int, steps_per_chunk: int,
-                     eval_batch_size: int, num_steps: int | None = None, evaluate: bool = True) -> Callable:
+def make_sweep_epoch(
+    mean,
+    std,
+    *,
+    augment: bool,
+    batch_size: int,
+    steps_per_chunk: int,
+    eval_batch_size: int,
+    num_steps: int | None = None,
+    evaluate: bool = True,
+) -> Callable:
     """The jitted epoch of every seed:
     ``(state, diverged_epoch, base_keys, train_data, test_data, epoch) ->
     (state, diverged_epoch, train_metrics, test_metrics)``, state donated.
@@ -227,6 +235,7 @@ def stack_states(states: Sequence[train.TrainState]) -> train.TrainState:
     ``apply_fn`` and ``tx``: each single run builds equal but distinct ones)."""
     leaves = [jax.tree.leaves(st) for st in states]
     treedef = jax.tree.structure(states[0])
+
     def stack(xs):  # strongly typed (a Python 0 step is weakly typed): a restored state then matches
         return jnp.stack([jnp.asarray(x, dtype=jnp.asarray(x).dtype) for x in xs])
 
@@ -262,18 +271,36 @@ def _programs(config, ds, steps_per_epoch: int, mean, std) -> _Programs:
     d = config.to_dict()
     for k in ("seed", "num_seeds", "num_epochs", "progress", "checkpoint_every_epochs", "keep_checkpoints"):
         d.pop(k, None)
-    key = json.dumps([d, ds.num_classes, list(ds.train_images.shape), list(ds.test_images.shape),
-                      steps_per_epoch, np.asarray(mean).tolist(), np.asarray(std).tolist()], sort_keys=True, default=str)
+    key = json.dumps(
+        [
+            d,
+            ds.num_classes,
+            list(ds.train_images.shape),
+            list(ds.test_images.shape),
+            steps_per_epoch,
+            np.asarray(mean).tolist(),
+            np.asarray(std).tolist(),
+        ],
+        sort_keys=True,
+        default=str,
+    )
     if key not in _PROGRAMS:
         while len(_PROGRAMS) >= _PROGRAMS_KEPT:
             _PROGRAMS.pop(next(iter(_PROGRAMS)))
         _PROGRAMS[key] = _Programs(
             model=train.build_model(config, ds.num_classes),
             tx=train.make_optimizer(config, steps_per_epoch),
-            epoch=make_sweep_epoch(mean, std, augment=bool(config.augment), batch_size=config.batch_size,
-                                   steps_per_chunk=config.steps_per_chunk, eval_batch_size=config.eval_batch_size),
-            per_step_loss=jax.jit(jax.vmap(train.make_per_step_loss(mean, std, config.eval_batch_size),
-                                           in_axes=(0, None))),
+            epoch=make_sweep_epoch(
+                mean,
+                std,
+                augment=bool(config.augment),
+                batch_size=config.batch_size,
+                steps_per_chunk=config.steps_per_chunk,
+                eval_batch_size=config.eval_batch_size,
+            ),
+            per_step_loss=jax.jit(
+                jax.vmap(train.make_per_step_loss(mean, std, config.eval_batch_size), in_axes=(0, None))
+            ),
         )
     return _PROGRAMS[key]
 
@@ -295,8 +322,10 @@ class _Setup:
 def _setup(config, seeds: tuple[int, ...]) -> _Setup:
     train.validate_config(config)
     ds = data_lib.load_dataset(
-        config.dataset, data_dir=config.get("data_dir"),
-        limit_train=config.get("limit_train"), limit_test=config.get("limit_test"),
+        config.dataset,
+        data_dir=config.get("data_dir"),
+        limit_train=config.get("limit_train"),
+        limit_test=config.get("limit_test"),
     )
     n_train = ds.train_images.shape[0]
     if config.batch_size > n_train:
@@ -306,14 +335,21 @@ def _setup(config, seeds: tuple[int, ...]) -> _Setup:
     programs = _programs(config, ds, steps_per_epoch, mean, std)
     model = programs.model
     # Each seed initialised exactly as its single run (same eager ops), then stacked.
-    states = [train.create_train_state(_seed_config(config, s), model, ds.train_images.shape[1:], steps_per_epoch)
-              for s in seeds]
+    states = [
+        train.create_train_state(_seed_config(config, s), model, ds.train_images.shape[1:], steps_per_epoch)
+        for s in seeds
+    ]
     if count_projected_blocks(states[0].params) == 0 and config.model.startswith("naisnet"):
         raise ValueError(f"{config.model} has no NAIS block parameters to project; check models.py.")
     state = stack_states(states).replace(tx=programs.tx)  # the cached programs' static fields
     return _Setup(
-        ds=ds, model=model, steps_per_epoch=steps_per_epoch, state=state, programs=programs,
-        mean=mean, std=std,
+        ds=ds,
+        model=model,
+        steps_per_epoch=steps_per_epoch,
+        state=state,
+        programs=programs,
+        mean=mean,
+        std=std,
         train_data=data_lib.put_on_device(ds.train_images, ds.train_labels),
         test_data=data_lib.put_on_device(ds.test_images, ds.test_labels),
         base_keys=jnp.stack([jax.random.PRNGKey(s + 1) for s in seeds]),
@@ -332,12 +368,18 @@ def _normalised(value):
 
 
 def _resume_view(config, seeds) -> dict:
-    return _normalised({
-        "model": config.model, "model_kwargs": train.model_kwargs(config), "seeds": list(seeds),
-        "dataset": config.dataset, "limit_train": config.get("limit_train"),
-        "limit_test": config.get("limit_test"), "batch_size": config.batch_size,
-        "standardize": config.get("standardize", True),
-    })
+    return _normalised(
+        {
+            "model": config.model,
+            "model_kwargs": train.model_kwargs(config),
+            "seeds": list(seeds),
+            "dataset": config.dataset,
+            "limit_train": config.get("limit_train"),
+            "limit_test": config.get("limit_test"),
+            "batch_size": config.batch_size,
+            "standardize": config.get("standardize", True),
+        }
+    )
 
 
 def _check_same_sweep(meta: dict, config, seeds, directory) -> None:
@@ -387,8 +429,9 @@ def _progress(total: int, enabled: bool):
 
 def _has_step_logits(model, state, input_shape) -> bool:
     one = jax.tree.map(lambda x: x[0], train._variables(state))
-    out = jax.eval_shape(lambda v: model.apply(v, jnp.zeros((1, *input_shape), jnp.float32),
-                                               train=False, return_aux=True), one)
+    out = jax.eval_shape(
+        lambda v: model.apply(v, jnp.zeros((1, *input_shape), jnp.float32), train=False, return_aux=True), one
+    )
     return "step_logits" in out[1]
 
 
@@ -431,7 +474,8 @@ def train_sweep(
     n_seeds = len(seeds)
     state, diverged_epoch = s.state, jnp.zeros((n_seeds,), jnp.int32)
     metadata = ckpt.CheckpointMetadata.from_config(config, s.ds, s.mean, s.std).replace(
-        extra={"sweep": _resume_view(config, seeds)})
+        extra={"sweep": _resume_view(config, seeds)}
+    )
     start_epoch = 1
     if mngr.latest_step() is not None:
         target = _sweep_tree(state, diverged_epoch)
@@ -443,7 +487,9 @@ def train_sweep(
         state = state.replace(step=jnp.asarray(state.step, s.state.step.dtype))  # saved as int32
         diverged_epoch = tree["diverged_epoch"]
         start_epoch = int(meta["epoch"]) + 1
-        metric_writers.write_jsonl(metrics_path, [r for r in train._read_metrics(metrics_path) if r["epoch"] < start_epoch])
+        metric_writers.write_jsonl(
+            metrics_path, [r for r in train._read_metrics(metrics_path) if r["epoch"] < start_epoch]
+        )
         if verbose:
             print(f"Resuming the sweep in {mngr.directory} at epoch {start_epoch}.", flush=True)
     elif os.path.exists(metrics_path):
@@ -453,13 +499,15 @@ def train_sweep(
     schedule = train.learning_rate_schedule(config, s.steps_per_epoch)
     has_nais = count_projected_blocks(state.params) > 0  # found by name: the seed axis does not matter
     history = train._read_metrics(metrics_path) if start_epoch > 1 else []
-    end_epoch = config.num_epochs if stop_after_epochs is None else min(
-        config.num_epochs, start_epoch + stop_after_epochs - 1)
+    end_epoch = (
+        config.num_epochs if stop_after_epochs is None else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
+    )
     progress = _progress(end_epoch - start_epoch + 1, bool(config.progress) and verbose)
     for epoch in range(start_epoch, end_epoch + 1):
         t0 = time.time()
         state, diverged_epoch, train_m, test_m = epoch_fn(
-            state, diverged_epoch, s.base_keys, s.train_data, s.test_data, jnp.asarray(epoch, jnp.int32))
+            state, diverged_epoch, s.base_keys, s.train_data, s.test_data, jnp.asarray(epoch, jnp.int32)
+        )
         fetched = jax.device_get((train_m, test_m, diverged_epoch, state.step, state.params if has_nais else None))
         train_m, test_m, div, steps, host_params = fetched
         seconds = time.time() - t0
@@ -471,9 +519,12 @@ def train_sweep(
             train_loss = float(train_m["loss"][i]) if int(div[i]) == 0 else None
             train_acc = float(train_m["accuracy"][i]) if int(div[i]) == 0 else None
             record = {
-                "epoch": epoch, "seed": seed, "step": int(steps[i]),
+                "epoch": epoch,
+                "seed": seed,
+                "step": int(steps[i]),
                 "learning_rate": float(schedule(max(int(steps[i]) - 1, 0))),
-                "train_loss": train_loss, "train_accuracy": train_acc,
+                "train_loss": train_loss,
+                "train_accuracy": train_acc,
                 "test_loss": train._finite_or_none(float(test_m["loss"][i])),
                 "test_accuracy": float(test_m["accuracy"][i]),
                 "rho_max": train._finite_or_none(rho),
@@ -490,9 +541,10 @@ def train_sweep(
         if verbose:
             acc = np.asarray([r["test_accuracy"] for r in records])
             ok = np.asarray(div) == 0
-            summary = (f"test acc {acc[ok].mean():.4f} +- {acc[ok].std():.4f}" if ok.any() else "every seed diverged")
-            progress.write(f"[{config.model}] epoch {epoch}: {summary} over {int(ok.sum())}/{n_seeds} seeds | "
-                           f"{seconds:.2f}s")
+            summary = f"test acc {acc[ok].mean():.4f} +- {acc[ok].std():.4f}" if ok.any() else "every seed diverged"
+            progress.write(
+                f"[{config.model}] epoch {epoch}: {summary} over {int(ok.sum())}/{n_seeds} seeds | {seconds:.2f}s"
+            )
     progress.close()
 
     done_epoch = max((r["epoch"] for r in history), default=0)
@@ -510,27 +562,49 @@ def train_sweep(
             runs.append(SeedResult(seed, 0, 0, None, None, float("nan"), float("nan"), None, None, None))
             continue
         run = SeedResult(
-            seed=seed, epoch=r["epoch"], step=r["step"], train_loss=r["train_loss"],
-            train_accuracy=r["train_accuracy"], test_loss=r["test_loss"] if r["test_loss"] is not None else float("nan"),
-            test_accuracy=r["test_accuracy"], generalisation_gap=r["generalisation_gap"],
-            rho_max=r["rho_max"], diverged_epoch=r["diverged_epoch"],
+            seed=seed,
+            epoch=r["epoch"],
+            step=r["step"],
+            train_loss=r["train_loss"],
+            train_accuracy=r["train_accuracy"],
+            test_loss=r["test_loss"] if r["test_loss"] is not None else float("nan"),
+            test_accuracy=r["test_accuracy"],
+            generalisation_gap=r["generalisation_gap"],
+            rho_max=r["rho_max"],
+            diverged_epoch=r["diverged_epoch"],
         )
         if finished:
-            directory = _export_seed(config, workdir, seed, jax.tree.map(lambda x: x[i], host_tree), metadata,
-                                     r, history)
+            directory = _export_seed(
+                config, workdir, seed, jax.tree.map(lambda x: x[i], host_tree), metadata, r, history
+            )
             cert = certified = None
             if audit and (has_nais or audit_baselines):
                 cert = audit_seed(directory, audit_options)
                 certified = certificate_certified(cert)
                 write_certificate(cert, os.path.join(workdir, f"seed_{seed}", CERTIFICATE_FILE))
-            run = dataclasses.replace(run, checkpoint_dir=directory, certified=certified, certificate=cert,
-                                      per_step_loss=None if losses is None else losses[i])
+            run = dataclasses.replace(
+                run,
+                checkpoint_dir=directory,
+                certified=certified,
+                certificate=cert,
+                per_step_loss=None if losses is None else losses[i],
+            )
         runs.append(run)
     mngr.close()
     return SweepResult(
-        model=config.model, dataset=config.dataset, seeds=seeds, epoch=done_epoch, num_epochs=config.num_epochs,
-        runs=tuple(runs), history=tuple(history), seconds=time.time() - t_start, state=state,
-        mean=s.mean, std=s.std, train_data=s.train_data, test_data=s.test_data,
+        model=config.model,
+        dataset=config.dataset,
+        seeds=seeds,
+        epoch=done_epoch,
+        num_epochs=config.num_epochs,
+        runs=tuple(runs),
+        history=tuple(history),
+        seconds=time.time() - t_start,
+        state=state,
+        mean=s.mean,
+        std=s.std,
+        train_data=s.train_data,
+        test_data=s.test_data,
     )
 
 
@@ -543,8 +617,9 @@ def _export_seed(config, workdir, seed, tree, metadata, record, history) -> str:
         step = int(tree["step"])
         if mngr.latest_step() != step:
             seed_config = _seed_config(config, seed)
-            meta = metadata.replace(config=seed_config.to_dict(), epoch=record["epoch"],
-                                    extra={"diverged_epoch": record["diverged_epoch"]})
+            meta = metadata.replace(
+                config=seed_config.to_dict(), epoch=record["epoch"], extra={"diverged_epoch": record["diverged_epoch"]}
+            )
             ckpt.save(mngr, step, tree, meta)
     finally:
         mngr.close()
@@ -583,8 +658,12 @@ def time_steps(config, *, seeds: Sequence[int] | None = None, steps: int = 100, 
     seeds = check_seeds(default_seeds(config) if seeds is None else seeds)
     s = _setup(config, seeds)
     steps = min(steps, s.steps_per_epoch)
-    common = dict(augment=bool(config.augment), batch_size=config.batch_size,
-                  steps_per_chunk=config.steps_per_chunk, eval_batch_size=config.eval_batch_size)
+    common = dict(
+        augment=bool(config.augment),
+        batch_size=config.batch_size,
+        steps_per_chunk=config.steps_per_chunk,
+        eval_batch_size=config.eval_batch_size,
+    )
     fn = make_sweep_epoch(s.mean, s.std, num_steps=steps, evaluate=False, **common)
     state, div = s.state, jnp.zeros((len(seeds),), jnp.int32)
     args = (s.base_keys, s.train_data, s.test_data)
@@ -608,13 +687,22 @@ def time_steps(config, *, seeds: Sequence[int] | None = None, steps: int = 100, 
     best = min(times)
     sps = steps / best
     return {
-        "model": config.model, "seeds": len(seeds), "batch_size": config.batch_size,
-        "steps_timed": steps, "repeats": repeats, "steps_per_second": sps, "step_ms": 1e3 * best / steps,
-        "seed_steps_per_second": sps * len(seeds), "images_per_second": sps * len(seeds) * config.batch_size,
-        "eval_seconds": eval_seconds, "compile_seconds": compile_seconds,
-        "steps_per_epoch": s.steps_per_epoch, "epochs": config.num_epochs,
+        "model": config.model,
+        "seeds": len(seeds),
+        "batch_size": config.batch_size,
+        "steps_timed": steps,
+        "repeats": repeats,
+        "steps_per_second": sps,
+        "step_ms": 1e3 * best / steps,
+        "seed_steps_per_second": sps * len(seeds),
+        "images_per_second": sps * len(seeds) * config.batch_size,
+        "eval_seconds": eval_seconds,
+        "compile_seconds": compile_seconds,
+        "steps_per_epoch": s.steps_per_epoch,
+        "epochs": config.num_epochs,
         "projected_seconds": config.num_epochs * (s.steps_per_epoch / sps + eval_seconds),
-        "kernels": kernels, "device": str(jax.devices()[0]),
+        "kernels": kernels,
+        "device": str(jax.devices()[0]),
     }
 
 

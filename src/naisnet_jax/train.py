@@ -16,9 +16,9 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
-from naisnet_jax import metric_writers
-from naisnet_jax import models
+from naisnet_jax import metric_writers, models
 from naisnet_jax.cell import check_step_size
 from naisnet_jax.checks import check_bool, check_choice, check_int, check_number, check_positive
 from naisnet_jax.parametrize import check_eps
@@ -53,13 +52,21 @@ class TrainState(train_state.TrainState):
 
 def validate_config(config) -> None:
     """Refuse invalid configs before anything is loaded or compiled, naming the field."""
+
     def number(field, lo, hi, **open_ends):
         check_number(f"config.{field}", config[field], lo, hi, **open_ends)
 
     check_choice("config.model", config.model, sorted(models.MODELS))
     check_choice("config.dataset", config.dataset, data_lib.DATASET_NAMES)
-    for field in ("batch_size", "eval_batch_size", "num_epochs", "checkpoint_every_epochs",
-                  "keep_checkpoints", "steps_per_chunk", "max_steps"):
+    for field in (
+        "batch_size",
+        "eval_batch_size",
+        "num_epochs",
+        "checkpoint_every_epochs",
+        "keep_checkpoints",
+        "steps_per_chunk",
+        "max_steps",
+    ):
         check_int(f"config.{field}", config[field])
     number("learning_rate", 0, math.inf, lo_open=True, hi_open=True)
     number("momentum", 0, 1, hi_open=True)
@@ -70,9 +77,7 @@ def validate_config(config) -> None:
     check_eta(config.eta, config.eps, "config.eta")
     bounds = list(config.lr_boundaries_epochs)
     if any(not isinstance(b, int) or b < 1 for b in bounds) or any(a >= b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(
-            f"config.lr_boundaries_epochs={bounds!r} must be strictly increasing positive epoch numbers."
-        )
+        raise ValueError(f"config.lr_boundaries_epochs={bounds!r} must be strictly increasing positive epoch numbers.")
     for field in ("relaxed", "augment", "progress"):
         check_bool(f"config.{field}", config[field])
     check_bool("config.standardize", config.get("standardize", True))
@@ -145,7 +150,8 @@ def replicate(tree, mesh: Mesh):
     if jax.process_count() == 1:
         return jax.device_put(tree, sharding)
     return jax.tree.map(  # several hosts: each holds the same values
-        lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a)), tree)
+        lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a)), tree
+    )
 
 
 def shard_batch(tree, mesh: Mesh | None):
@@ -405,14 +411,18 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     if writer is not None:
         metric_writers.check_writer(writer)
     ds = data_lib.load_dataset(
-        config.dataset, data_dir=config.get("data_dir"),
-        limit_train=config.get("limit_train"), limit_test=config.get("limit_test"),
+        config.dataset,
+        data_dir=config.get("data_dir"),
+        limit_train=config.get("limit_train"),
+        limit_test=config.get("limit_test"),
     )
     n_train = ds.train_images.shape[0]
     for split, n in (("training", n_train), ("test", ds.test_images.shape[0])):
         if n == 0:
-            raise ValueError(f"config.dataset={config.dataset!r} has no {split} examples (data_dir="
-                             f"{config.get('data_dir')!r}); check the data files.")
+            raise ValueError(
+                f"config.dataset={config.dataset!r} has no {split} examples (data_dir="
+                f"{config.get('data_dir')!r}); check the data files."
+            )
     if config.batch_size > n_train:
         raise ValueError(f"config.batch_size={config.batch_size} exceeds the {n_train} training examples.")
     steps_per_epoch = n_train // config.batch_size
@@ -455,9 +465,12 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
 
     done = _read_metrics(metrics_path) if start_epoch > 1 else []
     last = done[-1] if done else {}
-    end_epoch = config.num_epochs if stop_after_epochs is None else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
-    progress = _progress(total=(end_epoch - start_epoch + 1) * steps_per_epoch,
-                         enabled=config.progress and sys.stderr.isatty())  # redirected: a line per epoch
+    end_epoch = (
+        config.num_epochs if stop_after_epochs is None else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
+    )
+    progress = _progress(
+        total=(end_epoch - start_epoch + 1) * steps_per_epoch, enabled=config.progress and sys.stderr.isatty()
+    )  # redirected: a line per epoch
     for epoch in range(start_epoch, end_epoch + 1):
         t0 = time.time()
         epoch_key = jax.random.fold_in(base_key, epoch)
@@ -465,7 +478,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
         idx = data_lib.epoch_batches(perm_key, n_train, config.batch_size)
         sums, seen = {"loss": 0.0, "accuracy": 0.0}, 0
         for c, start in enumerate(range(0, steps_per_epoch, config.steps_per_chunk)):
-            rows = replicate(idx[start:start + config.steps_per_chunk], mesh)
+            rows = replicate(idx[start : start + config.steps_per_chunk], mesh)
             t_chunk = time.perf_counter()
             state, m = train_chunk(state, train_data, rows, replicate(jax.random.fold_in(aug_key, c), mesh))
             m = jax.device_get(m)
@@ -479,11 +492,15 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
             progress.update(rows.shape[0])
             progress.set_postfix(epoch=epoch, loss=f"{float(m['loss']):.4f}")
             step = int(state.step)
-            writer.write_scalars(step, {
-                "train/loss": float(m["loss"]), "train/accuracy": float(m["accuracy"]),
-                "train/learning_rate": float(schedule(step - 1)),
-                "train/steps_per_second": rows.shape[0] / max(t_chunk, 1e-9),
-            })
+            writer.write_scalars(
+                step,
+                {
+                    "train/loss": float(m["loss"]),
+                    "train/accuracy": float(m["accuracy"]),
+                    "train/learning_rate": float(schedule(step - 1)),
+                    "train/steps_per_second": rows.shape[0] / max(t_chunk, 1e-9),
+                },
+            )
         test = jax.device_get(evaluate(state, test_data))
         record = {
             "epoch": epoch,
@@ -508,8 +525,9 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
         # The record first: a crash between the two leaves a record that resume drops,
         # never a checkpoint whose epoch has no record.
         metrics_log.write_record(record)
-        writer.write_scalars(record["step"], {f"epoch/{k}": v for k, v in record.items()
-                                              if k != "step" and v is not None})
+        writer.write_scalars(
+            record["step"], {f"epoch/{k}": v for k, v in record.items() if k != "step" and v is not None}
+        )
         if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
             ckpt.save(mngr, int(state.step), _checkpoint_tree(state), metadata.replace(epoch=epoch))
         progress.write(

@@ -17,7 +17,8 @@ import inspect
 import os
 import pathlib
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 EXIT_USAGE = 2  # bad command line, config, data or checkpoint: nothing was written
 EXIT_DIVERGED = 1  # training diverged; the last good checkpoint is kept
@@ -38,8 +39,7 @@ def resolve_config_path(spec: str) -> tuple[pathlib.Path, str | None]:
     """``PATH[:ARG]`` or ``NAME[:ARG]`` -> ``(file, ARG)``; a NAME is a shipped config."""
     path, sep, arg = spec.partition(":")
     if not path:
-        raise UsageError("--config is empty; pass a config file or one of the shipped names "
-                         f"{shipped_configs()}.")
+        raise UsageError(f"--config is empty; pass a config file or one of the shipped names {shipped_configs()}.")
     candidate = pathlib.Path(path).expanduser()
     if candidate.is_file():
         return candidate, (arg if sep else None)
@@ -139,8 +139,9 @@ def apply_override(config, dotted: str, raw: str) -> None:
     else:
         expected = node.get_type(leaf)
         if expected is ml_collections.ConfigDict or isinstance(node[leaf], ml_collections.ConfigDict):
-            raise UsageError(f"--config.{dotted} is a group of fields; set them one by one "
-                             f"(--config.{dotted}.NAME=VALUE).")
+            raise UsageError(
+                f"--config.{dotted} is a group of fields; set them one by one (--config.{dotted}.NAME=VALUE)."
+            )
         if open_group and node[leaf] is not None:
             expected = type(node[leaf])
     value = _parse_value(dotted, raw, expected)
@@ -182,13 +183,23 @@ def _parser() -> argparse.ArgumentParser:
         epilog=epilog,
         allow_abbrev=False,
     )
-    p.add_argument("--config", required=True, metavar="FILE_OR_NAME[:ARG]",
-                   help="a get_config() file (from any directory), or a shipped config name such as 'default'")
-    p.add_argument("--workdir", metavar="DIR",
-                   help="checkpoints, metrics.jsonl and scalars.jsonl; resumed if it holds checkpoints "
-                   "(required unless --print_config)")
-    p.add_argument("--tensorboard", action="store_true",
-                   help="also write TensorBoard event files to DIR/tensorboard (needs the [tensorboard] extra)")
+    p.add_argument(
+        "--config",
+        required=True,
+        metavar="FILE_OR_NAME[:ARG]",
+        help="a get_config() file (from any directory), or a shipped config name such as 'default'",
+    )
+    p.add_argument(
+        "--workdir",
+        metavar="DIR",
+        help="checkpoints, metrics.jsonl and scalars.jsonl; resumed if it holds checkpoints "
+        "(required unless --print_config)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write TensorBoard event files to DIR/tensorboard (needs the [tensorboard] extra)",
+    )
     p.add_argument("--print_config", action="store_true", help="print the final config and exit")
     return p
 
@@ -199,7 +210,7 @@ def _split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, st
     while i < len(argv):
         arg = argv[i]
         if arg.startswith("--config."):
-            key, sep, raw = arg[len("--config."):].partition("=")
+            key, sep, raw = arg[len("--config.") :].partition("=")
             if not sep:
                 if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                     raise UsageError(f"--config.{key} needs a value (--config.{key}=VALUE).")

@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +64,7 @@ def unroll(
         lengths = {leaf.shape[0] for leaf in jax.tree_util.tree_leaves(xs)}
         if lengths != {steps}:
             raise ValueError(
-                f"per-step parameters xs have leading axis sizes {sorted(lengths)}, "
-                f"which disagree with steps={steps}."
+                f"per-step parameters xs have leading axis sizes {sorted(lengths)}, which disagree with steps={steps}."
             )
 
     def body(x, p):
@@ -115,9 +115,7 @@ def _masked_chunk(step, tol, max_steps, length):
 
 def _while_active(chunk, inputs, carry, more):
     """``while more(active): (x, active, depth) = chunk(...)``."""
-    return lax.while_loop(
-        lambda c: more(c[1]), lambda c: chunk(c[0], inputs, c[1], c[2]), carry
-    )
+    return lax.while_loop(lambda c: more(c[1]), lambda c: chunk(c[0], inputs, c[1], c[2]), carry)
 
 
 def _phase_sizes(batch: int) -> list[int]:
@@ -136,10 +134,9 @@ def _adaptive_forward(steps, tol, max_steps, check_every, compact, x0, inputs, *
     """``steps``: one ``(closed step, number of its consts)`` per buffer size."""
     chunks, start = [], 0
     for step, count in steps:
-        phase_consts = consts[start:start + count]
+        phase_consts = consts[start : start + count]
         start += count
-        chunks.append(_masked_chunk(lambda x, inp, f=step, c=phase_consts: f(x, inp, *c),
-                                    tol, max_steps, check_every))
+        chunks.append(_masked_chunk(lambda x, inp, f=step, c=phase_consts: f(x, inp, *c), tol, max_steps, check_every))
     batch = x0.shape[0]
     carry = (x0, jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.int32))
     if not compact:
@@ -247,8 +244,7 @@ def unroll_adaptive(
     # each buffer size of the compacting loop gets its own.
     steps, consts = [], []
     for size in _phase_sizes(x0.shape[0]) if compact else [x0.shape[0]]:
-        example = jax.tree.map(lambda a: jax.ShapeDtypeStruct((size,) + a.shape[1:], a.dtype),
-                               (x0, inputs))
+        example = jax.tree.map(lambda a: jax.ShapeDtypeStruct((size,) + a.shape[1:], a.dtype), (x0, inputs))
         closed, phase_consts = jax.closure_convert(fn, *example)
         steps.append((closed, len(phase_consts)))
         consts.extend(phase_consts)
@@ -313,8 +309,14 @@ def unroll_adaptive_stream(
 
     first = jnp.arange(s, dtype=jnp.int32)
     init = (
-        x0[:s], _take(inputs, first), first, jnp.ones((s,), bool), jnp.zeros((s,), jnp.int32),
-        jnp.asarray(s, jnp.int32), x0, jnp.zeros((n,), jnp.int32),
+        x0[:s],
+        _take(inputs, first),
+        first,
+        jnp.ones((s,), bool),
+        jnp.zeros((s,), jnp.int32),
+        jnp.asarray(s, jnp.int32),
+        x0,
+        jnp.zeros((n,), jnp.int32),
     )
     out = lax.while_loop(lambda c: jnp.any(c[3]), body, init)
     return out[6], out[7]

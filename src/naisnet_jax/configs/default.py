@@ -25,11 +25,15 @@ def get_config():
     config.eta = 0.5  # Algorithm 2: |delta_c| <= 1 - eta (only with learnable delta)
     config.relaxed = False  # Algorithm 1 with delta = 2 (1 - eps)
     config.h = 0.1  # step size, (0, 1]; h * K = 3 bounds how far a state moves
-    config.adaptive_tol = ml_collections.FieldReference(None, field_type=float)  # stop each pattern when ||x_k - x_{k-1}|| < tol
+    config.adaptive_tol = ml_collections.FieldReference(
+        None, field_type=float
+    )  # stop each pattern when ||x_k - x_{k-1}|| < tol
     config.max_steps = 100  # bound on the adaptive unroll
     # data
     config.dataset = "fashion_mnist_idx"
-    config.data_dir = ml_collections.FieldReference(None, field_type=str)  # dataset-specific default (see naisnet_jax.data.load_dataset)
+    config.data_dir = ml_collections.FieldReference(
+        None, field_type=str
+    )  # dataset-specific default (see naisnet_jax.data.load_dataset)
     config.limit_train = ml_collections.FieldReference(None, field_type=int)
     config.limit_test = ml_collections.FieldReference(None, field_type=int)
     config.augment = False
@@ -44,7 +48,9 @@ def get_config():
     config.num_epochs = 20
     config.seed = 0
     config.num_seeds = 1  # naisnet_jax.sweep trains seeds seed, seed + 1, ..., side by side
-    config.standardize = True  # data: inputs (x/255 - mean) / std with the training set's channel statistics; False: x/255
+    config.standardize = (
+        True  # data: inputs (x/255 - mean) / std with the training set's channel statistics; False: x/255
+    )
     # bookkeeping
     config.checkpoint_every_epochs = 1
     config.keep_checkpoints = 3
