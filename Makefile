@@ -26,7 +26,7 @@ mnist: $(STAMP)
 	$(PY) scripts/fetch_mnist.py $(MNIST_DIR)
 
 # Lint and format check first (seconds), then the default suite on every core.
-test: $(STAMP)
+test: $(STAMP) data
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow" -n auto --dist loadfile
