@@ -138,6 +138,9 @@ def _biggest_state_file(workdir, *, arrays_only=False) -> pathlib.Path:
         for p in (_latest_step_dir(workdir) / "state").rglob("*")
         if p.is_file() and (p.parent.name == "d" or not arrays_only)
     ]
+    if arrays_only:  # the per-process data files, where the writer made them: the top-level d/
+        # holds the merged index, parts of which a read may never open
+        files = [p for p in files if p.parent.parent.name.startswith("ocdbt.process")] or files
     return max(files, key=lambda p: p.stat().st_size)
 
 
