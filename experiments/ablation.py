@@ -29,6 +29,7 @@ from absl import app, flags, logging
 from experiments.sweep_report import (
     as_array,
     curve,
+    define_compilation_cache_flag,
     enable_compilation_cache,
     pm,
     read_summary,
@@ -462,12 +463,7 @@ FLAGS = flags.FLAGS
 
 def _define_flags() -> None:
     """Flags are defined only when the script runs, so tests can import both experiments."""
-    flags.DEFINE_string(
-        "compilation_cache",
-        None,
-        "JAX's persistent compilation cache (default: <workdir>/jax_cache; "
-        "'none' turns it off): a rerun or resume does not compile again.",
-    )
+    define_compilation_cache_flag()
     flags.DEFINE_string("workdir", "runs/ablation", "Where every sweep and the results go.")
     flags.DEFINE_string("dataset", "mnist_pinned", "mnist_pinned or fashion_mnist_idx (any naisnet_jax dataset).")
     flags.DEFINE_integer("seeds", 10, "Seeds per model, trained side by side.")

@@ -31,6 +31,7 @@ from absl import app, flags, logging
 from experiments.sweep_report import (
     as_array,
     curve,
+    define_compilation_cache_flag,
     enable_compilation_cache,
     pm,
     read_summary,
@@ -255,7 +256,7 @@ def run(
         )
         return rows
 
-    options = AuditOptions(data="none", exact_conv_radius=full_audit)
+    options = AuditOptions(data="none", estimate_conv_radius=full_audit)
     t0 = time.time()
     rows = [run_variant(v, config, workdir, options) for v, config in configs]
     wall = time.time() - t0
@@ -316,12 +317,7 @@ FLAGS = flags.FLAGS
 
 def _define_flags() -> None:
     """Flags are defined only when the script runs, so tests can import both experiments."""
-    flags.DEFINE_string(
-        "compilation_cache",
-        None,
-        "JAX's persistent compilation cache (default: <workdir>/jax_cache; "
-        "'none' turns it off): a rerun or resume does not compile again.",
-    )
+    define_compilation_cache_flag()
     flags.DEFINE_string("workdir", "runs/conv", "Where every sweep and the results go.")
     flags.DEFINE_list("datasets", ["mnist_pinned", "fashion_mnist_idx"], "Datasets, each a full comparison.")
     flags.DEFINE_integer("seeds", 3, "Seeds per model, trained side by side.")

@@ -79,6 +79,18 @@ def as_array(values) -> np.ndarray:
     return np.asarray([np.nan if v is None else v for v in values], np.float64)
 
 
+def define_compilation_cache_flag() -> None:
+    """``--compilation_cache``, read by :func:`enable_compilation_cache` (absl flags)."""
+    from absl import flags
+
+    flags.DEFINE_string(
+        "compilation_cache",
+        None,
+        "JAX's persistent compilation cache (default: <workdir>/jax_cache; "
+        "'none' turns it off): a rerun or resume does not compile again.",
+    )
+
+
 def enable_compilation_cache(directory: str | None, workdir: str) -> None:
     """JAX's persistent compilation cache in ``directory`` (default ``<workdir>/jax_cache``;
     ``"none"``: off). Call before anything compiles; programs that compile to the same HLO

@@ -25,9 +25,12 @@ import re
 
 
 def write_json(cert, path: str) -> None:
+    """``cert.to_json()`` to ``path``, atomically (the old file or the new one, never a mix)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
         f.write(cert.to_json())
+    os.replace(tmp, path)
 
 
 def figure_name(block_name: str) -> str:

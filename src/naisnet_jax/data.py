@@ -632,11 +632,15 @@ def prepare_fashion_mnist_idx(*, data_dir: str | os.PathLike, idx_dir: str | os.
     for split in ("train", "t10k"):  # fail before TFDS creates any folder
         for kind in ("images-idx3", "labels-idx1"):
             _find_idx(idx_dir, f"{split}-{kind}-ubyte")
-    builder = _fashion_mnist_idx_builder()(
-        data_dir=os.fspath(pathlib.Path(data_dir).expanduser()), file_format="array_record"
-    )
+    return _prepare_from_manual_dir(tfds, _fashion_mnist_idx_builder(), data_dir, idx_dir)
+
+
+def _prepare_from_manual_dir(tfds, builder_cls, data_dir, manual_dir) -> pathlib.Path:
+    """Build ``builder_cls`` into ``data_dir`` from the files in ``manual_dir`` (never
+    downloading); returns the prepared dataset's folder."""
+    builder = builder_cls(data_dir=os.fspath(pathlib.Path(data_dir).expanduser()), file_format="array_record")
     builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(manual_dir=os.fspath(idx_dir), try_download_gcs=False)
+        download_config=tfds.download.DownloadConfig(manual_dir=os.fspath(manual_dir), try_download_gcs=False)
     )
     return pathlib.Path(builder.data_dir)
 
@@ -707,13 +711,7 @@ def prepare_mnist_pinned(
     source = mnist_dir(mnist_data_dir)
     if not (source / MNIST_FILE).is_file():  # fail before TFDS creates any folder
         raise FileNotFoundError(f"MNIST file not found: {source / MNIST_FILE}. {_MNIST_HINT}")
-    builder = _mnist_pinned_builder()(
-        data_dir=os.fspath(pathlib.Path(data_dir).expanduser()), file_format="array_record"
-    )
-    builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(manual_dir=os.fspath(source), try_download_gcs=False)
-    )
-    return pathlib.Path(builder.data_dir)
+    return _prepare_from_manual_dir(tfds, _mnist_pinned_builder(), data_dir, source)
 
 
 def load_mnist_tfds_pinned(*, data_dir: str | os.PathLike, mnist_data_dir: str | os.PathLike | None = None) -> Dataset:

@@ -252,6 +252,26 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
             )
 
     @nn.nowrap
+    def _unroll(self, step, x0, *, steps, xs, train, trajectory, tied):
+        """:func:`_unroll_block` with this block's depth and performance options."""
+        return _unroll_block(
+            step,
+            x0,
+            steps=steps,
+            xs=xs,
+            adaptive_tol=self.adaptive_tol,
+            max_steps=self.max_steps,
+            train=train,
+            trajectory=trajectory,
+            scan_unroll=self.scan_unroll,
+            remat=self.remat,
+            block_vjp=self.block_vjp,
+            tied=tied,
+            check_every=self.check_every,
+            compact=self.compact,
+        )
+
+    @nn.nowrap
     def _warn_if_state_unused(self):
         """A block (not a net: its blocks warn when they are built) with one step from ``x_0 = 0``."""
         most = self.steps if self.adaptive_tol is None else self.max_steps
@@ -480,21 +500,14 @@ class NaisDenseBlock(DenseOptions):
             step, xs = _untied_step(step), (drives, A)
         else:
             step, xs = functools.partial(step, drive=drive, A=A), None
-        x, depth, states = _unroll_block(
+        x, depth, states = self._unroll(
             step,
             x0,
             steps=K,
             xs=xs,
-            adaptive_tol=self.adaptive_tol,
-            max_steps=self.max_steps,
             train=train,
             trajectory=return_aux or probe.auditing(self),
-            scan_unroll=self.scan_unroll,
-            remat=self.remat,
-            block_vjp=self.block_vjp,
             tied=(dense_op, drive, A, self.h, self.activation),
-            check_every=self.check_every,
-            compact=self.compact,
         )
         if probe.auditing(self):
             probe.sow_block(
@@ -582,21 +595,14 @@ class NaisConvBlock(ConvOptions):
             step, xs = _untied_step(step), (drives, kernel)
         else:
             step, xs = functools.partial(step, drive=drive, kernel=kernel), None
-        x, depth, states = _unroll_block(
+        x, depth, states = self._unroll(
             step,
             x0,
             steps=K,
             xs=xs,
-            adaptive_tol=self.adaptive_tol,
-            max_steps=self.max_steps,
             train=train,
             trajectory=return_aux or probe.auditing(self),
-            scan_unroll=self.scan_unroll,
-            remat=self.remat,
-            block_vjp=self.block_vjp,
             tied=(conv_op, drive, kernel, self.h, self.activation),
-            check_every=self.check_every,
-            compact=self.compact,
         )
         if probe.auditing(self):
             probe.sow_block(

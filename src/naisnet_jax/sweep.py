@@ -409,13 +409,6 @@ def certificate_certified(certificate) -> bool:
     return bool(certificate.certified)
 
 
-def write_certificate(certificate, path: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(certificate.to_json())
-    os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------- the sweep
 
 
@@ -581,7 +574,9 @@ def train_sweep(
             if audit and (has_nais or audit_baselines):
                 cert = audit_seed(directory, audit_options)
                 certified = certificate_certified(cert)
-                write_certificate(cert, os.path.join(workdir, f"seed_{seed}", CERTIFICATE_FILE))
+                from naisnet_jax.verify.report import write_json  # the verifier is imported on use
+
+                write_json(cert, os.path.join(workdir, f"seed_{seed}", CERTIFICATE_FILE))
             run = dataclasses.replace(
                 run,
                 checkpoint_dir=directory,
