@@ -42,9 +42,9 @@ from experiments.sweep_report import (
 # variant -> (paper label, model, model_kwargs)
 VARIANTS = {
     "resnet": ("ResNet", "resnet_cifar", {}),
-    "naisnet1_zero": ("NAIS-Net1, x(0) = 0", "naisnet_cifar1", {}),
-    "naisnet1_input": ("NAIS-Net1, x(0) = u", "naisnet_cifar1", {"initial_state": "input"}),
-    "naisnet10": ("NAIS-Net10, x(0) = 0", "naisnet_cifar10", {}),
+    "naisnet1_zero": ("NAIS-Net1, x(0) = 0", "naisnet_cifar1", {"drive_norm": "every"}),
+    "naisnet1_input": ("NAIS-Net1, x(0) = u", "naisnet_cifar1", {"initial_state": "input", "drive_norm": "every"}),
+    "naisnet10": ("NAIS-Net10, x(0) = 0", "naisnet_cifar10", {"drive_norm": "every"}),
 }
 # --smoke: the same variants, miniature (digits, 2 stages x 1 block of 4/8 filters)
 SMOKE_MODELS = {

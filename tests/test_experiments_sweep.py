@@ -96,7 +96,11 @@ def test_conv_smoke_writes_the_table_and_figures(tmp_path):
     workdir = str(tmp_path)
     rows = conv.run(workdir=workdir, datasets=["mnist_pinned"], seeds=2, variants=["naisnet1_zero"], smoke=True)
     (row,) = rows
-    assert row["dataset"] == "digits" and row["model"] == "naisnet_conv_tiny" and row["model_kwargs"] == {"steps": 1}
+    assert (
+        row["dataset"] == "digits"
+        and row["model"] == "naisnet_conv_tiny"
+        and row["model_kwargs"] == {"drive_norm": "every", "steps": 1}
+    )
     assert row["test_accuracy"]["n"] == 2 and row["certified_seeds"] == 2
     assert row["train_accuracy_curve"]["epochs"] == [1, 2]
     for name in ("results.json", "results.md", "accuracy_digits.png", "gap.png"):

@@ -318,6 +318,62 @@ def test_nais_conv_block_equals_numpy_loop(untied, strides):
     assert x_K.shape == (2, 6 // strides, 6 // strides, C)
 
 
+@pytest.mark.parametrize("square", [True, False])
+def test_resnet_conv_block_equals_numpy(square):
+    """relu(x + BN(conv(x))) in train mode (batch statistics), 1x1 shortcut where shape changes."""
+    c_in, c = (4, 4) if square else (3, 4)
+    strides = 1 if square else 2
+    block = M.ResNetConvBlock(c, strides=strides, zero_init_residual=False)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 6, 6, c_in))
+    variables = _f64(block.init(KEY, x))
+    params = variables["params"]
+    params["bn"]["scale"] = rng.uniform(0.5, 1.5, c)
+    params["bn"]["bias"] = rng.uniform(-0.3, 0.3, c)
+    out, _ = block.apply({**variables, "params": params}, x, train=True, mutable=["batch_stats"])
+    z = _np_conv_same(x, params["conv"]["kernel"], strides)
+    mean, var = z.mean(axis=(0, 1, 2)), z.var(axis=(0, 1, 2))
+    y = (z - mean) / np.sqrt(var + M.BN_EPSILON) * params["bn"]["scale"] + params["bn"]["bias"]
+    skip = x if square else _np_conv_same(x, params["shortcut"]["kernel"], strides)
+    np.testing.assert_allclose(out, np.maximum(skip + y, 0), rtol=0, atol=1e-9)
+
+
+def test_zero_init_residual_starts_as_identity_and_its_scale_learns():
+    """A fresh block maps a non-negative x to itself, and its BatchNorm scale gets a non-zero
+    gradient (with the ReLU inside the branch, relu(0 * z) would have a zero gradient
+    everywhere and the branch would never learn)."""
+    block = M.ResNetConvBlock(4)
+    x = np.abs(np.random.default_rng(6).standard_normal((4, 5, 5, 4)))
+    variables = block.init(KEY, x)
+    assert np.all(np.asarray(variables["params"]["bn"]["scale"]) == 0)
+    out = block.apply(variables, x)
+    np.testing.assert_allclose(out, x, rtol=0, atol=1e-6)
+    w = np.random.default_rng(7).standard_normal(x.shape)
+
+    def loss(params):
+        y, _ = block.apply({**variables, "params": params}, x, train=True, mutable=["batch_stats"])
+        return jnp.sum(y * w)
+
+    grads = jax.grad(loss)(variables["params"])
+    assert np.abs(np.asarray(grads["bn"]["scale"])).min() > 1e-3
+
+
+def test_drive_norm_every_normalises_every_drive_and_keeps_the_dynamics():
+    """``drive_norm="every"`` gives every block a drive BatchNorm (and no drive bias); the state
+    kernels, hence the stability condition, are the same parameters either way."""
+    kw = dict(num_classes=CLASSES, stage_sizes=(2, 2), filters=(4, 8), steps=2)
+    x = jnp.ones((2, 8, 8, 1))
+    names = ["stage0_block0", "stage0_block1", "stage1_block0", "stage1_block1"]
+    transitions = _shapes(M.NaisNetConv(**kw), x)["params"]
+    every = _shapes(M.NaisNetConv(**kw, drive_norm="every"), x)["params"]
+    assert [n for n in names if "drive_norm" in transitions[n]] == ["stage1_block0"]
+    assert all("drive_norm" in every[n] and "bias" not in every[n]["input"] for n in names)
+    for n in names:
+        assert every[n]["state_kernel"].shape == transitions[n]["state_kernel"].shape
+    with pytest.raises(ValueError, match="drive_norm"):
+        M.NaisNetConv(**kw, drive_norm="always")
+
+
 @pytest.mark.parametrize("label", list(SWITCHES))
 def test_resnet_fc_equals_layer_loop(label):
     shared, na, bn, stable = SWITCHES[label]

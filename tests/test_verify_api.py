@@ -193,3 +193,47 @@ def test_non_finite_parameters_are_refused_naming_the_leaf():
     bad = {"params": {**variables["params"], "odd": {**variables["params"]["odd"], "R": R}}}
     with pytest.raises(ValueError, match=r"'odd'\]\['R'\] \(1 of "):
         audit_model(net, bad, inputs=np.ones((2, 12)))
+
+
+def test_groups_audited_side_by_side_in_threads_give_the_same_certificate(monkeypatch):
+    """A cold audit compiles one program per block shape; ``map_groups`` runs shape groups in
+    threads (one per group on a machine of many cores). Threads must change nothing: each
+    re-enters the float64 scope (thread-local in JAX) and keeps its own keys. Forced to 4
+    workers here, the certificate equals the one-thread certificate figure for figure."""
+    from naisnet_jax.verify import _common
+
+    net = models.get_model("naisnet_conv_tiny", activation="tanh", learn_delta=True, stage_sizes=(2, 1))
+    variables = net.init(jax.random.PRNGKey(3), jnp.zeros((1, 8, 8, 1)))
+    x = np.random.default_rng(3).standard_normal((4, 8, 8, 1))
+    options = AuditOptions(estimate_conv_radius=True)
+    plain = _common.map_groups
+    calls = []
+
+    def threaded(fn, groups, *, workers=None):
+        calls.append(len(list(groups)))
+        return plain(fn, groups, workers=4)
+
+    one = audit_model(net, variables, inputs=x, options=options)
+    monkeypatch.setattr(_common, "map_groups", threaded)
+    from naisnet_jax.verify import _conv
+
+    monkeypatch.setattr(_conv, "map_groups", threaded)
+    four = audit_model(net, variables, inputs=x, options=options)
+    assert calls and max(calls) >= 2  # the parameters and the trajectories of >= 2 shape groups
+    drop = ("seconds", "timings", "created")
+    a = {k: v for k, v in one.to_dict().items() if k not in drop}
+    b = {k: v for k, v in four.to_dict().items() if k not in drop}
+    assert a == b
+
+
+def test_map_groups_keeps_order_and_the_float64_scope_in_every_thread():
+    from naisnet_jax.verify import _common
+    from naisnet_jax.verify._numerics import x64_scope
+
+    def dtype_of(g):
+        return (g, str(jnp.asarray(1.0).dtype), jax.config.jax_default_matmul_precision)
+
+    with x64_scope():
+        out = _common.map_groups(dtype_of, [[i] for i in range(6)], workers=3)
+    assert [o[0] for o in out] == [[i] for i in range(6)]
+    assert {o[1] for o in out} == {"float64"} and {o[2] for o in out} == {"highest"}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-from collections.abc import Callable, Hashable, Iterable
+import os
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -11,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from naisnet_jax.probe import BlockProbe
+
+from ._numerics import x64_scope
 
 
 @dataclasses.dataclass
@@ -35,6 +39,29 @@ def group(blocks: Iterable[Block], signature: Callable[[Block], Hashable]) -> li
     for b in blocks:
         groups.setdefault(signature(b), []).append(b)
     return list(groups.values())
+
+
+def map_groups(fn: Callable[[list[Block]], Any], groups: Sequence[list[Block]], *, workers: int | None = None) -> list:
+    """``[fn(g) for g in groups]``, with groups side by side in threads.
+
+    Groups of different shapes compile different XLA programs; a cold audit spends most of
+    its time compiling them, and XLA compiles (and the device runs) programs of several
+    threads at once. ``workers`` defaults to one per group, at most ``os.cpu_count() // 2``
+    (so 1, in order, on a two-core machine). Each thread enters the audit's float64 scope
+    itself: JAX's x64 switch and matmul precision are thread-local. The result does not
+    depend on ``workers``: groups share no state and each keeps its own PRNG keys."""
+    groups = list(groups)
+    if workers is None:
+        workers = min(len(groups), max(1, (os.cpu_count() or 1) // 2))
+    if workers <= 1 or len(groups) <= 1:
+        return [fn(g) for g in groups]
+
+    def scoped(g):
+        with x64_scope():
+            return fn(g)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="audit-group") as pool:
+        return list(pool.map(scoped, groups))
 
 
 def stack(arrays) -> jax.Array:

@@ -19,7 +19,7 @@ import numpy as np
 from naisnet_jax.cell import ACTIVATIONS, activation_slope, conv_same
 from naisnet_jax.stability import kernel_gershgorin
 
-from ._common import Block, gain, group, perturbation
+from ._common import Block, gain, group, map_groups, perturbation
 from ._numerics import U64, float32_h, gamma
 from .certificate import ConvParameters, Equilibrium, Spectrum, Trajectory
 from .operators import conv_operator, jacobian_operator, operator_matrix
@@ -93,10 +93,19 @@ def _steps(x):
 # ------------------------------------------------------------- parameter figures
 
 
-def parameters(blocks: list[Block], options) -> dict[int, tuple[ConvParameters, Spectrum]]:
+def parameters(
+    blocks: list[Block], options, *, workers: int | None = None
+) -> dict[int, tuple[ConvParameters, Spectrum]]:
+    groups = group(blocks, lambda b: (_steps(b.p32.operator).shape, _hw(b)))
     out = {}
-    for members in group(blocks, lambda b: (_steps(b.p32.operator).shape, _hw(b))):
-        p0 = members[0].p32
+    for part in map_groups(functools.partial(_group_parameters, options=options), groups, workers=workers):
+        out.update(part)
+    return out
+
+
+def _group_parameters(members: list[Block], options) -> dict[int, tuple[ConvParameters, Spectrum]]:
+    out = {}
+    if members:
         kernels = np.stack([np.asarray(_steps(b.p32.operator), np.float64) for b in members])  # (G, S, k, k, C, C)
         deltas = np.stack([np.reshape(np.asarray(b.p32.factor, np.float64), (-1, kernels.shape[-1])) for b in members])
         arr = lambda f: np.asarray([f(b.p32) for b in members], np.float64)  # noqa: E731
@@ -145,7 +154,6 @@ def parameters(blocks: list[Block], options) -> dict[int, tuple[ConvParameters, 
                 bound_label="||I + hA||_inf",
             )
             out[b.index] = (params, spectrum)
-        del p0
     return out
 
 
@@ -289,9 +297,8 @@ def _fixed_point(kernel, drive):
     return jax.lax.while_loop(cond, body, (0, x0, jnp.max(jnp.abs(residual(x0)))))
 
 
-def trajectories(blocks: list[Block], params: dict, options) -> dict[int, Trajectory]:
+def trajectories(blocks: list[Block], params: dict, options, *, workers: int | None = None) -> dict[int, Trajectory]:
     """Trajectory figures of every block; the Jacobian radii of a group's blocks in one batch."""
-    out = {}
 
     def sig(b):
         return (
@@ -302,30 +309,39 @@ def trajectories(blocks: list[Block], params: dict, options) -> dict[int, Trajec
             b.p64.activation,
         )
 
-    for members in group(blocks, sig):
-        visited = [_visit(b, options) for b in members]
-        ops, owners, keys = [], [], []
-        for b, v in zip(members, visited):
-            for j, (k, i) in enumerate(v["samples"]):
-                ops.append(
-                    jacobian_operator(conv_operator(v["kernels"][k], v["shape"]), v["slopes"][k, i].reshape(-1), v["h"])
-                )
-                owners.append(b.index)
-                keys.append(jax.random.fold_in(b.key, 1000 + j))
-        radii: dict[int, list[float]] = {b.index: [] for b in members}
-        if ops:
-            n = int(np.prod(visited[0]["shape"]))
-            if n <= options.dense_max_n:
-                found = [_dense_result(np.asarray(operator_matrix(op, n)), n).radius for op in ops]
-            else:
-                found = [
-                    abs(complex(r.eigenvalues[0]))
-                    for r in arnoldi_eigs_batch(stack_operators(ops), n, keys=jnp.stack(keys))
-                ]
-            for owner, r in zip(owners, found):
-                radii[owner].append(float(r))
-        for b, v in zip(members, visited):
-            out[b.index] = _finish(b, v, radii[b.index], options)
+    out = {}
+    for part in map_groups(
+        functools.partial(_group_trajectories, options=options), group(blocks, sig), workers=workers
+    ):
+        out.update(part)
+    return out
+
+
+def _group_trajectories(members: list[Block], options) -> dict[int, Trajectory]:
+    out = {}
+    visited = [_visit(b, options) for b in members]
+    ops, owners, keys = [], [], []
+    for b, v in zip(members, visited):
+        for j, (k, i) in enumerate(v["samples"]):
+            ops.append(
+                jacobian_operator(conv_operator(v["kernels"][k], v["shape"]), v["slopes"][k, i].reshape(-1), v["h"])
+            )
+            owners.append(b.index)
+            keys.append(jax.random.fold_in(b.key, 1000 + j))
+    radii: dict[int, list[float]] = {b.index: [] for b in members}
+    if ops:
+        n = int(np.prod(visited[0]["shape"]))
+        if n <= options.dense_max_n:
+            found = [_dense_result(np.asarray(operator_matrix(op, n)), n).radius for op in ops]
+        else:
+            found = [
+                abs(complex(r.eigenvalues[0]))
+                for r in arnoldi_eigs_batch(stack_operators(ops), n, keys=jnp.stack(keys))
+            ]
+        for owner, r in zip(owners, found):
+            radii[owner].append(float(r))
+    for b, v in zip(members, visited):
+        out[b.index] = _finish(b, v, radii[b.index], options)
     return out
 
 

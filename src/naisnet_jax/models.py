@@ -363,13 +363,14 @@ def _conv_init(eps: float, eta: float) -> Callable:
     return init
 
 
-def _batch_norm(train: bool, name: str, dtype=None) -> nn.BatchNorm:
+def _batch_norm(train: bool, name: str, dtype=None, *, zero_scale: bool = False) -> nn.BatchNorm:
     return nn.BatchNorm(
         use_running_average=not train,
         momentum=BN_MOMENTUM,
         epsilon=BN_EPSILON,
         name=name,
         dtype=_compute_dtype(dtype),
+        scale_init=nn.initializers.zeros if zero_scale else nn.initializers.ones,
     )
 
 
@@ -656,17 +657,36 @@ class NaisNetFC(DenseOptions, Classifier, kw_only=True):
         }
 
 
-class NaisNetConv(ConvOptions, Classifier, Stages, kw_only=True):
+DRIVE_NORMS = ("transitions", "every")
+
+
+class DriveNorm(HyperParameters, kw_only=True):
+    """``drive_norm``: which blocks of a conv NAIS-Net put BatchNorm on their drive ``D u``:
+    ``"transitions"`` (the first block of every later stage, where width and resolution
+    change) or ``"every"`` block. The drive enters the dynamics as a constant, so either way
+    the state Jacobian ``I + h diag(act') A``, and with it the stability guarantee, is
+    untouched. With ``x_0 = 0`` a deep stack of blocks has no identity path from its input
+    to its output (unlike a ResNet), so without normalised drives its signal fades with
+    depth: the 54-block CIFAR nets train at the paper's learning rate with ``"every"``."""
+
+    drive_norm: str = "transitions"
+
+    @nn.nowrap
+    def _check_fields(self):
+        check_choice("drive_norm", self.drive_norm, DRIVE_NORMS)
+
+
+class NaisNetConv(ConvOptions, DriveNorm, Classifier, Stages, kw_only=True):
     """Stacked convolutional NAIS-Net: stem, stages of NaisConvBlocks, pool, Dense.
 
     ``stem`` (3x3 conv to ``filters[0]``) -> BatchNorm (``"stem_bn"``) -> act;
     then stage ``i`` has ``stage_sizes[i]`` blocks of ``filters[i]`` channels
     (``"stage{i}_block{j}"``), each block's ``x_K`` the next block's ``u``.
     The first block of every later stage has a stride-2 input convolution and
-    BatchNorm on its drive. Normalisation appears only at these dimension
-    changes (stem, stage boundaries), never inside the state dynamics, so every
-    block keeps its stability guarantee. Then global average pooling and
-    ``"classifier"``.
+    BatchNorm on its drive; ``drive_norm="every"`` normalises every block's drive
+    (:class:`DriveNorm`). Normalisation acts only on drives and at the stem,
+    never inside the state dynamics, so every block keeps its stability
+    guarantee. Then global average pooling and ``"classifier"``.
 
     ``initial_state="input"`` starts every block whose input has its state's
     shape at ``x_0 = u``: all blocks except the first of each later stage,
@@ -688,7 +708,7 @@ class NaisNetConv(ConvOptions, Classifier, Stages, kw_only=True):
                 block = NaisConvBlock(
                     width,
                     strides=2 if change else 1,
-                    normalize_drive=change,
+                    normalize_drive=change or self.drive_norm == "every",
                     name=f"stage{i}_block{j}",
                     **{**options, "initial_state": "zero" if change else self.initial_state},
                 )
@@ -824,14 +844,32 @@ class ResNetFC(StepOptions, Classifier, kw_only=True):
 
 
 class ResNetConvOptions(KernelSize, ComputeDtype, kw_only=True):
-    """Options of :class:`ResNetConvBlock`, which :class:`ResNetConv` hands to its blocks."""
+    """Options of :class:`ResNetConvBlock`, which :class:`ResNetConv` hands to its blocks.
+
+    ``zero_init_residual``: the BatchNorm scale of each block's branch starts at zero, so
+    every block starts as the identity on its (non-negative) input (Goyal et al., 2017), and
+    54 blocks train at the paper's learning rate of 0.1 from the first step. Without it the
+    54-block net on MNIST starts at a loss above 20 and, at learning rate 0.1, is still at
+    chance after 60 steps (a CPU check; with it the loss falls from 2.30 to 1.74)."""
+
+    zero_init_residual: bool = True
+
+    @nn.nowrap
+    def _check_fields(self):
+        check_bool("zero_init_residual", self.zero_init_residual)
 
 
 class ResNetConvBlock(ResNetConvOptions):
-    """Single-convolution residual block ``x + relu(BN(conv(x)))``.
+    """Single-convolution residual block ``relu(x + BN(conv(x)))``: He et al.'s block with one
+    convolution, as the paper's section 5.2 uses (the ReLU after the sum, as theirs).
 
     Where width or resolution changes, the shortcut is a strided 1x1
-    projection (``"shortcut"``). Parameters: ``"conv"``, ``"bn"``.
+    projection (``"shortcut"``). Parameters: ``"conv"``, ``"bn"``. The Jacobian at a
+    state is ``diag(relu') (I + diag(g) C)`` (``g`` BatchNorm's eval multiplier): the
+    verifier reports ``rho(I + diag(g) C)``, its value where every unit is active.
+    (The form ``x + relu(BN(conv(x)))`` adds a non-negative branch in every block: the
+    stream grows by about 0.4 per block and channel, and the 54-block net diverges at
+    learning rate 0.1.)
     """
 
     features: int
@@ -846,7 +884,7 @@ class ResNetConvBlock(ResNetConvOptions):
     def __call__(self, x: Array, *, train: bool = False) -> Array:
         s, k, dtype = self.strides, self.kernel_size, _compute_dtype(self.dtype)
         y = nn.Conv(self.features, (k, k), strides=(s, s), padding="SAME", use_bias=False, dtype=dtype, name="conv")(x)
-        y = nn.relu(_batch_norm(train, "bn", self.dtype)(y))
+        y = _batch_norm(train, "bn", self.dtype, zero_scale=self.zero_init_residual)(y)
         square = s == 1 and x.shape[-1] == self.features
         if probe.auditing(self):
             probe.sow_block(
@@ -861,7 +899,7 @@ class ResNetConvBlock(ResNetConvOptions):
             )
         if not square:
             x = nn.Conv(self.features, (1, 1), strides=(s, s), use_bias=False, dtype=dtype, name="shortcut")(x)
-        return x + y
+        return nn.relu(x + y)
 
 
 class ResNetConv(ResNetConvOptions, Classifier, Stages, kw_only=True):
