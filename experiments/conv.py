@@ -7,7 +7,9 @@
 3 stages x 18 blocks of 16/32/64 filters: NAIS-Net1 (each block unrolled once) from the paper's
 ``x(0) = 0`` and from ``x(0) = u`` (the model option ``initial_state``; with ``x(0) = 0`` and one
 step the state kernel never acts, so that block is a plain convolution layer), NAIS-Net10 (10
-steps per block, ``x(0) = 0``) and the one-convolution ResNet. Each model is one sweep of
+steps per block, ``x(0) = 0``) and the one-convolution ResNet. Every NAIS variant normalises
+every block's drive (``drive_norm="every"``: without it the ``x(0) = 0`` nets, 54 plain layers
+with no identity path, stayed at chance at learning rate 0.1). Each model is one sweep of
 ``--seeds`` seeds (``naisnet_jax.sweep``) with the config ``experiments/configs/conv_paper.py``:
 the paper's CIFAR schedule compressed to ``--epochs`` epochs (see the config for why).
 Writes to ``--workdir``: ``results.json`` / ``results.md`` (test accuracy, train accuracy and

@@ -237,3 +237,16 @@ def test_map_groups_keeps_order_and_the_float64_scope_in_every_thread():
         out = _common.map_groups(dtype_of, [[i] for i in range(6)], workers=3)
     assert [o[0] for o in out] == [[i] for i in range(6)]
     assert {o[1] for o in out} == {"float64"} and {o[2] for o in out} == {"highest"}
+
+
+def test_shares_of_units_are_float64_counts():
+    """``unsaturated_fraction`` is a count over (steps x inputs x units) computed in float64: a
+    float32 mean of the boolean mask (what ``jnp.mean`` gives even inside x64) is ~1e-8 off."""
+    net = models.get_model("naisnet_fc_tiny", activation="relu", steps=7, features=10)
+    variables = net.init(jax.random.PRNGKey(4), jnp.zeros((1, 8, 8, 1)))
+    x = np.random.default_rng(4).standard_normal((3, 8, 8, 1))
+    t = audit_model(net, variables, inputs=x).block("block").trajectory
+    total = t.states * 10  # 7 steps x 3 inputs x 10 units = 210: k / 210 is inexact in float32
+    count = t.unsaturated_fraction * total
+    assert 0 < t.unsaturated_fraction < 1
+    assert abs(count - round(count)) < 1e-9, count

@@ -240,7 +240,7 @@ def _visited(kernels, drives, x0, states, h, sigma_min, *, activation, untied):
         "kernels": kernels,
         "drives": drives,
         "X": X,
-        "unsaturated": jnp.mean(slopes >= sigma_min),
+        "unsaturated": jnp.mean(slopes >= sigma_min, dtype=jnp.float64),  # bool mean: float32 even in x64
         "slope_min": jnp.min(slopes),
     }
 

@@ -236,7 +236,7 @@ def _visited(As, drives, x0, states, h, sigma_min, *, activation, untied):
     return {
         "rho": rho,
         "in_p": in_p,
-        "unsaturated": jnp.mean(slopes >= sigma_min),
+        "unsaturated": jnp.mean(slopes >= sigma_min, dtype=jnp.float64),  # bool mean: float32 even in x64
         "slope_min": jnp.min(slopes),
         "pre": pre,
         "As": As,
