@@ -49,7 +49,29 @@ SCRIPT = textwrap.dedent(
     rows = train.replicate(np.zeros((1, 32), np.int32), mesh)
     hlo = chunk.lower(state, train.replicate(one["test_data"], mesh), rows,
                       train.replicate(jax.random.PRNGKey(0), mesh)).compile().as_text()
+
+    def collectives(model_kwargs):
+        # (ops, ops inside a block's loop) of the compiled data-parallel step of a
+        # naisnet_conv_tiny with 4 steps per block: each an (op, op_name) pair
+        import re
+        from naisnet_jax import data as data_lib
+        config = digits_tiny.get_config()
+        config.model, config.model_kwargs = "naisnet_conv_tiny", {"steps": 4, **model_kwargs}
+        st = train.create_train_state(config, train.build_model(config, 10), (8, 8, 1), 10)
+        d = data_lib.DeviceData(images=np.zeros((64, 8, 8, 1), np.uint8), labels=np.zeros(64, np.int32))
+        text = chunk.lower(train.replicate(st, mesh), train.replicate(d, mesh),
+                           train.replicate(np.zeros((2, 32), np.int32), mesh),
+                           train.replicate(jax.random.PRNGKey(0), mesh)).compile().as_text()
+        ops = [(m.group(1), m.group(2)) for m in re.finditer(
+            r'= [^=]*? (all-reduce|all-gather|all-to-all|collective-permute)(?:-start)?\\(.*?op_name="([^"]*)"', text)]
+        return ops, [o for o in ops if re.search(r"block\\d+/while", o[1])]
+
+    loops = {}
+    for name, kw in (("autodiff", {}), ("stacked", {"block_vjp": "stacked"})):
+        ops, in_loops = collectives(kw)
+        loops[name] = {"kinds": sorted({o[0] for o in ops}), "in_block_loops": len(in_loops)}
     print(json.dumps({
+        "collectives": loops,
         "devices": sorted(devices), "param_rel_diff": max(diffs), "batch_stats_diff": max(stats),
         "loss": [one["train_loss"], two["train_loss"]], "test": [one["test_accuracy"], two["test_accuracy"]],
         "all_reduce": "all-reduce" in hlo,
@@ -73,6 +95,12 @@ def test_sharded_training_matches_single_device():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["devices"] == [2]  # parameters replicated over both devices
     assert result["all_reduce"]
+    # Data parallelism by shard_map: each device unrolls its own rows; no collective runs inside a
+    # block's K-step loop (the partitioner all-reduced the state kernel's gradient at every step),
+    # and no device gathers the others' rows (it did, for the stacked VJP's weight gradients).
+    for name, found in result["collectives"].items():
+        assert found["in_block_loops"] == 0, (name, found)
+        assert found["kinds"] == ["all-reduce"], (name, found)
     assert result["param_rel_diff"] < 1e-4, result
     assert result["batch_stats_diff"] < 1e-5, result
     assert result["loss"][0] == pytest.approx(result["loss"][1], rel=1e-5)

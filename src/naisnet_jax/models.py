@@ -54,11 +54,13 @@ memory or compile time, never the maths:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import flax.linen as nn
 import jax
@@ -363,9 +365,26 @@ def _conv_init(eps: float, eta: float) -> Callable:
     return init
 
 
+_BATCH_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("naisnet_batch_axis", default=None)
+
+
+@contextlib.contextmanager
+def batch_axis(name: str | None) -> Iterator[None]:
+    """Inside ``jax.shard_map`` over a batch split on the mesh axis ``name``: every BatchNorm
+    built by these models while the context is open averages its batch statistics over that
+    axis (``lax.pmean``), so a data-parallel step normalises by the global batch, exactly as
+    one device would. Read when a model is traced (applied), not when it is constructed."""
+    token = _BATCH_AXIS.set(name)
+    try:
+        yield
+    finally:
+        _BATCH_AXIS.reset(token)
+
+
 def _batch_norm(train: bool, name: str, dtype=None, *, zero_scale: bool = False) -> nn.BatchNorm:
     return nn.BatchNorm(
         use_running_average=not train,
+        axis_name=_BATCH_AXIS.get() if train else None,
         momentum=BN_MOMENTUM,
         epsilon=BN_EPSILON,
         name=name,

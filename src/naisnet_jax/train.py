@@ -11,6 +11,7 @@ the accelerator.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -196,8 +197,13 @@ def cross_entropy(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
-def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
-    """One SGD step followed by the stability projection. Pure."""
+def train_step(state: TrainState, batch, *, axis_name: str | None = None) -> tuple[TrainState, dict]:
+    """One SGD step followed by the stability projection. Pure.
+
+    ``axis_name``: inside ``jax.shard_map`` over a batch split on that mesh axis, BatchNorm
+    averages its statistics over the axis and the gradients and metrics are averaged over it
+    (equal shards: the global batch's mean loss), so every device applies the same update
+    (:func:`data_parallel_step`)."""
     x, y = batch
 
     def loss_fn(params):
@@ -210,12 +216,51 @@ def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
         loss = jnp.mean(cross_entropy(logits, y))
         return loss, (logits, updates)
 
-    (loss, (logits, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    with models.batch_axis(axis_name):
+        (loss, (logits, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    if axis_name is not None:
+        grads = jax.lax.pmean(grads, axis_name)
     state = state.apply_gradients(grads=grads)
     if state.batch_stats is not None:
         state = state.replace(batch_stats=updates["batch_stats"])
     metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == y)}
+    if axis_name is not None:
+        metrics = jax.lax.pmean(metrics, axis_name)
     return state, metrics
+
+
+def _shard_map(f, *, mesh: Mesh, in_specs, out_specs):
+    """``jax.shard_map`` without its per-device variance check (``check_vma``; ``check_rep``
+    in older JAX, under ``jax.experimental``): the model's loops start from constants (``x_0 =
+    0``) and carry per-device values, which the check would have every model mark by hand.
+    What it guards is kept by construction here: every output is averaged over the axis."""
+    fn = getattr(jax, "shard_map", None)
+    if fn is not None:
+        return fn(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map  # pragma: no cover - JAX < 0.6
+
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)  # pragma: no cover
+
+
+def data_parallel_step(state: TrainState, batch, mesh: Mesh) -> tuple[TrainState, dict]:
+    """:func:`train_step` with the batch split over ``mesh``'s ``"data"`` axis (call inside
+    ``jit``; ``state`` replicated).
+
+    Each device runs the whole step on its own rows (``jax.shard_map``): forward and backward
+    stay local, BatchNorm normalises by the global batch's statistics as one device would, the
+    gradients are averaged once, and every device applies the same update and projection.
+    Left to the SPMD partitioner, the same step all-reduced the state kernel's gradient at
+    every one of a block's K backward steps (a loop-carried sum of per-device parts) and
+    gathered the whole batch's stacked states for the stacked VJP; here the only collectives
+    are the BatchNorm statistics and one all-reduce of the gradients per step."""
+    replicated, split = PartitionSpec(), PartitionSpec(DATA_AXIS)
+    step = _shard_map(
+        functools.partial(train_step, axis_name=DATA_AXIS),
+        mesh=mesh,
+        in_specs=(replicated, split),
+        out_specs=(replicated, replicated),
+    )
+    return step(state, shard_batch(batch, mesh))
 
 
 def _variables(state):
@@ -247,15 +292,18 @@ def eval_step(state: TrainState, batch, mask) -> dict:
 def make_train_chunk(mean, std, augment: bool, mesh: Mesh | None = None) -> Callable:
     """``(state, data, idx_rows, key) -> (state, metrics)``: a scan of train steps.
 
-    With ``mesh``, each batch is split over its devices (``shard_batch``) and the
-    state comes back replicated (pass it in replicated: ``replicate``).
+    With a ``mesh`` of several devices, each batch is split over them
+    (:func:`data_parallel_step`) and the state comes back replicated (pass it in
+    replicated: ``replicate``).
     """
 
     def train_chunk(state, data, idx_rows, key):
         def body(state, inputs):
             idx, k = inputs
             batch = data_lib.get_batch(data, idx, mean=mean, std=std, key=k, augment=augment)
-            return train_step(state, shard_batch(batch, mesh))
+            if mesh is None or mesh.devices.size == 1:  # one device: the plain step, bit for bit
+                return train_step(state, shard_batch(batch, mesh))
+            return data_parallel_step(state, batch, mesh)
 
         keys = jax.random.split(key, idx_rows.shape[0])
         state, metrics = jax.lax.scan(body, state, (idx_rows, keys))
