@@ -200,7 +200,7 @@ def test_groups_audited_side_by_side_in_threads_give_the_same_certificate(monkey
     threads (one per group on a machine of many cores). Threads must change nothing: each
     re-enters the float64 scope (thread-local in JAX) and keeps its own keys. Forced to 4
     workers here, the certificate equals the one-thread certificate figure for figure."""
-    from naisnet_jax.verify import _common
+    from naisnet_jax.verify import _common, _conv
 
     net = models.get_model("naisnet_conv_tiny", activation="tanh", learn_delta=True, stage_sizes=(2, 1))
     variables = net.init(jax.random.PRNGKey(3), jnp.zeros((1, 8, 8, 1)))
@@ -214,10 +214,7 @@ def test_groups_audited_side_by_side_in_threads_give_the_same_certificate(monkey
         return plain(fn, groups, workers=4)
 
     one = audit_model(net, variables, inputs=x, options=options)
-    monkeypatch.setattr(_common, "map_groups", threaded)
-    from naisnet_jax.verify import _conv
-
-    monkeypatch.setattr(_conv, "map_groups", threaded)
+    monkeypatch.setattr(_conv, "map_groups", threaded)  # the name the conv audit calls
     four = audit_model(net, variables, inputs=x, options=options)
     assert calls and max(calls) >= 2  # the parameters and the trajectories of >= 2 shape groups
     drop = ("seconds", "timings", "created")

@@ -93,67 +93,64 @@ def _steps(x):
 # ------------------------------------------------------------- parameter figures
 
 
-def parameters(
-    blocks: list[Block], options, *, workers: int | None = None
-) -> dict[int, tuple[ConvParameters, Spectrum]]:
+def parameters(blocks: list[Block], options) -> dict[int, tuple[ConvParameters, Spectrum]]:
     groups = group(blocks, lambda b: (_steps(b.p32.operator).shape, _hw(b)))
     out = {}
-    for part in map_groups(functools.partial(_group_parameters, options=options), groups, workers=workers):
+    for part in map_groups(functools.partial(_group_parameters, options=options), groups):
         out.update(part)
     return out
 
 
 def _group_parameters(members: list[Block], options) -> dict[int, tuple[ConvParameters, Spectrum]]:
     out = {}
-    if members:
-        kernels = np.stack([np.asarray(_steps(b.p32.operator), np.float64) for b in members])  # (G, S, k, k, C, C)
-        deltas = np.stack([np.reshape(np.asarray(b.p32.factor, np.float64), (-1, kernels.shape[-1])) for b in members])
-        arr = lambda f: np.asarray([f(b.p32) for b in members], np.float64)  # noqa: E731
-        h = arr(lambda p: float32_h(p.h))
-        proof = _proof(
-            kernels,
-            deltas,
-            h,
-            arr(lambda p: p.eps),
-            arr(lambda p: p.eta),
-            np.full(h.shape, options.sigma_min),
-            np.asarray([b.p32.activation == "relu" for b in members]),
-            np.asarray([b.p32.learn_delta for b in members]),
+    kernels = np.stack([np.asarray(_steps(b.p32.operator), np.float64) for b in members])  # (G, S, k, k, C, C)
+    deltas = np.stack([np.reshape(np.asarray(b.p32.factor, np.float64), (-1, kernels.shape[-1])) for b in members])
+    arr = lambda f: np.asarray([f(b.p32) for b in members], np.float64)  # noqa: E731
+    h = arr(lambda p: float32_h(p.h))
+    proof = _proof(
+        kernels,
+        deltas,
+        h,
+        arr(lambda p: p.eps),
+        arr(lambda p: p.eta),
+        np.full(h.shape, options.sigma_min),
+        np.asarray([b.p32.activation == "relu" for b in members]),
+        np.asarray([b.p32.learn_delta for b in members]),
+    )
+    radii = _radius_estimates(members, kernels, h, options) if options.estimate_conv_radius else {}
+    centres, disc_r = kernel_gershgorin(kernels[:, 0])
+    for i, b in enumerate(members):
+        hw = _hw(b)
+        est = radii.get(b.index)
+        params = ConvParameters(
+            condition="per channel c: centre = -1 - delta_c, radius_c <= 1 - eps - |delta_c|"
+            + (", |delta_c| <= 1 - eta" if b.p32.learn_delta else ""),
+            centres=(float(proof["centre_min"][i]), float(proof["centre_max"][i])),
+            radius_max=float(proof["radius_max"][i]),
+            budget_min=float(proof["budget_min"][i]),
+            radius_over_budget_max=float(proof["ratio"][i]),
+            condition_holds=bool(proof["condition"][i]),
+            inf_norm_bound_I_plus_hA=float(proof["inf_bound"][i]),
+            rho_bar_bound=float(proof["rho_bar"][i]),
+            condition1_proven=bool(proof["inf_bound"][i] < 1),
+            state_shape=None if hw is None else (hw[0], hw[1], int(kernels.shape[-1])),
+            rho_I_plus_hA=None if est is None else est["radius"],
+            rho_method=None if est is None else est["method"],
+            rho_residual=None if est is None else est["residual"],
+            rho_converged=None if est is None else est["converged"],
+            steps=int(kernels.shape[1]),
         )
-        radii = _radius_estimates(members, kernels, h, options) if options.estimate_conv_radius else {}
-        centres, disc_r = kernel_gershgorin(kernels[:, 0])
-        for i, b in enumerate(members):
-            hw = _hw(b)
-            est = radii.get(b.index)
-            params = ConvParameters(
-                condition="per channel c: centre = -1 - delta_c, radius_c <= 1 - eps - |delta_c|"
-                + (", |delta_c| <= 1 - eta" if b.p32.learn_delta else ""),
-                centres=(float(proof["centre_min"][i]), float(proof["centre_max"][i])),
-                radius_max=float(proof["radius_max"][i]),
-                budget_min=float(proof["budget_min"][i]),
-                radius_over_budget_max=float(proof["ratio"][i]),
-                condition_holds=bool(proof["condition"][i]),
-                inf_norm_bound_I_plus_hA=float(proof["inf_bound"][i]),
-                rho_bar_bound=float(proof["rho_bar"][i]),
-                condition1_proven=bool(proof["inf_bound"][i] < 1),
-                state_shape=None if hw is None else (hw[0], hw[1], int(kernels.shape[-1])),
-                rho_I_plus_hA=None if est is None else est["radius"],
-                rho_method=None if est is None else est["method"],
-                rho_residual=None if est is None else est["residual"],
-                rho_converged=None if est is None else est["converged"],
-                steps=int(kernels.shape[1]),
-            )
-            hb = float(h[i])
-            eig = () if est is None else est["eigenvalues"]
-            spectrum = Spectrum(
-                eigenvalues=tuple(complex(z) for z in eig),
-                all_eigenvalues=bool(est and est["all"]),
-                disc_centres=tuple(float(c) for c in 1 + hb * centres[i]),
-                disc_radii=tuple(float(r) for r in hb * disc_r[i]),
-                bound=params.inf_norm_bound_I_plus_hA,
-                bound_label="||I + hA||_inf",
-            )
-            out[b.index] = (params, spectrum)
+        hb = float(h[i])
+        eig = () if est is None else est["eigenvalues"]
+        spectrum = Spectrum(
+            eigenvalues=tuple(complex(z) for z in eig),
+            all_eigenvalues=bool(est and est["all"]),
+            disc_centres=tuple(float(c) for c in 1 + hb * centres[i]),
+            disc_radii=tuple(float(r) for r in hb * disc_r[i]),
+            bound=params.inf_norm_bound_I_plus_hA,
+            bound_label="||I + hA||_inf",
+        )
+        out[b.index] = (params, spectrum)
     return out
 
 
@@ -297,7 +294,7 @@ def _fixed_point(kernel, drive):
     return jax.lax.while_loop(cond, body, (0, x0, jnp.max(jnp.abs(residual(x0)))))
 
 
-def trajectories(blocks: list[Block], params: dict, options, *, workers: int | None = None) -> dict[int, Trajectory]:
+def trajectories(blocks: list[Block], params: dict, options) -> dict[int, Trajectory]:
     """Trajectory figures of every block; the Jacobian radii of a group's blocks in one batch."""
 
     def sig(b):
@@ -310,9 +307,7 @@ def trajectories(blocks: list[Block], params: dict, options, *, workers: int | N
         )
 
     out = {}
-    for part in map_groups(
-        functools.partial(_group_trajectories, options=options), group(blocks, sig), workers=workers
-    ):
+    for part in map_groups(functools.partial(_group_trajectories, options=options), group(blocks, sig)):
         out.update(part)
     return out
 
