@@ -42,7 +42,10 @@ memory or compile time, never the maths:
 - ``block_vjp``: ``"autodiff"``, or a tied block's hand-written VJP that
   computes the state weight's gradient with one operation over the K states
   stacked on the batch axis (:mod:`naisnet_jax.block_vjp`), keeping the states
-  (``"stacked"``) or recomputing them (``"stacked_recompute"``);
+  (``"stacked"``) or recomputing them (``"stacked_recompute"``); ``"fused"``
+  runs a conv block's K steps as one GPU kernel forward and one backward
+  (:mod:`naisnet_jax.fused_block`, Pallas; float32, CUDA) and is ``"stacked"``
+  wherever those kernels do not run (dense blocks, CPU, TPU, other dtypes);
 - ``check_every``, ``compact``: adaptive depth at inference (``adaptive_tol``
   set, ``train=False``) tests for convergence once per ``check_every`` steps and,
   with ``compact``, moves the running patterns into smaller buffers (see
@@ -70,6 +73,7 @@ from naisnet_jax import probe
 from naisnet_jax.block_vjp import conv_op, dense_op, unroll_tied
 from naisnet_jax.cell import ACTIVATIONS, check_activation, check_step_size, conv_step, fc_step
 from naisnet_jax.checks import check_bool, check_choice, check_int, check_positive
+from naisnet_jax.fused_block import unroll_tied_conv
 from naisnet_jax.parametrize import check_eps, conv_state_kernel, fc_state_matrix
 from naisnet_jax.projection import check_eta, project_conv, project_fc
 from naisnet_jax.unroll import check_scan_unroll, unroll, unroll_adaptive, unroll_adaptive_bounded
@@ -91,7 +95,7 @@ PARAM_DTYPE = jnp.float32  # as Flax's own layers, also when x64 is enabled
 
 INITIAL_STATES = ("zero", "input")
 REMAT = ("none", "block", "step")
-BLOCK_VJP = {"autodiff": None, "stacked": "store", "stacked_recompute": "recompute"}
+BLOCK_VJP = {"autodiff": None, "stacked": "store", "stacked_recompute": "recompute", "fused": "store"}
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Options that change speed or memory, never the maths (``dtype`` changes the rounding only).
 PERF_OPTIONS = ("scan_unroll", "remat", "block_vjp", "dtype", "check_every", "compact")
@@ -426,7 +430,18 @@ def _unroll_block(
     if remat == "step":
         step = jax.checkpoint(step, prevent_cse=False)  # inside a scan: no CSE to prevent
     if adaptive_tol is None:
-        if block_vjp != "autodiff" and not trajectory:
+        if block_vjp == "fused" and not trajectory and tied[0] is conv_op:
+            op, drive, W, h, activation = tied
+            run = functools.partial(
+                unroll_tied_conv,
+                drive=drive,
+                kernel=W,
+                steps=steps,
+                h=h,
+                activation=activation,
+                scan_unroll=scan_unroll,
+            )
+        elif block_vjp != "autodiff" and not trajectory:
             op, drive, W, h, activation = tied
             run = functools.partial(
                 unroll_tied,

@@ -1,0 +1,477 @@
+"""A tied convolutional NAIS block's K steps in one GPU kernel each way (Pallas, Triton).
+
+XLA runs a block ``X_{k+1} = X_k + h act(conv(X_k, C) + drive)`` as K small
+convolutions and K elementwise fusions forward, and about three times as many
+kernels backward: at the CIFAR shapes (16 to 64 channels) each is a few
+microseconds of work, and a 54-block NAIS-Net10 step is bound by the latency of
+some 3,000 launches, not by arithmetic (``BENCHMARKS.md``). Here one kernel runs a
+block's K forward steps and one its K backward steps; one program per pattern
+keeps the pattern's state in the L1/L2 caches between steps, and every 3x3
+convolution is nine ``(M, C) @ (C, C)`` products on the tensor cores.
+
+Layout. A pattern's ``(H, W, C)`` state is zero padded to ``(H + 2p, W + 2q, C)``
+(``p, q`` the kernel's half sizes) and flattened to rows of ``C``: tap ``(a, b)`` of
+the convolution at row ``r`` then reads row ``r + a (W + 2q) + b``, a contiguous
+window, so a tap over ``M`` rows is one tile load. The padded rows are framed by
+``S = p (W + 2q) + q`` slack rows on each side so that every window stays in the
+buffer; rows outside the image are computed like the others and written as zero,
+which keeps the zero padding for the next step. A step writes a new buffer, and a
+barrier separates the steps (the next step reads rows that other threads wrote).
+
+Backward (the same stacked form as :mod:`naisnet_jax.block_vjp`): the kernel
+carries ``g_k`` back, ``s_k = h act'(z_k) g_{k+1}``, ``g_k = g_{k+1} +
+conv^T(s_k)`` (the transposed convolution: the kernel's taps mirrored, their
+channel matrices transposed), and writes every ``s_k``; the weight gradient is
+then one XLA convolution over the K states stacked on the batch axis, the drive's
+gradient the sum of the ``s_k``.
+
+:func:`unroll_tied_conv` is the entry point; it runs the kernels on a CUDA GPU
+(float32, channels a power of two from 16 to 128, odd kernel sizes) and
+otherwise falls back to :func:`naisnet_jax.block_vjp.unroll_tied`, whose values
+it reproduces (``tests/test_fused_block.py`` runs the kernels in Pallas'
+interpret mode on the CPU, in float64, against the plain loop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from naisnet_jax.block_vjp import _sum_to_shape, conv_op, unroll_tied
+from naisnet_jax.cell import check_activation, check_step_size
+from naisnet_jax.checks import check_int
+
+Array = jax.Array
+
+#: Rows of the flattened state a program computes per tile (the ``M`` of each product).
+TILE_ROWS = 256
+#: Warps per program.
+NUM_WARPS = 8
+#: Widest state the automatic choice (``interpret=None``) sends to the GPU kernels. On an
+#: H100 (``benchmarks/fused_block.py``) the kernels beat XLA's stacked VJP for 16 channels
+#: (forward and backward of a 32x32x16 block: 1.12x) and lose for 32 and 64, where cuDNN's
+#: convolutions are efficient; wider blocks keep the stacked VJP.
+AUTO_MAX_CHANNELS = 16
+
+
+class Layout(NamedTuple):
+    """Where a pattern's padded state lives in its buffer of ``rows`` x ``C``."""
+
+    height: int
+    width: int
+    pad_h: int
+    pad_w: int
+    slack: int  # rows before the padded image (and at least as many after it)
+    tiles: int  # tiles of ``tile_rows`` covering the padded image
+    tile_rows: int
+    rows: int
+
+    @property
+    def padded_width(self) -> int:
+        return self.width + 2 * self.pad_w
+
+    @property
+    def padded_rows(self) -> int:
+        return (self.height + 2 * self.pad_h) * self.padded_width
+
+    @classmethod
+    def of(cls, height: int, width: int, kh: int, kw: int, tile_rows: int = TILE_ROWS) -> Layout:
+        pad_h, pad_w = kh // 2, kw // 2
+        padded_width = width + 2 * pad_w
+        slack = pad_h * padded_width + pad_w
+        tiles = -(-(height + 2 * pad_h) * padded_width // tile_rows)
+        return cls(height, width, pad_h, pad_w, slack, tiles, tile_rows, tiles * tile_rows + 2 * slack)
+
+    def offsets(self, kh: int, kw: int) -> list[int]:
+        """Row offset of every tap, in the kernel's ``(a, b)`` order."""
+        return [(a - self.pad_h) * self.padded_width + (b - self.pad_w) for a in range(kh) for b in range(kw)]
+
+    def to_buffer(self, x: Array) -> Array:
+        """``(..., H, W, C)`` -> ``(..., rows, C)``: zero padded, flattened, framed by slack."""
+        lead = x.shape[:-3]
+        pad = [(0, 0)] * len(lead) + [(self.pad_h, self.pad_h), (self.pad_w, self.pad_w), (0, 0)]
+        flat = jnp.pad(x, pad).reshape(lead + (self.padded_rows, x.shape[-1]))
+        after = self.rows - self.slack - self.padded_rows
+        return jnp.pad(flat, [(0, 0)] * len(lead) + [(self.slack, after), (0, 0)])
+
+    def padded(self, buf: Array) -> Array:
+        """``(..., rows, C)`` -> the zero-padded image ``(..., H + 2p, W + 2q, C)``."""
+        img = lax.slice_in_dim(buf, self.slack, self.slack + self.padded_rows, axis=-2)
+        return img.reshape(buf.shape[:-2] + (self.height + 2 * self.pad_h, self.padded_width, buf.shape[-1]))
+
+    def interior(self, buf: Array) -> Array:
+        """``(..., rows, C)`` -> the image ``(..., H, W, C)``."""
+        img = self.padded(buf)
+        return img[..., self.pad_h : self.pad_h + self.height, self.pad_w : self.pad_w + self.width, :]
+
+
+def _inside(layout: Layout, tile_start) -> Array:
+    """``(M, 1)`` mask of the tile's rows that are pixels of the image (not padding)."""
+    q = tile_start + lax.broadcasted_iota(jnp.int32, (layout.tile_rows, 1), 0)
+    i, j = q // layout.padded_width, q % layout.padded_width
+    return (
+        (i >= layout.pad_h)
+        & (i < layout.pad_h + layout.height)
+        & (j >= layout.pad_w)
+        & (j < layout.pad_w + layout.width)
+    )
+
+
+def _index(v) -> Array:
+    """An index in JAX's default integer type (int64 with x64 on: the interpreter's slices
+    need every index of one type, and loops count in it)."""
+    return jnp.asarray(v, jax.dtypes.canonicalize_dtype(jnp.int64))
+
+
+def _over_tiles(layout, config, body) -> None:
+    """``body(t, None)`` for every tile ``t`` of a step: unrolled or as a loop."""
+    if config.unroll_tiles:
+        for t in range(layout.tiles):
+            body(t, None)
+    else:
+        lax.fori_loop(0, layout.tiles, body, None)
+
+
+def _barrier(interpret: bool) -> None:
+    if not interpret:  # the interpreter runs a program's statements in order
+        from jax.experimental.pallas import triton as plgpu
+
+        plgpu.debug_barrier()
+
+
+def _windows(ref, lead, start, rows, offsets) -> list:
+    """``ref[*lead, start + offset_t : + rows]`` for every tap ``t``, all loads issued first.
+
+    Issued together, the loads cost one round trip to memory, not one per tap (each
+    product waits for its operand's move into the layout of the tensor cores). One
+    indexer per load: Triton's lowering takes no ``ref.at[...][...]``."""
+    from jax.experimental import pallas as pl
+
+    return [ref[(*lead, pl.ds(start + off, rows))] for off in offsets]
+
+
+def _conv(windows, taps):
+    """``sum_t windows[t] @ taps[t]``: one tile of the convolution."""
+    acc = None
+    for window, tap in zip(windows, taps):
+        part = jnp.dot(window, tap, preferred_element_type=window.dtype)
+        acc = part if acc is None else acc + part
+    return acc
+
+
+def _taps_of(w_ref, count, hoisted):
+    """The kernel's taps: loaded once here (``hoisted``) or a function loading them per tile."""
+    if hoisted:
+        taps = [w_ref[t] for t in range(count)]
+        return lambda: taps
+    return lambda: [w_ref[t] for t in range(count)]
+
+
+def _forward_kernel(layout, offsets, steps, h, activation, save, config, x0_ref, d_ref, w_ref, xs_ref, *zs):
+    """Program ``n`` runs pattern ``n``'s K steps. ``save``: keep every state in ``xs_ref``
+    and every pre-activation in ``zs``; else ``xs_ref`` holds two buffers used in turn."""
+    from jax.experimental import pallas as pl
+
+    n = _index(pl.program_id(0))
+    M, S = layout.tile_rows, layout.slack
+    centre = offsets.index(0)
+    taps_now = _taps_of(w_ref, len(offsets), config.hoist_taps)
+
+    def slot(k):
+        return k if save else k % 2
+
+    def copy(t, carry):
+        t = _index(t)
+        rows = pl.ds(S + t * M, M)
+        xs_ref[0, n, rows] = x0_ref[n, rows]
+        return carry
+
+    _over_tiles(layout, config, copy)
+    _barrier(config.interpret)
+
+    def step(k, carry):
+        k = _index(k)
+        src = slot(k)
+
+        def tile(t, carry):
+            q0 = _index(t) * M
+            rows = pl.ds(S + q0, M)
+            windows = _windows(xs_ref, (src, n), S + q0, M, offsets)
+            taps, d = taps_now(), d_ref[n, rows]
+            x = windows[centre]
+            z = _conv(windows, taps) + d
+            a = jnp.maximum(z, 0) if activation == "relu" else jnp.tanh(z)
+            inside = _inside(layout, q0)
+            zero = jnp.zeros_like(x)
+            xs_ref[slot(k + 1), n, rows] = jnp.where(inside, x + h * a, zero)
+            if save:
+                zs[0][k, n, rows] = jnp.where(inside, z, zero)
+            return carry
+
+        _over_tiles(layout, config, tile)
+        _barrier(config.interpret)
+        return carry
+
+    lax.fori_loop(0, steps, step, 0)
+
+
+def _scaled_slope(activation, h, z, g):
+    """``h act'(z) g``, ReLU's slope at 0 taken as 0 (as ``jax.nn.relu``)."""
+    if activation == "relu":
+        return jnp.where(z > 0, h * g, jnp.zeros_like(g))
+    t = jnp.tanh(z)
+    return h * g * (1 - t) * (1 + t)
+
+
+def _backward_kernel(layout, offsets, steps, h, activation, config, gk_ref, zs_ref, wt_ref, g_ref, s_ref):
+    """Program ``n`` carries pattern ``n``'s gradient from ``x_K`` back to ``x_0``."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    n = _index(pl.program_id(0))
+    M, S = layout.tile_rows, layout.slack
+    mirrored = [-off for off in offsets]
+    taps_now = _taps_of(wt_ref, len(offsets), config.hoist_taps)
+
+    def first(t, carry):  # g_K and s_{K-1}
+        q0 = _index(t) * M
+        rows = pl.ds(S + q0, M)
+        g = gk_ref[n, rows]
+        g_ref[n, rows] = g
+        s = _scaled_slope(activation, h, zs_ref[steps - 1, n, rows], g)
+        s_ref[steps - 1, n, rows] = jnp.where(_inside(layout, q0), s, jnp.zeros_like(s))
+        return carry
+
+    _over_tiles(layout, config, first)
+    _barrier(config.interpret)
+
+    def step(i, carry):  # k = K-1 .. 0: g_k = g_{k+1} + conv^T(s_k), then s_{k-1}
+        k = steps - 1 - _index(i)
+        prev = jnp.maximum(k - 1, 0)
+
+        def tile(t, carry):
+            q0 = _index(t) * M
+            rows = pl.ds(S + q0, M)
+            windows = _windows(s_ref, (k, n), S + q0, M, mirrored)
+            taps, g, z = taps_now(), g_ref[n, rows], zs_ref[prev, n, rows]
+            inside = _inside(layout, q0)
+            g = g + _conv(windows, taps)
+            g = jnp.where(inside, g, jnp.zeros_like(g))
+            g_ref[n, rows] = g
+            s = _scaled_slope(activation, h, z, g)
+            s = jnp.where(inside, s, jnp.zeros_like(s))
+            plgpu.store(s_ref.at[prev, n, rows], s, mask=jnp.broadcast_to(k > 0, s.shape))
+            return carry
+
+        _over_tiles(layout, config, tile)
+        _barrier(config.interpret)
+        return carry
+
+    lax.fori_loop(0, steps, step, 0)
+
+
+class Config(NamedTuple):
+    """How the kernels run: in Pallas' interpreter or on the GPU, and their tiling."""
+
+    interpret: bool = False
+    tile_rows: int = TILE_ROWS
+    num_warps: int = NUM_WARPS
+    unroll_tiles: bool = True  # a step's tiles as straight-line code (independent loads overlap)
+    hoist_taps: bool = True  # load the kernel's taps once per program, not once per tile
+
+
+GPU = Config()  # the GPU kernels at the default tiling
+_INTERPRET = contextvars.ContextVar("naisnet_fused_interpret", default=False)
+
+
+@contextlib.contextmanager
+def interpreted():
+    """Inside this context, blocks that would fall back run the kernels in the interpreter.
+
+    For tests on a CPU: a model with ``block_vjp="fused"`` then really goes through
+    the kernels (read when the model is traced)."""
+    token = _INTERPRET.set(True)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
+
+def _pallas(kernel, out_shape, batch, config: Config):
+    from jax.experimental import pallas as pl
+
+    params = {}
+    if not config.interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=(batch,), interpret=config.interpret, **params)
+
+
+def _taps(kernel: Array) -> Array:
+    """HWIO ``(kh, kw, C, C)`` -> ``(kh * kw, C, C)``, tap ``(a, b)`` at ``a * kw + b``."""
+    kh, kw, ci, co = kernel.shape
+    return kernel.reshape(kh * kw, ci, co)
+
+
+def fused_forward(x0, drive, kernel, *, steps, h, activation, save=True, config=GPU):
+    """The block's states as buffers (``layout.interior`` gives the images).
+
+    ``save=True`` returns ``(layout, xs, zs)``: every state ``x_0 .. x_K``, shape
+    ``(K + 1, N, rows, C)``, and every pre-activation ``z_0 .. z_{K-1}``, shape
+    ``(K, N, rows, C)``. ``save=False`` returns ``(layout, x_K)`` only.
+    """
+    N, H, W, C = x0.shape
+    kh, kw = kernel.shape[:2]
+    layout = Layout.of(H, W, kh, kw, config.tile_rows)
+    x0b = layout.to_buffer(x0)
+    db = layout.to_buffer(jnp.broadcast_to(drive, x0.shape).astype(x0.dtype))
+    body = functools.partial(_forward_kernel, layout, layout.offsets(kh, kw), steps, h, activation, save, config)
+    states = jax.ShapeDtypeStruct(((steps + 1) if save else 2, N, layout.rows, C), x0.dtype)
+    out_shape = (states, jax.ShapeDtypeStruct((steps, N, layout.rows, C), x0.dtype)) if save else (states,)
+    out = _pallas(body, out_shape, N, config)(x0b, db, _taps(kernel.astype(x0.dtype)))
+    return (layout, *out) if save else (layout, out[0][steps % 2])
+
+
+def fused_backward(layout, g, zs, kernel, *, steps, h, activation, config=GPU):
+    """``(g_0, s_0 .. s_{K-1})`` as buffers from the gradient ``g`` at ``x_K``."""
+    N, C = g.shape[0], g.shape[-1]
+    kh, kw = kernel.shape[:2]
+    transposed = jnp.swapaxes(_taps(kernel.astype(g.dtype)), 1, 2)  # tap t's C_out x C_in
+    body = functools.partial(_backward_kernel, layout, layout.offsets(kh, kw), steps, h, activation, config)
+    out_shape = (
+        jax.ShapeDtypeStruct((N, layout.rows, C), g.dtype),
+        jax.ShapeDtypeStruct((steps, N, layout.rows, C), g.dtype),
+    )
+    return _pallas(body, out_shape, N, config)(layout.to_buffer(g), zs, transposed)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused(x0, drive, kernel, steps, h, activation, config):
+    layout, x = fused_forward(x0, drive, kernel, steps=steps, h=h, activation=activation, save=False, config=config)
+    return layout.interior(x)
+
+
+def _fused_fwd(x0, drive, kernel, steps, h, activation, config):
+    layout, xs, zs = fused_forward(x0, drive, kernel, steps=steps, h=h, activation=activation, config=config)
+    return layout.interior(xs[steps]), (xs, zs, drive, kernel)
+
+
+def _fused_bwd(steps, h, activation, config, res, g):
+    """``dx0`` from the kernel; ``dW`` one convolution over the stacked states; ``d drive`` a sum."""
+    xs, zs, drive, kernel = res
+    N, H, W, C = g.shape
+    layout = Layout.of(H, W, kernel.shape[0], kernel.shape[1], config.tile_rows)
+    g0, ss = fused_backward(layout, g, zs, kernel, steps=steps, h=h, activation=activation, config=config)
+    padded = layout.padded(xs[:steps])  # x_0 .. x_{K-1}, zero padded: SAME = VALID on these
+    padded = padded.reshape((steps * N,) + padded.shape[2:])
+    s_img = layout.interior(ss)
+
+    def valid_conv(w):
+        return lax.conv_general_dilated(padded, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    (dW,) = jax.linear_transpose(valid_conv, kernel)(s_img.reshape((steps * N, H, W, C)))
+    d_drive = _sum_to_shape(jnp.sum(s_img, axis=0), drive.shape).astype(drive.dtype)
+    return layout.interior(g0), d_drive, dW
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def kernel_supported(x0: Array, kernel: Array) -> str | None:
+    """``None`` if the fused kernels take this block, else why not (in words)."""
+    if x0.ndim != 4 or kernel.ndim != 4:
+        return f"expected a state (batch, H, W, C) and an HWIO kernel, got shapes {x0.shape} and {kernel.shape}"
+    kh, kw, ci, co = kernel.shape
+    C = x0.shape[-1]
+    if ci != C or co != C:
+        return f"the kernel {kernel.shape} must map the state's {C} channels to {C}"
+    if kh % 2 == 0 or kw % 2 == 0:
+        return f"the kernel's size must be odd, got {kh}x{kw}"
+    if C < 16 or C > 128 or C & (C - 1):
+        return f"the channels must be a power of two from 16 to 128, got {C}"
+    return None
+
+
+def gpu_kernels_available(x0: Array) -> bool:
+    """The GPU kernels run here: a float32 state and a CUDA GPU as JAX's default device."""
+    if x0.dtype != jnp.float32:
+        return False
+    device = jax.devices()[0]
+    return device.platform == "gpu" and "cuda" in getattr(device.client, "platform_version", "").lower()
+
+
+def unroll_tied_conv(
+    x0: Array,
+    drive: Array,
+    kernel: Array,
+    *,
+    steps: int,
+    h: float = 1.0,
+    activation: str = "relu",
+    scan_unroll: int | bool = 1,
+    interpret: bool | None = None,
+    tile_rows: int = TILE_ROWS,
+    num_warps: int = NUM_WARPS,
+    unroll_tiles: bool = True,
+    hoist_taps: bool | None = None,
+) -> Array:
+    """``x_K`` of a tied conv NAIS block; the fused Pallas kernels where they run.
+
+    Plain-Python meaning (values and gradients equal those of this loop)::
+
+        x = x0
+        for k in range(steps):
+            x = x + h * act(conv_same(x, kernel) + drive)
+        return x
+
+    ``interpret=None`` runs the GPU kernels when the block fits them
+    (:func:`kernel_supported`), :func:`gpu_kernels_available` and the state has at most
+    :data:`AUTO_MAX_CHANNELS` channels (where they are the faster path), else the stacked
+    pure-JAX VJP (:func:`naisnet_jax.block_vjp.unroll_tied`, with ``scan_unroll``)
+    or, inside :func:`interpreted`, the kernels in Pallas' interpreter.
+    ``interpret=True`` runs the interpreter (any backend and float dtype: the
+    tests' path), ``False`` forces the GPU kernels. ``tile_rows`` (a power of two,
+    at least 16), ``num_warps``, ``unroll_tiles`` and ``hoist_taps`` (default: for
+    at most 32 channels) tune the GPU kernels. The products run at the
+    default precision (TF32 on an NVIDIA GPU, as XLA's convolutions).
+    """
+    check_int("steps", steps)
+    check_step_size(h)
+    check_activation(activation)
+    check_int("tile_rows", tile_rows, 16)
+    check_int("num_warps", num_warps)
+    if tile_rows & (tile_rows - 1):
+        raise ValueError(f"tile_rows={tile_rows!r} must be a power of two (a tile is one (tile_rows, C) block).")
+    if isinstance(h, jax.core.Tracer):
+        raise ValueError("unroll_tied_conv needs a static step size h (a Python float), not a traced value.")
+    dtype = jnp.result_type(x0, drive, kernel)
+    x0, drive, kernel = x0.astype(dtype), drive.astype(dtype), kernel.astype(dtype)
+    why = kernel_supported(x0, kernel)
+    hoist = x0.shape[-1] <= 32 if hoist_taps is None else bool(hoist_taps)  # 9 C x C taps in registers
+    if interpret is None:
+        if why is None and _INTERPRET.get():
+            interpret = True
+        elif why is not None or not gpu_kernels_available(x0) or x0.shape[-1] > AUTO_MAX_CHANNELS:
+            return unroll_tied(
+                conv_op, x0, drive, kernel, steps=steps, h=h, activation=activation, scan_unroll=scan_unroll
+            )
+        else:
+            interpret = False
+    elif why is not None:
+        raise ValueError(f"unroll_tied_conv: the fused kernels do not take this block: {why}.")
+    return _fused(
+        x0,
+        drive,
+        kernel,
+        steps,
+        float(h),
+        activation,
+        Config(bool(interpret), tile_rows, num_warps, bool(unroll_tiles), hoist),
+    )

@@ -1,0 +1,184 @@
+"""The fused conv-block kernels (Pallas) against a plain Python loop, in float64.
+
+The tests run with x64 on (``conftest.py``). On a CPU the kernels run in Pallas'
+interpreter, statement by statement, which checks their arithmetic and their layout
+(padding, slack rows, tiles, mirrored taps of the transposed convolution); the GPU build is checked by lowering the same
+kernels to Triton here (a lowering rule Triton lacks fails there, not on the GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import naisnet_jax.models as M
+from naisnet_jax import fused_block as fb
+from naisnet_jax.block_vjp import conv_op, unroll_tied
+from naisnet_jax.cell import conv_same
+
+ACTS = {"relu": jax.nn.relu, "tanh": jnp.tanh}
+
+
+def _loop(x0, drive, kernel, steps, h, activation):
+    """The plain-Python meaning of a tied conv block."""
+    x = x0
+    for _ in range(steps):
+        x = x + h * ACTS[activation](conv_same(x, kernel) + drive)
+    return x
+
+
+def _case(shape, k, seed=0, scale=0.15):
+    rng = np.random.default_rng(seed)
+    N, H, W, C = shape
+    x0 = jnp.asarray(rng.standard_normal(shape))
+    drive = jnp.asarray(rng.standard_normal(shape))
+    kernel = jnp.asarray(scale * rng.standard_normal((k, k, C, C)))
+    cot = jnp.asarray(rng.standard_normal(shape))
+    return x0, drive, kernel, cot
+
+
+def _value_and_grads(run, x0, drive, kernel, cot):
+    def loss(a, b, c):
+        return jnp.vdot(run(a, b, c), cot)
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(x0, drive, kernel)
+
+
+CASES = [  # (state shape, kernel size, activation, steps, h, tile rows)
+    ((2, 8, 8, 16), 3, "relu", 3, 1.0, 32),  # 100 padded rows over 4 tiles: the last one part padding
+    ((1, 5, 7, 16), 5, "tanh", 2, 0.7, 64),  # H != W, 5x5: two rows of padding, one tile
+    ((1, 4, 4, 32), 1, "relu", 2, 0.25, 16),  # 1x1 kernel: no padding, no slack
+]
+
+
+@pytest.mark.parametrize("shape, k, activation, steps, h, tile_rows", CASES, ids=[str(c[:3]) for c in CASES])
+def test_kernels_match_the_plain_loop_values_and_gradients(shape, k, activation, steps, h, tile_rows):
+    x0, drive, kernel, cot = _case(shape, k)
+    fused = functools.partial(
+        fb.unroll_tied_conv, steps=steps, h=h, activation=activation, interpret=True, tile_rows=tile_rows
+    )
+    loop = functools.partial(_loop, steps=steps, h=h, activation=activation)
+    value, grads = _value_and_grads(fused, x0, drive, kernel, cot)
+    ref_value, ref_grads = _value_and_grads(loop, x0, drive, kernel, cot)
+    assert value.dtype == jnp.float64
+    np.testing.assert_allclose(value, ref_value, rtol=1e-12)
+    for got, want in zip(grads, ref_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_broadcast_drive_and_unrolled_or_looped_tiles():
+    """A per-channel drive (shape (C,)) gets a gradient of its own shape; the tiles'
+    loop and their unrolled form agree; the forward that keeps no states gives x_K."""
+    x0, _, kernel, cot = _case((2, 6, 6, 16), 3, seed=1)
+    drive = jnp.linspace(-1.0, 1.0, 16)
+    outs = []
+    for unrolled in (True, False):
+        fused = functools.partial(
+            fb.unroll_tied_conv, steps=2, h=0.5, interpret=True, tile_rows=32, unroll_tiles=unrolled
+        )
+        outs.append(_value_and_grads(fused, x0, drive, kernel, cot))
+    ref = _value_and_grads(functools.partial(_loop, steps=2, h=0.5, activation="relu"), x0, drive, kernel, cot)
+    for out in outs:
+        assert out[1][1].shape == (16,)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), out, ref)
+    config = fb.Config(interpret=True, tile_rows=32)
+    layout, x_last = fb.fused_forward(x0, drive, kernel, steps=3, h=0.5, activation="relu", save=False, config=config)
+    _, xs, zs = fb.fused_forward(x0, drive, kernel, steps=3, h=0.5, activation="relu", config=config)
+    np.testing.assert_array_equal(layout.interior(x_last), layout.interior(xs[3]))
+    np.testing.assert_allclose(layout.interior(xs[1]), _loop(x0, drive, kernel, 1, 0.5, "relu"), rtol=1e-12)
+    np.testing.assert_allclose(layout.interior(zs[0]), conv_same(x0, kernel) + drive, rtol=1e-12)
+    padded = layout.padded(xs[2])  # the buffers keep the zero padding of the state
+    assert float(jnp.abs(padded[:, 0]).max()) == 0.0 and float(jnp.abs(padded[:, :, -1]).max()) == 0.0
+
+
+def test_layout_round_trip_and_offsets():
+    layout = fb.Layout.of(5, 7, 3, 3, tile_rows=16)
+    assert layout.padded_width == 9 and layout.padded_rows == 63 and layout.slack == 10
+    assert layout.tiles == 4 and layout.rows == 4 * 16 + 20
+    assert layout.offsets(3, 3) == [-10, -9, -8, -1, 0, 1, 8, 9, 10]
+    x = jnp.arange(2 * 5 * 7 * 3, dtype=jnp.float32).reshape(2, 5, 7, 3)
+    buf = layout.to_buffer(x)
+    assert buf.shape == (2, layout.rows, 3)
+    np.testing.assert_array_equal(layout.interior(buf), x)
+    np.testing.assert_array_equal(layout.padded(buf), jnp.pad(x, [(0, 0), (1, 1), (1, 1), (0, 0)]))
+    # tap (a, b) of the row of pixel (i, j) is the row of pixel (i + a - 1, j + b - 1)
+    row = layout.slack + 2 * layout.padded_width + 3  # padded (2, 3) = pixel (1, 2)
+    for (a, b), off in zip([(a, b) for a in range(3) for b in range(3)], layout.offsets(3, 3)):
+        np.testing.assert_array_equal(buf[0, row + off], x[0, 1 + a - 1, 2 + b - 1])
+
+
+def test_model_with_fused_blocks_matches_autodiff_through_the_kernels():
+    """NaisConvBlock with block_vjp='fused', its kernels forced through the interpreter,
+    against the plain autodiff scan: output and every parameter's gradient, float64."""
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 5, 5, 16)))
+    ctor = functools.partial(M.NaisConvBlock, 16, steps=2, learn_delta=True, activation="relu")
+    variables = jax.tree.map(lambda a: a.astype(jnp.float64), ctor().init(jax.random.key(0), x))
+
+    def value_and_grad(model):
+        def loss(v):
+            return jnp.sum(jnp.sin(model.apply(v, x)))
+
+        return jax.value_and_grad(loss)(variables)
+
+    ref = value_and_grad(ctor())
+    with fb.interpreted():
+        jaxpr = str(jax.make_jaxpr(lambda v: ctor(block_vjp="fused").apply(v, x))(variables))
+        out = value_and_grad(ctor(block_vjp="fused"))
+    assert "pallas_call" in jaxpr
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), out, ref)
+
+
+def test_fallback_where_the_kernels_do_not_run():
+    """On a CPU (and for blocks the kernels do not take) the entry point is the stacked VJP."""
+    x0, drive, kernel, _ = _case((2, 5, 5, 3), 3)  # 3 channels: not a kernel's tile
+    assert "power of two" in fb.kernel_supported(x0, kernel)
+    assert fb.kernel_supported(*_case((1, 4, 4, 16), 2)[::2]) == "the kernel's size must be odd, got 2x2"
+    x0, drive, kernel = (a.astype(jnp.float32) for a in (x0, drive, kernel))
+    got = fb.unroll_tied_conv(x0, drive, kernel, steps=2, h=0.5)
+    want = unroll_tied(conv_op, x0, drive, kernel, steps=2, h=0.5, activation="relu")
+    np.testing.assert_array_equal(got, want)
+    jaxpr = str(jax.make_jaxpr(functools.partial(fb.unroll_tied_conv, steps=2))(*_case((1, 4, 4, 16), 3)[:3]))
+    assert "pallas_call" not in jaxpr  # the CPU runs the stacked VJP
+    assert not fb.gpu_kernels_available(jnp.zeros((1, 4, 4, 16), jnp.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tile_rows=48), "tile_rows=48 must be a power of two"),
+        (dict(tile_rows=8), "tile_rows=8 must be an integer >= 16"),
+        (dict(num_warps=0), "num_warps=0 must be a positive integer"),
+        (dict(steps=0), "steps=0 must be a positive integer"),
+        (dict(h=1.5), "h=1.5"),
+        (dict(activation="gelu"), "activation='gelu'"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, match):
+    x0, drive, kernel, _ = _case((1, 4, 4, 16), 3)
+    args = dict(steps=2, h=0.5, activation="relu", interpret=True) | kwargs
+    with pytest.raises(ValueError, match=match):
+        fb.unroll_tied_conv(x0, drive, kernel, **args)
+
+
+def test_forcing_the_kernels_on_a_block_they_do_not_take_names_why():
+    x0, drive, kernel, _ = _case((1, 4, 4, 12), 3)
+    with pytest.raises(ValueError, match="channels must be a power of two from 16 to 128, got 12"):
+        fb.unroll_tied_conv(x0, drive, kernel, steps=2, interpret=True)
+
+
+@pytest.mark.parametrize("activation", ["relu", "tanh"])
+def test_kernels_lower_to_triton(activation):
+    """The GPU build: forward and backward kernels lower for CUDA (Triton) on this CPU."""
+    x = jax.ShapeDtypeStruct((4, 16, 16, 16), jnp.float32)
+    w = jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32)
+
+    def loss(a, b, c):
+        return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=3, h=1.0, activation=activation, interpret=False))
+
+    for fn in (loss, jax.grad(loss, argnums=(0, 1, 2))):
+        text = jax.jit(fn).trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text.lower() or "__gpu$xla.gpu.triton" in text
