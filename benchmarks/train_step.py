@@ -69,7 +69,7 @@ VARIANTS = {
         model=N10, xla_flags=CMDBUF_WHILE + " --xla_gpu_command_buffer_unroll_loops=true"
     ),
     "nais10_fused": dict(model=N10, kwargs=dict(block_vjp="fused")),
-    "nais10_fused_cmdbuf_while": dict(model=N10, kwargs=dict(block_vjp="fused"), xla_flags=CMDBUF_WHILE),
+    "nais10_fused_unroll10": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10)),
     "nais10_bf16": dict(model=N10, kwargs=dict(dtype="bfloat16")),
     "nais10_bf16_stacked_unroll10": dict(model=N10, kwargs=dict(dtype="bfloat16", block_vjp="stacked", scan_unroll=10)),
     "nais1": dict(model="naisnet_cifar1"),
@@ -85,7 +85,7 @@ VARIANTS = {
 }
 PRESETS = {
     "all": list(VARIANTS),
-    "fused": ["nais10_stacked_unroll10", "nais10_fused", "nais10_fused_cmdbuf_while", "nais1_fused", "torch_compile"],
+    "fused": ["nais10_stacked_unroll10", "nais10_fused_unroll10", "torch_compile"],
     "quick": [
         "nais10",
         "nais10_unroll10",

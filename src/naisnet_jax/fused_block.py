@@ -6,8 +6,13 @@ kernels backward: at the CIFAR shapes (16 to 64 channels) each is a few
 microseconds of work, and a 54-block NAIS-Net10 step is bound by the latency of
 some 3,000 launches, not by arithmetic (``BENCHMARKS.md``). Here one kernel runs a
 block's K forward steps and one its K backward steps; one program per pattern
-keeps the pattern's state in the L1/L2 caches between steps, and every 3x3
+keeps the pattern's state in the L2 cache between steps, and every 3x3
 convolution is nine ``(M, C) @ (C, C)`` products on the tensor cores.
+
+Measured on an H100 (``BENCHMARKS.md``): the kernels are bound by the L2 traffic of
+the nine overlapping windows a tile loads (Pallas' Triton backend gives a program no
+shared memory to hold a tile and its halo), so they beat XLA only at 16 channels;
+the automatic choice uses them there (:data:`AUTO_MAX_CHANNELS`).
 
 Layout. A pattern's ``(H, W, C)`` state is zero padded to ``(H + 2p, W + 2q, C)``
 (``p, q`` the kernel's half sizes) and flattened to rows of ``C``: tap ``(a, b)`` of
@@ -26,8 +31,8 @@ then one XLA convolution over the K states stacked on the batch axis, the drive'
 gradient the sum of the ``s_k``.
 
 :func:`unroll_tied_conv` is the entry point; it runs the kernels on a CUDA GPU
-(float32, channels a power of two from 16 to 128, odd kernel sizes) and
-otherwise falls back to :func:`naisnet_jax.block_vjp.unroll_tied`, whose values
+(float32, channels a power of two from 16 to 128, odd kernel sizes; automatically
+up to :data:`AUTO_MAX_CHANNELS`) and otherwise falls back to :func:`naisnet_jax.block_vjp.unroll_tied`, whose values
 it reproduces (``tests/test_fused_block.py`` runs the kernels in Pallas'
 interpret mode on the CPU, in float64, against the plain loop).
 """
