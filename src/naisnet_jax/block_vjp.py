@@ -90,6 +90,10 @@ def _sum_to_shape(a: Array, shape: tuple[int, ...]) -> Array:
 def _tied_bwd(op, steps, h, activation, residuals, scan_unroll, res, g):
     x0, drive, W, saved = res
     if saved is None:
+        # Tie the recomputation to the incoming gradient (as jax.checkpoint does): without
+        # this, XLA is free to run it, or merge it with the identical forward scan, right
+        # after the forward pass, and every block's states are kept after all.
+        (x0, drive, W), g = lax.optimization_barrier(((x0, drive, W), g))
         saved = _forward(op, x0, drive, W, steps, h, activation, scan_unroll, save=True)[1]
     xs, rs = saved
     op_x_t = jax.linear_transpose(lambda x: op(x, W), x0)
