@@ -120,3 +120,69 @@ def test_bad_device_counts_are_refused():
     n = jax.device_count()
     with pytest.raises(ValueError, match=rf"num_devices={n + 1} is outside \[1, {n}\]"):
         train.make_mesh(n + 1)
+
+
+SWEEP_SCRIPT = textwrap.dedent(
+    """
+    import json, re, tempfile
+    import jax, numpy as np
+    from experiments.configs import digits_tiny
+    from naisnet_jax import sweep
+
+    assert jax.device_count() == 2, jax.devices()
+
+    def config(num_devices):
+        c = digits_tiny.get_config()
+        c.model, c.model_kwargs = "naisnet_conv_tiny", {"steps": 2}
+        c.limit_train, c.limit_test = 128, 64
+        c.batch_size, c.eval_batch_size = 32, 32
+        c.num_epochs, c.steps_per_chunk = 1, 2
+        c.num_devices = num_devices
+        return c
+
+    def run(num_devices, seeds):
+        with tempfile.TemporaryDirectory() as workdir:
+            out = sweep.train_sweep(config(num_devices), workdir, seeds=seeds, audit=False,
+                                    per_step_loss=False, verbose=False)
+        return out
+
+    one, two = run(1, (3, 4)), run(None, (3, 4))
+    devices = sorted({len(leaf.sharding.device_set) for leaf in jax.tree.leaves(two.state.params)})
+    diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)) / (1e-3 + np.abs(np.asarray(b)))))
+             for a, b in zip(jax.tree.leaves(two.state.params), jax.tree.leaves(one.state.params))]
+    odd = sweep.seed_mesh(config(None), 3).devices.size  # 3 seeds do not split over 2 devices
+    # the compiled epoch of two seeds on two devices: no communication at all
+    s = sweep._setup(config(None), (3, 4))
+    fn = sweep.make_sweep_epoch(s.mean, s.std, augment=True, batch_size=32, steps_per_chunk=2,
+                                eval_batch_size=32, mesh=s.mesh)
+    text = fn.lower(s.state, sweep.shard_seeds(np.zeros(2, np.int32), s.mesh), s.base_keys,
+                    s.train_data, s.test_data, np.int32(1)).compile().as_text()
+    collectives = sorted(set(re.findall(r"(all-reduce|all-gather|all-to-all|collective-permute)", text)))
+    print(json.dumps({"devices": devices, "param_rel_diff": max(diffs), "odd": odd,
+                      "collectives": collectives, "mesh": int(s.mesh.devices.size),
+                      "test": [[r.test_accuracy for r in one.runs], [r.test_accuracy for r in two.runs]]}))
+    """
+)
+
+
+def test_sweep_spreads_seeds_over_devices():
+    """Two seeds on two CPU devices: one seed per device, no collective in the compiled epoch,
+    and each seed's parameters those of the one-device sweep."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([root, os.path.join(root, "src")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", SWEEP_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["mesh"] == 2 and result["devices"] == [2]  # the seed axis split over both
+    assert result["collectives"] == [], result  # seeds are independent: nothing to exchange
+    assert result["odd"] == 1  # 3 seeds: the most devices that divide them evenly
+    assert result["param_rel_diff"] < 1e-4, result
+    for a, b in zip(*result["test"]):
+        assert a == pytest.approx(b, abs=0.02)  # one example of 64

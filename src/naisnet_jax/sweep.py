@@ -23,6 +23,11 @@ BatchNorm statistics) is frozen at the end of its last finite epoch, every later
 other seeds go on. Its records carry ``diverged_epoch``, its checkpoint is exported from the
 frozen state and tables count it.
 
+Several devices: the seed axis is split over the host's devices (``config.num_devices``, default
+all; the most of them that divide the number of seeds evenly), the datasets replicated on each.
+Seeds are independent, so the compiled epoch has no communication: each device trains its own
+seeds, with the numbers of one device (``tests/test_sharding.py``).
+
 Files under ``workdir``: ``metrics.jsonl`` (one record per epoch and seed),
 ``sweep_checkpoints/`` (the stacked state, for resume), and at the end one ordinary single-run
 directory per seed, ``seed_<s>/`` with ``checkpoints/`` (``naisnet-verify`` audits it),
@@ -44,6 +49,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
@@ -193,6 +199,7 @@ def make_sweep_epoch(
     eval_batch_size: int,
     num_steps: int | None = None,
     evaluate: bool = True,
+    mesh: Mesh | None = None,
 ) -> Callable:
     """The jitted epoch of every seed:
     ``(state, diverged_epoch, base_keys, train_data, test_data, epoch) ->
@@ -201,6 +208,8 @@ def make_sweep_epoch(
     ``state`` and ``diverged_epoch`` (int32, 0 = finite so far) have a leading seed axis,
     ``base_keys`` is ``(S, 2)``: ``PRNGKey(seed + 1)`` per seed. ``num_steps`` cuts the epoch
     short (timing); ``evaluate=False`` leaves out the test pass (``test_metrics`` is ``{}``).
+    With a ``mesh`` of several devices each device runs the seeds of its share of the seed
+    axis (:func:`per_device_seeds`): no communication.
     """
     eval_fn = train.make_evaluate(mean, std, eval_batch_size) if evaluate else None
 
@@ -226,8 +235,21 @@ def make_sweep_epoch(
         test_metrics = eval_fn(state, test_data) if evaluate else {}
         return state, diverged_epoch, train_metrics, test_metrics
 
-    sweep_epoch = jax.vmap(one_seed, in_axes=(0, 0, 0, None, None, None))
+    sweep_epoch = per_device_seeds(jax.vmap(one_seed, in_axes=(0, 0, 0, None, None, None)), mesh, 3, 3)
     return jax.jit(sweep_epoch, donate_argnums=(0, 1))
+
+
+def per_device_seeds(fn: Callable, mesh: Mesh | None, seeded: int, shared: int) -> Callable:
+    """``fn`` (vmapped over seeds: ``seeded`` arguments with a seed axis, then ``shared``
+    ones without) run by every device of ``mesh`` on its own seeds (``jax.shard_map``).
+
+    Left to the SPMD partitioner, the evaluation (a convolution of the shared test images
+    with every seed's kernels) gathered every seed's kernels on every device."""
+    if mesh is None or mesh.devices.size == 1:
+        return fn
+    axis = PartitionSpec(train.DATA_AXIS)
+    in_specs = (axis,) * seeded + (PartitionSpec(),) * shared
+    return train._shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=axis)
 
 
 def stack_states(states: Sequence[train.TrainState]) -> train.TrainState:
@@ -240,6 +262,23 @@ def stack_states(states: Sequence[train.TrainState]) -> train.TrainState:
         return jnp.stack([jnp.asarray(x, dtype=jnp.asarray(x).dtype) for x in xs])
 
     return jax.tree.unflatten(treedef, [stack(xs) for xs in zip(*leaves)])
+
+
+def seed_mesh(config, num_seeds: int) -> Mesh:
+    """A 1-D mesh for the seed axis: the most of this host's devices (at most
+    ``config.num_devices``, default all) that divide ``num_seeds`` evenly."""
+    devices = jax.local_devices()
+    limit = config.get("num_devices")
+    if limit is not None:
+        check_int("config.num_devices", limit, 1, len(devices))
+        devices = devices[:limit]
+    count = max(k for k in range(1, len(devices) + 1) if num_seeds % k == 0)
+    return Mesh(np.asarray(devices[:count]), (train.DATA_AXIS,))
+
+
+def shard_seeds(tree, mesh: Mesh):
+    """Every array of ``tree`` split along its leading (seed) axis over ``mesh``."""
+    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec(train.DATA_AXIS)))
 
 
 def _seed_config(config, seed: int):
@@ -263,7 +302,7 @@ _PROGRAMS: dict[str, _Programs] = {}
 _PROGRAMS_KEPT = 2
 
 
-def _programs(config, ds, steps_per_epoch: int, mean, std) -> _Programs:
+def _programs(config, ds, steps_per_epoch: int, mean, std, mesh: Mesh | None = None) -> _Programs:
     """One set of programs per configuration and process, so that a resumed or repeated sweep
     of the same configuration reuses the compiled epoch (jit caches on the function object and
     on the state's static fields, ``apply_fn`` and ``tx``). The key is the whole config but the
@@ -280,6 +319,7 @@ def _programs(config, ds, steps_per_epoch: int, mean, std) -> _Programs:
             steps_per_epoch,
             np.asarray(mean).tolist(),
             np.asarray(std).tolist(),
+            None if mesh is None else [str(d) for d in mesh.devices.flat],
         ],
         sort_keys=True,
         default=str,
@@ -297,9 +337,15 @@ def _programs(config, ds, steps_per_epoch: int, mean, std) -> _Programs:
                 batch_size=config.batch_size,
                 steps_per_chunk=config.steps_per_chunk,
                 eval_batch_size=config.eval_batch_size,
+                mesh=mesh,
             ),
             per_step_loss=jax.jit(
-                jax.vmap(train.make_per_step_loss(mean, std, config.eval_batch_size), in_axes=(0, None))
+                per_device_seeds(
+                    jax.vmap(train.make_per_step_loss(mean, std, config.eval_batch_size), in_axes=(0, None)),
+                    mesh,
+                    1,
+                    1,
+                )
             ),
         )
     return _PROGRAMS[key]
@@ -317,6 +363,7 @@ class _Setup:
     train_data: data_lib.DeviceData
     test_data: data_lib.DeviceData
     base_keys: jax.Array
+    mesh: Mesh  # the seed axis's devices
 
 
 def _setup(config, seeds: tuple[int, ...]) -> _Setup:
@@ -332,7 +379,8 @@ def _setup(config, seeds: tuple[int, ...]) -> _Setup:
         raise ValueError(f"config.batch_size={config.batch_size} exceeds the {n_train} training examples.")
     steps_per_epoch = n_train // config.batch_size
     mean, std = train.input_stats(config, ds.train_images)
-    programs = _programs(config, ds, steps_per_epoch, mean, std)
+    mesh = seed_mesh(config, len(seeds))
+    programs = _programs(config, ds, steps_per_epoch, mean, std, mesh)
     model = programs.model
     # Each seed initialised exactly as its single run (same eager ops), then stacked.
     states = [
@@ -342,17 +390,19 @@ def _setup(config, seeds: tuple[int, ...]) -> _Setup:
     if count_projected_blocks(states[0].params) == 0 and config.model.startswith("naisnet"):
         raise ValueError(f"{config.model} has no NAIS block parameters to project; check models.py.")
     state = stack_states(states).replace(tx=programs.tx)  # the cached programs' static fields
+    replicated = NamedSharding(mesh, PartitionSpec())
     return _Setup(
         ds=ds,
         model=model,
         steps_per_epoch=steps_per_epoch,
-        state=state,
+        state=shard_seeds(state, mesh),
         programs=programs,
         mean=mean,
         std=std,
-        train_data=data_lib.put_on_device(ds.train_images, ds.train_labels),
-        test_data=data_lib.put_on_device(ds.test_images, ds.test_labels),
-        base_keys=jnp.stack([jax.random.PRNGKey(s + 1) for s in seeds]),
+        train_data=jax.device_put(data_lib.put_on_device(ds.train_images, ds.train_labels), replicated),
+        test_data=jax.device_put(data_lib.put_on_device(ds.test_images, ds.test_labels), replicated),
+        base_keys=shard_seeds(jnp.stack([jax.random.PRNGKey(s + 1) for s in seeds]), mesh),
+        mesh=mesh,
     )
 
 
@@ -465,7 +515,7 @@ def train_sweep(
 
     s = _setup(config, seeds)
     n_seeds = len(seeds)
-    state, diverged_epoch = s.state, jnp.zeros((n_seeds,), jnp.int32)
+    state, diverged_epoch = s.state, shard_seeds(jnp.zeros((n_seeds,), jnp.int32), s.mesh)
     metadata = ckpt.CheckpointMetadata.from_config(config, s.ds, s.mean, s.std).replace(
         extra={"sweep": _resume_view(config, seeds)}
     )
@@ -478,7 +528,7 @@ def train_sweep(
         tree = jax.tree.map(lambda x, like: jnp.asarray(np.asarray(x), like.dtype), tree, target)
         state = train._restore_into(state, tree)
         state = state.replace(step=jnp.asarray(state.step, s.state.step.dtype))  # saved as int32
-        diverged_epoch = tree["diverged_epoch"]
+        state, diverged_epoch = shard_seeds((state, tree["diverged_epoch"]), s.mesh)
         start_epoch = int(meta["epoch"]) + 1
         metric_writers.write_jsonl(
             metrics_path, [r for r in train._read_metrics(metrics_path) if r["epoch"] < start_epoch]
@@ -659,8 +709,8 @@ def time_steps(config, *, seeds: Sequence[int] | None = None, steps: int = 100, 
         steps_per_chunk=config.steps_per_chunk,
         eval_batch_size=config.eval_batch_size,
     )
-    fn = make_sweep_epoch(s.mean, s.std, num_steps=steps, evaluate=False, **common)
-    state, div = s.state, jnp.zeros((len(seeds),), jnp.int32)
+    fn = make_sweep_epoch(s.mean, s.std, num_steps=steps, evaluate=False, mesh=s.mesh, **common)
+    state, div = s.state, shard_seeds(jnp.zeros((len(seeds),), jnp.int32), s.mesh)
     args = (s.base_keys, s.train_data, s.test_data)
     t0 = time.time()
     compiled = fn.lower(state, div, *args, jnp.asarray(1, jnp.int32)).compile()
