@@ -9,10 +9,10 @@ block's K forward steps and one its K backward steps; one program per pattern
 keeps the pattern's state in the L2 cache between steps, and every 3x3
 convolution is nine ``(M, C) @ (C, C)`` products on the tensor cores.
 
-Measured on an H100 (``BENCHMARKS.md``): the kernels are bound by the L2 traffic of
-the nine overlapping windows a tile loads (Pallas' Triton backend gives a program no
-shared memory to hold a tile and its halo), so they beat XLA only at 16 channels;
-the automatic choice uses them there (:data:`AUTO_MAX_CHANNELS`).
+Measured on an H100 (``BENCHMARKS.md``): a tile loads nine overlapping windows and
+moves each into the tensor cores' layout (Pallas' Triton backend gives a program no
+shared memory to hold a tile and its halo once), and the kernels beat XLA only at 16
+channels; the automatic choice uses them there (:data:`AUTO_MAX_CHANNELS`).
 
 Layout. A pattern's ``(H, W, C)`` state is zero padded to ``(H + 2p, W + 2q, C)``
 (``p, q`` the kernel's half sizes) and flattened to rows of ``C``: tap ``(a, b)`` of
