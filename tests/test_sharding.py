@@ -80,7 +80,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_sharded_training_matches_single_device():
+def _run_on_two_cpu_devices(script: str) -> dict:
+    """Run ``script`` in a fresh Python with two CPU devices; its last line of output, as JSON."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(
         os.environ,
@@ -89,10 +90,14 @@ def test_sharded_training_matches_single_device():
         PYTHONPATH=os.pathsep.join([root, os.path.join(root, "src")]),
     )
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_sharded_training_matches_single_device():
+    result = _run_on_two_cpu_devices(SCRIPT)
     assert result["devices"] == [2]  # parameters replicated over both devices
     assert result["all_reduce"]
     # Data parallelism by shard_map: each device unrolls its own rows; no collective runs inside a
@@ -168,18 +173,7 @@ SWEEP_SCRIPT = textwrap.dedent(
 def test_sweep_spreads_seeds_over_devices():
     """Two seeds on two CPU devices: one seed per device, no collective in the compiled epoch,
     and each seed's parameters those of the one-device sweep."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join([root, os.path.join(root, "src")]),
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", SWEEP_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _run_on_two_cpu_devices(SWEEP_SCRIPT)
     assert result["mesh"] == 2 and result["devices"] == [2]  # the seed axis split over both
     assert result["collectives"] == [], result  # seeds are independent: nothing to exchange
     assert result["odd"] == 1  # 3 seeds: the most devices that divide them evenly

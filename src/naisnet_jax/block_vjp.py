@@ -143,13 +143,19 @@ def unroll_tied(
     ``(x0, drive, W)`` only and reruns the forward scan in the backward pass.
     ``scan_unroll`` as in :func:`naisnet_jax.unroll.unroll`.
     """
+    check_choice("residuals", residuals, RESIDUALS)
+    x0, drive, W, h = check_tied("unroll_tied", x0, drive, W, steps, h, activation, scan_unroll)
+    return _tied(op, x0, drive, W, steps, h, activation, residuals, scan_unroll)
+
+
+def check_tied(name, x0, drive, W, steps, h, activation, scan_unroll):
+    """The common arguments of a tied block's unroll ``name``, checked: returns ``(x0, drive,
+    W, h)`` with the arrays in one dtype and ``h`` a Python float (it must be static)."""
     check_int("steps", steps)
     check_step_size(h)
     check_activation(activation)
     check_scan_unroll(scan_unroll)
-    check_choice("residuals", residuals, RESIDUALS)
     if isinstance(h, jax.core.Tracer):
-        raise ValueError("unroll_tied needs a static step size h (a Python float), not a traced value.")
+        raise ValueError(f"{name} needs a static step size h (a Python float), not a traced value.")
     dtype = jnp.result_type(x0, drive, W)
-    x0, drive, W = x0.astype(dtype), drive.astype(dtype), W.astype(dtype)
-    return _tied(op, x0, drive, W, steps, float(h), activation, residuals, scan_unroll)
+    return x0.astype(dtype), drive.astype(dtype), W.astype(dtype), float(h)

@@ -48,8 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from naisnet_jax.block_vjp import _sum_to_shape, conv_op, unroll_tied
-from naisnet_jax.cell import check_activation, check_step_size
+from naisnet_jax.block_vjp import _sum_to_shape, check_tied, conv_op, unroll_tied
 from naisnet_jax.checks import check_int
 
 Array = jax.Array
@@ -447,17 +446,11 @@ def unroll_tied_conv(
     at most 32 channels) tune the GPU kernels. The products run at the
     default precision (TF32 on an NVIDIA GPU, as XLA's convolutions).
     """
-    check_int("steps", steps)
-    check_step_size(h)
-    check_activation(activation)
+    x0, drive, kernel, h = check_tied("unroll_tied_conv", x0, drive, kernel, steps, h, activation, scan_unroll)
     check_int("tile_rows", tile_rows, 16)
     check_int("num_warps", num_warps)
     if tile_rows & (tile_rows - 1):
         raise ValueError(f"tile_rows={tile_rows!r} must be a power of two (a tile is one (tile_rows, C) block).")
-    if isinstance(h, jax.core.Tracer):
-        raise ValueError("unroll_tied_conv needs a static step size h (a Python float), not a traced value.")
-    dtype = jnp.result_type(x0, drive, kernel)
-    x0, drive, kernel = x0.astype(dtype), drive.astype(dtype), kernel.astype(dtype)
     why = kernel_supported(x0, kernel)
     hoist = x0.shape[-1] <= 32 if hoist_taps is None else bool(hoist_taps)  # 9 C x C taps in registers
     if interpret is None:
@@ -476,7 +469,7 @@ def unroll_tied_conv(
         drive,
         kernel,
         steps,
-        float(h),
+        h,
         activation,
         Config(bool(interpret), tile_rows, num_warps, bool(unroll_tiles), hoist),
     )

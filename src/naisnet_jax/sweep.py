@@ -390,7 +390,6 @@ def _setup(config, seeds: tuple[int, ...]) -> _Setup:
     if count_projected_blocks(states[0].params) == 0 and config.model.startswith("naisnet"):
         raise ValueError(f"{config.model} has no NAIS block parameters to project; check models.py.")
     state = stack_states(states).replace(tx=programs.tx)  # the cached programs' static fields
-    replicated = NamedSharding(mesh, PartitionSpec())
     return _Setup(
         ds=ds,
         model=model,
@@ -399,8 +398,8 @@ def _setup(config, seeds: tuple[int, ...]) -> _Setup:
         programs=programs,
         mean=mean,
         std=std,
-        train_data=jax.device_put(data_lib.put_on_device(ds.train_images, ds.train_labels), replicated),
-        test_data=jax.device_put(data_lib.put_on_device(ds.test_images, ds.test_labels), replicated),
+        train_data=train.replicate(data_lib.put_on_device(ds.train_images, ds.train_labels), mesh),
+        test_data=train.replicate(data_lib.put_on_device(ds.test_images, ds.test_labels), mesh),
         base_keys=shard_seeds(jnp.stack([jax.random.PRNGKey(s + 1) for s in seeds]), mesh),
         mesh=mesh,
     )
