@@ -29,13 +29,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 SHAPES = [(32, 32, 16), (16, 16, 32), (8, 8, 64)]
-TILINGS = [
-    (256, 8, True, None),
-    (256, 8, True, ".ca"),
-    (128, 4, True, ".ca"),
-    (512, 8, True, ".ca"),
-    (512, 16, True, ".ca"),
-    (256, 8, True, ".cg"),
+TILINGS = [  # (rows per tile, warps, a step's tiles unrolled, taps loaded once per program)
+    (256, 8, True, True),
+    (128, 4, True, True),
+    (512, 8, True, True),
+    (512, 16, True, True),
+    (256, 8, True, False),
+    (128, 8, True, True),
+    (64, 4, True, True),
 ]
 
 
@@ -96,6 +97,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shapes", default=None, help="comma-separated HxWxC (default: the three CIFAR stages)")
+    parser.add_argument("--tilings", default=None, help="how many of the tilings to run, from the first (default all)")
     parser.add_argument("--smoke", action="store_true", help="interpreter on a CPU, batch 2, K = 2, one tiling")
     args = parser.parse_args(argv)
     _common.importable()
@@ -108,6 +111,15 @@ def main(argv=None):
 
     os.makedirs(args.out, exist_ok=True)
     batch, steps, tilings, shapes = args.batch, args.steps, TILINGS, SHAPES
+    if args.shapes:
+        try:
+            shapes = [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]
+        except ValueError:
+            raise SystemExit(f"--shapes={args.shapes!r}: expected comma-separated HxWxC, e.g. 32x32x16") from None
+        if any(len(sh) != 3 for sh in shapes):
+            raise SystemExit(f"--shapes={args.shapes!r}: expected comma-separated HxWxC, e.g. 32x32x16")
+    if args.tilings:
+        tilings = TILINGS[: int(args.tilings)]
     interpret = False
     if args.smoke:
         batch, steps, tilings, shapes, interpret = 2, 2, [(64, 4, True, None)], [(8, 8, 16)], True

@@ -140,7 +140,7 @@ def built_blocks(model, x, block_cls) -> list:
 COMMON = dict(h=0.5, eps=0.05, steps=2, initial_state="input", dtype="float32")
 GROUPS = [
     dict(untied=True, remat="step"),
-    dict(adaptive_tol=1e-2, max_steps=3, check_every=2, compact=True, remat="block"),
+    dict(adaptive_tol=1e-2, max_steps=3, check_every=2, compact=True, remat="block", stream_slots=5),
     dict(block_vjp="stacked", scan_unroll=2),
 ]
 CASES = [

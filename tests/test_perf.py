@@ -364,6 +364,26 @@ def test_models_adaptive_check_every_and_compact_same_outputs():
         np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12)
 
 
+def test_models_stream_slots_score_a_large_batch_as_the_per_pattern_loop():
+    """``stream_slots`` below the batch: the dense and conv blocks stream it, with the outputs
+    of the default while loop (each pattern's state after its own depth, so a depth off by
+    one step shows); at or above the batch nothing changes."""
+    x_fc = np.random.default_rng(12).standard_normal((13, 7)) * np.geomspace(0.05, 5, 13)[:, None]
+    x_conv = np.random.default_rng(13).standard_normal((7, 5, 5, 3)) * np.geomspace(0.01, 50, 7)[:, None, None, None]
+    cases = [
+        (functools.partial(M.NaisDenseBlock, 5, eps=0.05, adaptive_tol=1e-2, max_steps=50, activation="tanh"), x_fc),
+        (functools.partial(M.NaisConvBlock, 3, eps=0.05, adaptive_tol=1e-4, max_steps=30, activation="tanh"), x_conv),
+    ]
+    for ctor, x in cases:
+        variables = _init(ctor(), x)
+        _, ref_aux = jax.jit(functools.partial(ctor().apply, return_aux=True))(variables, x)
+        assert len(set(np.asarray(ref_aux["depth"]).tolist())) > 2  # the patterns stop at different steps
+        ref_x = jax.jit(ctor().apply)(variables, x)
+        for slots, check_every in [(3, 1), (4, 5), (x.shape[0], 1)]:
+            out = jax.jit(ctor(stream_slots=slots, check_every=check_every).apply)(variables, x)
+            np.testing.assert_allclose(out, ref_x, rtol=0, atol=1e-12)
+
+
 def test_bad_adaptive_arguments_are_refused():
     step = lambda x: x  # noqa: E731
     with pytest.raises(ValueError, match="check_every=0"):
@@ -378,3 +398,5 @@ def test_bad_adaptive_arguments_are_refused():
         )
     with pytest.raises(ValueError, match="check_every=0"):
         M.NaisNetFC(adaptive_tol=0.1, check_every=0)
+    with pytest.raises(ValueError, match="stream_slots=0"):
+        M.NaisNetFC(adaptive_tol=0.1, stream_slots=0)

@@ -50,6 +50,12 @@ memory or compile time, never the maths:
   set, ``train=False``) tests for convergence once per ``check_every`` steps and,
   with ``compact``, moves the running patterns into smaller buffers (see
   :func:`naisnet_jax.unroll.unroll_adaptive`); depths and states are unchanged;
+- ``stream_slots``: adaptive depth at inference on a batch larger than this runs the
+  batch as a stream (:func:`naisnet_jax.unroll.unroll_adaptive_stream`): ``stream_slots``
+  patterns in flight, each finished one replaced by the next of the batch, so the work
+  follows the mean depth, not the deepest pattern of each group. To score a whole test
+  set, apply the net to all of it at once with, say, ``stream_slots=1024``; the outputs
+  and depths are those of the plain per-pattern loop (``compact`` then plays no part);
 - ``dtype``: the compute dtype (``"bfloat16"``, ...; ``None`` keeps the inputs'
   dtype). Parameters stay float32, pooling and the classifier compute in
   float32; the projections and the verifier never see the compute dtype.
@@ -76,7 +82,13 @@ from naisnet_jax.checks import check_bool, check_choice, check_int, check_positi
 from naisnet_jax.fused_block import unroll_tied_conv
 from naisnet_jax.parametrize import check_eps, conv_state_kernel, fc_state_matrix
 from naisnet_jax.projection import check_eta, project_conv, project_fc
-from naisnet_jax.unroll import check_scan_unroll, unroll, unroll_adaptive, unroll_adaptive_bounded
+from naisnet_jax.unroll import (
+    check_scan_unroll,
+    unroll,
+    unroll_adaptive,
+    unroll_adaptive_bounded,
+    unroll_adaptive_stream,
+)
 
 Array = jax.Array
 BN_MOMENTUM = 0.9
@@ -98,7 +110,7 @@ REMAT = ("none", "block", "step")
 BLOCK_VJP = {"autodiff": None, "stacked": "store", "stacked_recompute": "recompute", "fused": "store"}
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Options that change speed or memory, never the maths (``dtype`` changes the rounding only).
-PERF_OPTIONS = ("scan_unroll", "remat", "block_vjp", "dtype", "check_every", "compact")
+PERF_OPTIONS = ("scan_unroll", "remat", "block_vjp", "dtype", "check_every", "compact", "stream_slots")
 
 
 class StateUnusedWarning(UserWarning):
@@ -207,7 +219,7 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
     - ``adaptive_tol``: ``None`` (fixed depth K) or the tolerance at which a pattern stops,
       after at most ``max_steps`` steps (tied weights only).
     - performance (:data:`PERF_OPTIONS`, see the module docstring): ``scan_unroll``, ``remat``,
-      ``block_vjp``, ``check_every``, ``compact`` and ``dtype``.
+      ``block_vjp``, ``check_every``, ``compact``, ``stream_slots`` and ``dtype``.
     """
 
     steps: int = 30
@@ -220,6 +232,7 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
     block_vjp: str = "autodiff"
     check_every: int = 1
     compact: bool = False
+    stream_slots: int | None = None
 
     @nn.nowrap
     def _check_fields(self):
@@ -242,6 +255,8 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
         check_scan_unroll(self.scan_unroll)
         check_int("check_every", self.check_every)
         check_bool("compact", self.compact)
+        if self.stream_slots is not None:
+            check_int("stream_slots", self.stream_slots)
         check_choice("remat", self.remat, REMAT)
         check_choice("block_vjp", self.block_vjp, BLOCK_VJP)
         if self.block_vjp == "autodiff":
@@ -275,6 +290,7 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
             tied=tied,
             check_every=self.check_every,
             compact=self.compact,
+            stream_slots=self.stream_slots,
         )
 
     @nn.nowrap
@@ -416,6 +432,7 @@ def _unroll_block(
     tied=None,
     check_every=1,
     compact=False,
+    stream_slots=None,
 ):
     """Fixed or adaptive unroll; returns ``(x_K, depth, states or None)``.
 
@@ -470,11 +487,23 @@ def _unroll_block(
         )
         out = jax.checkpoint(run)(x0) if remat == "block" else run(x0)
         return out if trajectory else (*out, None)
-    if check_every == 1 and not compact:
+    streaming = stream_slots is not None and batch > stream_slots
+    if check_every == 1 and not compact and not streaming:
         x, depth = unroll_adaptive(step, x0, tol=adaptive_tol, max_steps=max_steps)
         return x, depth, None
     op, drive, W, h, activation = tied  # the drive is per pattern: compaction moves it along
     act = ACTIVATIONS[activation]
+    if streaming:
+        x, depth = unroll_adaptive_stream(
+            lambda x, d: x + h * act(op(x, W) + d),
+            x0,
+            jnp.broadcast_to(drive, x0.shape),
+            tol=adaptive_tol,
+            max_steps=max_steps,
+            slots=stream_slots,
+            check_every=check_every,
+        )
+        return x, depth, None
     x, depth = unroll_adaptive(
         lambda x, d: x + h * act(op(x, W) + d),
         x0,

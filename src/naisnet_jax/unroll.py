@@ -85,8 +85,16 @@ def _freeze(active: Array, new: Array, old: Array) -> Array:
     return jnp.where(mask, new, old)
 
 
+#: Steps of a ``check_every`` chunk compiled as straight-line code (the rest loops): a GPU
+#: loop iteration costs about as much as a 1024 x 256 block step (~10 us on an H100), so a
+#: chunk run as a loop would pay it on every step, and the adaptive unroll could not beat
+#: the fixed one. Chunks of up to this many steps are one loop iteration.
+CHUNK_UNROLL = 32
+
+
 def _masked_chunk(step, tol, max_steps, length):
-    """``length`` steps of the per-pattern rule on a batch, as one ``lax.scan``.
+    """``length`` steps of the per-pattern rule on a batch, as one ``lax.scan`` unrolled by
+    up to :data:`CHUNK_UNROLL` steps.
 
     Plain meaning, for every row ``i`` at once (``inputs`` are per-row)::
 
@@ -107,7 +115,9 @@ def _masked_chunk(step, tol, max_steps, length):
             active = active & (moved >= tol) & (depth < max_steps)
             return (x, active, depth), None
 
-        (x, active, depth), _ = lax.scan(body, (x, active, depth), None, length=length)
+        (x, active, depth), _ = lax.scan(
+            body, (x, active, depth), None, length=length, unroll=min(length, CHUNK_UNROLL)
+        )
         return x, active, depth
 
     return run
@@ -216,8 +226,9 @@ def unroll_adaptive(
 
     Speed options (same depths and states): ``check_every = c`` tests "is any
     pattern still running" once per ``c`` steps, running the steps in between
-    as a masked ``lax.scan`` (a GPU ``while_loop`` synchronises with the host on
-    every test); a pattern still stops at exactly its own step. ``inputs`` is a
+    as a masked ``lax.scan`` unrolled by up to :data:`CHUNK_UNROLL` steps (a GPU
+    ``while_loop`` synchronises with the host on every test, and a loop iteration
+    costs as much as a small step); a pattern still stops at exactly its own step. ``inputs`` is a
     pytree of per-pattern arrays (leading axis ``batch``, e.g. a block's drive)
     passed as ``step(x, inputs)``; with it, ``compact=True`` moves the running
     patterns into a buffer of half the size whenever they fit (down to a

@@ -1,0 +1,232 @@
+"""Benchmark: where the time of one NAIS-Net training step goes, kernel by kernel.
+
+Runs a variant of ``train_step.py`` (the same model, batch and jitted chunk of steps)
+under ``jax.profiler.trace`` with a Perfetto trace, reads the trace's device events
+back and prints, per training step: the time in each group of kernels (the fused
+block kernels, cuDNN/cuBLAS convolutions and matrix products, XLA's own fusions,
+copies) and the kernels that take the most time, with their count per step. Kernels
+run one after another on one stream here, so the sum of their times is the step's
+device time; the gap to the wall-clock step is host and launch overhead.
+
+    python benchmarks/profile_step.py --out=runs/bench/profile --variant=nais10_fused_unroll10
+    python benchmarks/profile_step.py --out=/tmp/smoke --smoke      # CPU, tiny: the trace's CPU ops
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+# kernel name -> group, first match wins
+GROUPS = [
+    ("fused block kernel (Pallas)", r"forward_kernel|backward_kernel"),
+    ("convolution (cuDNN on GPU)", r"cudnn|xmma|implicit_?gemm|fprop|dgrad|wgrad|conv|sm\d+_.*(nhwc|nchw)"),
+    ("matrix product (cuBLAS/Triton GEMM)", r"gemm|cutlass|cublas|triton_(softmax|gemm)|__triton_gemm"),
+    ("copy / transpose", r"memcpy|memset|copy|transpose"),
+    ("reduction fusion", r"reduce|reduction"),
+    ("other XLA fusion", r"fusion|loop_|input_|wrapped_|triton"),
+]
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    for label, pattern in GROUPS:
+        if re.search(pattern, low):
+            return label
+    return "other"
+
+
+def read_trace(log_dir: str) -> dict:
+    paths = sorted(glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True))
+    if not paths:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {log_dir}")
+    with gzip.open(paths[-1], "rt") as f:
+        return json.load(f)
+
+
+def device_events(trace: dict) -> tuple[list[dict], dict]:
+    """Complete events on the device's kernel tracks (not its per-op summary tracks)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pnames, tnames = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            pnames[e["pid"]] = e.get("args", {}).get("name", "")
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            tnames[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
+    gpu_pids = {p for p, n in pnames.items() if re.search(r"/device:(GPU|TPU)", n)}
+    # on a CPU (the smoke run) XLA's work runs on the host's "tf_XLA..." threads
+    on_host = not gpu_pids
+    pids = gpu_pids or {p for p, n in pnames.items() if "/host:CPU" in n}
+    tracks = collections.Counter()
+    picked = []
+    for e in events:
+        if e.get("ph") != "X" or e["pid"] not in pids:
+            continue
+        track = tnames.get((e["pid"], e.get("tid")), str(e.get("tid")))
+        if on_host and (not track.startswith("tf_XLA") or re.match(r"ThunkExecutor|while|call", e.get("name", ""))):
+            continue  # the host's wrappers around the ops
+        tracks[track] += 1
+        # XLA's "XLA Ops" / "XLA Modules" / "Steps" tracks summarise the stream tracks
+        if re.search(r"xla ops|xla modules|steps|framework|source", track.lower()):
+            continue
+        picked.append(e)
+    info = {"processes": sorted(pnames.values()), "device_tracks": dict(tracks)}
+    return picked, info
+
+
+def summarise(events: list[dict], steps: int, top: int = 25) -> dict:
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    example = {}  # kernel name -> the args of its longest launch (XLA's op names, where given)
+    by_group = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        name = e.get("name", "?")
+        dur = float(e.get("dur", 0.0))  # microseconds
+        by_name[name][0] += 1
+        by_name[name][1] += dur
+        if dur >= example.get(name, (-1.0, None))[0]:
+            example[name] = (dur, e.get("args", {}))
+        g = by_group[group_of(name)]
+        g[0] += 1
+        g[1] += dur
+    total = sum(v[1] for v in by_group.values())
+    groups = [
+        {"group": k, "per_step": v[0] / steps, "ms_per_step": v[1] / steps / 1e3, "share": v[1] / max(total, 1e-9)}
+        for k, v in sorted(by_group.items(), key=lambda kv: -kv[1][1])
+    ]
+    kernels = [
+        {
+            "kernel": k,
+            "group": group_of(k),
+            "per_step": v[0] / steps,
+            "ms_per_step": v[1] / steps / 1e3,
+            "mean_us": v[1] / v[0],
+            "share": v[1] / max(total, 1e-9),
+            "longest_args": example[k][1],
+        }
+        for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    ]
+    return {
+        "device_ms_per_step": total / steps / 1e3,
+        "launches_per_step": len(events) / steps,
+        "groups": groups,
+        "kernels": kernels,
+    }
+
+
+def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) -> dict:
+    import jax
+    import train_step as ts
+
+    from naisnet_jax import train
+
+    spec = ts.VARIANTS[variant]
+    if spec.get("kind") == "torch":
+        raise SystemExit(f"--variant={variant} is a PyTorch row; profile a JAX variant")
+    if spec.get("precision"):
+        jax.config.update("jax_default_matmul_precision", spec["precision"])
+    _, _, state = ts._model_and_state(spec, smoke)
+    x, y = ts._batch(batch)
+
+    def chunk(state, x, y):
+        def body(s, _):
+            s, m = train.train_step(s, (x, y))
+            return s, m["loss"]
+
+        state, losses = jax.lax.scan(body, state, None, length=steps)
+        return state, losses[-1]
+
+    f = jax.jit(chunk, donate_argnums=(0,))
+    state, loss = f(state, x, y)  # compile
+    jax.block_until_ready(loss)
+    state, loss = f(state, x, y)  # warm
+    jax.block_until_ready(loss)
+    t = time.perf_counter()
+    state, loss = f(state, x, y)
+    jax.block_until_ready(loss)
+    wall = time.perf_counter() - t
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        state, loss = f(state, x, y)
+        jax.block_until_ready(loss)
+    events, info = device_events(read_trace(log_dir))
+    out = summarise(events, steps)
+    out.update(info)
+    out.update(
+        variant=variant,
+        spec={k: v for k, v in spec.items() if k != "kind"},
+        batch=batch,
+        steps=steps,
+        wall_ms_per_step=1000 * wall / steps,
+        images_per_s=batch * steps / wall,
+        **_common.device_summary(),
+    )
+    return out
+
+
+def render(res: dict) -> tuple[str, str]:
+    head = (
+        f"{res['variant']} on {res.get('device_kind', '?')}: batch {res['batch']}, "
+        f"wall {res['wall_ms_per_step']:.2f} ms a step ({res['images_per_s']:.0f} images/s), "
+        f"device time {res['device_ms_per_step']:.2f} ms in "
+        f"{res['launches_per_step']:.0f} kernels a step"
+    )
+    g_text, g_md = _common.table(
+        res["groups"],
+        [
+            ("group", "group", ""),
+            ("per_step", "kernels/step", ".0f"),
+            ("ms_per_step", "ms/step", ".3f"),
+            ("share", "share", ".1%"),
+        ],
+    )
+    rows = [dict(r, kernel=r["kernel"][:70]) for r in res["kernels"]]
+    k_text, k_md = _common.table(
+        rows,
+        [
+            ("kernel", "kernel", ""),
+            ("group", "group", ""),
+            ("per_step", "count/step", ".0f"),
+            ("mean_us", "mean us", ".1f"),
+            ("ms_per_step", "ms/step", ".3f"),
+            ("share", "share", ".1%"),
+        ],
+    )
+    text = "\n".join([head, "", g_text, "", k_text])
+    md = "\n".join([f"{head}\n", g_md, "", k_md])
+    return text, md
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--variant", default="nais10_fused_unroll10", help="a train_step.py variant (JAX)")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3, help="training steps in the traced chunk")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    _common.importable()
+    import train_step as ts
+
+    if args.variant not in ts.VARIANTS:
+        raise SystemExit(f"unknown --variant={args.variant!r}; valid: {', '.join(ts.VARIANTS)}")
+    os.makedirs(args.out, exist_ok=True)
+    batch = 8 if args.smoke else args.batch
+    res = profile(
+        args.variant, batch=batch, steps=args.steps, smoke=args.smoke, log_dir=os.path.join(args.out, "trace")
+    )
+    text, md = render(res)
+    _common.write_results(args.out, f"profile_{args.variant}", res, md)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
