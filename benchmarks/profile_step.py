@@ -29,7 +29,7 @@ import _common  # noqa: E402
 
 # kernel name -> group, first match wins
 GROUPS = [
-    ("fused block kernel (Pallas)", r"forward_kernel|backward_kernel"),
+    ("fused block kernel (Pallas)", r"forward_kernel|backward_kernel|weight_grad_kernel"),
     ("convolution (cuDNN on GPU)", r"cudnn|xmma|implicit_?gemm|fprop|dgrad|wgrad|conv|sm\d+_.*(nhwc|nchw)"),
     ("matrix product (cuBLAS/Triton GEMM)", r"gemm|cutlass|cublas|triton_(softmax|gemm)|__triton_gemm"),
     ("copy / transpose", r"memcpy|memset|copy|transpose"),
@@ -84,10 +84,21 @@ def device_events(trace: dict) -> tuple[list[dict], dict]:
     return picked, info
 
 
+def scope_of(event: dict) -> str:
+    """``stage<i> forward|backward`` from the op's name scope (XLA's ``name`` arg), where given."""
+    name = event.get("args", {}).get("name", "")
+    if not name:
+        return "no scope (inside a command buffer)"
+    m = re.search(r"(stage\d+)_block\d+", name)
+    where = m.group(1) if m else "outside the blocks"
+    return f"{where} {'backward' if 'transpose(' in name else 'forward'}"
+
+
 def summarise(events: list[dict], steps: int, top: int = 25) -> dict:
     by_name = collections.defaultdict(lambda: [0, 0.0])
     example = {}  # kernel name -> the args of its longest launch (XLA's op names, where given)
     by_group = collections.defaultdict(lambda: [0, 0.0])
+    by_scope = collections.defaultdict(lambda: [0, 0.0])
     for e in events:
         name = e.get("name", "?")
         dur = float(e.get("dur", 0.0))  # microseconds
@@ -98,6 +109,9 @@ def summarise(events: list[dict], steps: int, top: int = 25) -> dict:
         g = by_group[group_of(name)]
         g[0] += 1
         g[1] += dur
+        sc = by_scope[(scope_of(e), group_of(name))]
+        sc[0] += 1
+        sc[1] += dur
     total = sum(v[1] for v in by_group.values())
     groups = [
         {"group": k, "per_step": v[0] / steps, "ms_per_step": v[1] / steps / 1e3, "share": v[1] / max(total, 1e-9)}
@@ -115,10 +129,15 @@ def summarise(events: list[dict], steps: int, top: int = 25) -> dict:
         }
         for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     ]
+    scopes = [
+        {"scope": k[0], "group": k[1], "per_step": v[0] / steps, "ms_per_step": v[1] / steps / 1e3}
+        for k, v in sorted(by_scope.items())
+    ]
     return {
         "device_ms_per_step": total / steps / 1e3,
         "launches_per_step": len(events) / steps,
         "groups": groups,
+        "scopes": scopes,
         "kernels": kernels,
     }
 
@@ -200,8 +219,17 @@ def render(res: dict) -> tuple[str, str]:
             ("share", "share", ".1%"),
         ],
     )
-    text = "\n".join([head, "", g_text, "", k_text])
-    md = "\n".join([f"{head}\n", g_md, "", k_md])
+    s_text, s_md = _common.table(
+        res.get("scopes", []),
+        [
+            ("scope", "scope", ""),
+            ("group", "group", ""),
+            ("per_step", "kernels/step", ".0f"),
+            ("ms_per_step", "ms/step", ".3f"),
+        ],
+    )
+    text = "\n".join([head, "", g_text, "", s_text, "", k_text])
+    md = "\n".join([f"{head}\n", g_md, "", s_md, "", k_md])
     return text, md
 
 

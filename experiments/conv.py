@@ -48,6 +48,11 @@ VARIANTS = {
     "naisnet1_input": ("NAIS-Net1, x(0) = u", "naisnet_cifar1", {"initial_state": "input", "drive_norm": "every"}),
     "naisnet10": ("NAIS-Net10, x(0) = 0", "naisnet_cifar10", {"drive_norm": "every"}),
 }
+# Speed options of every NAIS variant (same maths: tests/test_perf.py, tests/test_fused_block.py):
+# on a CUDA GPU the 16-channel blocks run as fused Pallas kernels, the others the stacked VJP,
+# every block's loop unrolled by 10 (NAIS-Net10's step on an H100: 1.6 x the plain step,
+# BENCHMARKS.md); on a CPU or TPU the stacked VJP. --nofast trains with the plain step.
+NAIS_FAST = {"block_vjp": "fused", "scan_unroll": 10}
 # --smoke: the same variants, miniature (digits, 2 stages x 1 block of 4/8 filters)
 SMOKE_MODELS = {
     "resnet_cifar": ("resnet_conv_tiny", {}),
@@ -65,13 +70,22 @@ def supports_initial_state(model: str) -> bool:
 
 
 def make_config(
-    variant: str, *, dataset: str, seeds: int, epochs: int | None, smoke: bool, limit_train: int | None = None
+    variant: str,
+    *,
+    dataset: str,
+    seeds: int,
+    epochs: int | None,
+    smoke: bool,
+    limit_train: int | None = None,
+    fast: bool = True,
 ):
     import ml_collections
 
     from experiments.configs import conv_paper
 
     _, model, kwargs = VARIANTS[variant]
+    if fast and model.startswith("naisnet"):
+        kwargs = {**kwargs, **NAIS_FAST}
     config = conv_paper.get_config()
     config.dataset = dataset
     config.model = model
@@ -214,6 +228,7 @@ def run(
     time_steps: int = 0,
     full_audit: bool = False,
     limit_train: int | None = None,
+    fast: bool = True,
 ) -> list[dict]:
     from naisnet_jax.verify import AuditOptions
 
@@ -232,7 +247,7 @@ def run(
     if smoke:
         datasets = ["digits"]
     configs = [
-        (v, make_config(v, dataset=d, seeds=seeds, epochs=epochs, smoke=smoke, limit_train=limit_train))
+        (v, make_config(v, dataset=d, seeds=seeds, epochs=epochs, smoke=smoke, limit_train=limit_train, fast=fast))
         for d in datasets
         for v in variants
     ]
@@ -329,6 +344,7 @@ def _define_flags() -> None:
     flags.DEFINE_integer("time_steps", 0, "Only measure steps/s of each model's sweep over this many steps.")
     flags.DEFINE_integer("limit_train", None, "Train on the first N training images only (the test set stays whole).")
     flags.DEFINE_bool("full_audit", False, "Also compute Arnoldi spectral radii of every conv block (slow).")
+    flags.DEFINE_bool("fast", True, f"NAIS nets with the speed options {NAIS_FAST} (same maths); --nofast: plain step.")
 
 
 def _main(argv):
@@ -346,6 +362,7 @@ def _main(argv):
             time_steps=FLAGS.time_steps,
             full_audit=FLAGS.full_audit,
             limit_train=FLAGS.limit_train,
+            fast=FLAGS.fast,
         )
     except ValueError as e:
         raise app.UsageError(str(e)) from e

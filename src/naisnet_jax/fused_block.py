@@ -26,9 +26,12 @@ barrier separates the steps (the next step reads rows that other threads wrote).
 Backward (the same stacked form as :mod:`naisnet_jax.block_vjp`): the kernel
 carries ``g_k`` back, ``s_k = h act'(z_k) g_{k+1}``, ``g_k = g_{k+1} +
 conv^T(s_k)`` (the transposed convolution: the kernel's taps mirrored, their
-channel matrices transposed), and writes every ``s_k``; the weight gradient is
-then one XLA convolution over the K states stacked on the batch axis, the drive's
-gradient the sum of the ``s_k``.
+channel matrices transposed), and writes every ``s_k``. A third kernel sums the
+weight gradient, tap ``t``'s ``sum_k sum_p x_k(p + offset_t)^T s_k(p)``, one
+program (one warp) per step and pattern over tiles of rows: cuDNN's weight-gradient
+convolution over the stacked, zero-padded states cost more than the two block
+kernels together at 16 channels (``BENCHMARKS.md``). The drive's gradient is the
+sum of the ``s_k``.
 
 :func:`unroll_tied_conv` is the entry point; it runs the kernels on a CUDA GPU
 (float32, channels a power of two from 16 to 128, odd kernel sizes; automatically
@@ -280,6 +283,39 @@ def _backward_kernel(layout, offsets, steps, h, activation, config, gk_ref, zs_r
     lax.fori_loop(0, steps, step, 0)
 
 
+def _weight_grad_kernel(layout, offsets, batch, rows, xs_ref, s_ref, dw_ref):
+    """Program ``p`` sums step ``k = p // N``'s, pattern ``n = p % N``'s share of the weight
+    gradient: ``dW_t^T += s_k^T @ x_k(window t)`` over tiles of ``rows`` rows, tap by tap.
+
+    One warp per program: the products have a ``(C, C)`` output and a long reduction over
+    rows, which a wider program would give every warp whole (each warp holding both
+    operands). The windows reach into the slack rows, which nothing writes; they are
+    masked to zero (``s`` is zero there, but ``0 x NaN`` is not).
+    """
+    from jax.experimental import pallas as pl
+
+    p = _index(pl.program_id(0))
+    k, n = p // batch, p % batch
+    S, C = layout.slack, dw_ref.shape[-1]
+    end = S + layout.tiles * layout.tile_rows
+
+    def tile(i, acc):
+        q = S + _index(i) * rows
+        sT = s_ref[k, n, pl.ds(q, rows)].T
+        out = []
+        for acc_t, off in zip(acc, offsets):
+            x = xs_ref[k, n, pl.ds(q + off, rows)]
+            r = q + off + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+            x = jnp.where((r >= S) & (r < end), x, jnp.zeros_like(x))
+            out.append(acc_t + jnp.dot(sT, x, preferred_element_type=x.dtype))
+        return tuple(out)
+
+    zero = jnp.zeros((C, C), dw_ref.dtype)
+    acc = lax.fori_loop(0, layout.tiles * layout.tile_rows // rows, tile, tuple(zero for _ in offsets))
+    for t, acc_t in enumerate(acc):
+        dw_ref[p, t] = acc_t
+
+
 class Config(NamedTuple):
     """How the kernels run: in Pallas' interpreter or on the GPU, and their tiling."""
 
@@ -307,14 +343,15 @@ def interpreted():
         _INTERPRET.reset(token)
 
 
-def _pallas(kernel, out_shape, batch, config: Config):
+def _pallas(kernel, out_shape, batch, config: Config, num_warps=None):
     from jax.experimental import pallas as pl
 
     params = {}
     if not config.interpret:
         from jax.experimental.pallas import triton as plgpu
 
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
+        warps = num_warps or config.num_warps
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=1)
     return pl.pallas_call(kernel, out_shape=out_shape, grid=(batch,), interpret=config.interpret, **params)
 
 
@@ -356,6 +393,23 @@ def fused_backward(layout, g, zs, kernel, *, steps, h, activation, config=GPU):
     return _pallas(body, out_shape, N, config)(layout.to_buffer(g), zs, transposed)
 
 
+#: Rows per tile of the weight-gradient kernel (one warp per program; on an H100, 32 rows: a
+#: 32x32x16 block forward + backward 0.98 ms, 64 rows 1.03, 128 rows 1.08).
+WGRAD_ROWS = 32
+
+
+def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU):
+    """``dW`` (HWIO) from the saved states ``xs`` and the backward kernel's ``ss`` (buffers)."""
+    steps, N, _, C = ss.shape
+    kh, kw = kernel_shape[:2]
+    rows = min(WGRAD_ROWS, layout.tile_rows)
+    body = functools.partial(_weight_grad_kernel, layout, layout.offsets(kh, kw), N, rows)
+    out_shape = jax.ShapeDtypeStruct((steps * N, kh * kw, C, C), ss.dtype)
+    parts = _pallas(body, out_shape, steps * N, config, num_warps=1)(xs, ss)
+    dWt = jnp.sum(parts, axis=0)  # (taps, C_out, C_in): each tap's transpose
+    return jnp.swapaxes(dWt, 1, 2).reshape(kernel_shape)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _fused(x0, drive, kernel, steps, h, activation, config):
     layout, x = fused_forward(x0, drive, kernel, steps=steps, h=h, activation=activation, save=False, config=config)
@@ -368,19 +422,13 @@ def _fused_fwd(x0, drive, kernel, steps, h, activation, config):
 
 
 def _fused_bwd(steps, h, activation, config, res, g):
-    """``dx0`` from the kernel; ``dW`` one convolution over the stacked states; ``d drive`` a sum."""
+    """``dx0`` from the backward kernel, ``dW`` from the weight-gradient kernel, ``d drive`` a sum."""
     xs, zs, drive, kernel = res
     N, H, W, C = g.shape
     layout = Layout.of(H, W, kernel.shape[0], kernel.shape[1], config.tile_rows)
     g0, ss = fused_backward(layout, g, zs, kernel, steps=steps, h=h, activation=activation, config=config)
-    padded = layout.padded(xs[:steps])  # x_0 .. x_{K-1}, zero padded: SAME = VALID on these
-    padded = padded.reshape((steps * N,) + padded.shape[2:])
+    dW = fused_weight_grad(layout, xs, ss, kernel.shape, config).astype(kernel.dtype)
     s_img = layout.interior(ss)
-
-    def valid_conv(w):
-        return lax.conv_general_dilated(padded, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-
-    (dW,) = jax.linear_transpose(valid_conv, kernel)(s_img.reshape((steps * N, H, W, C)))
     d_drive = _sum_to_shape(jnp.sum(s_img, axis=0), drive.shape).astype(drive.dtype)
     return layout.interior(g0), d_drive, dW
 
