@@ -86,6 +86,18 @@ VARIANTS = {
 PRESETS = {
     "all": list(VARIANTS),
     "fused": ["nais10_stacked_unroll10", "nais10_fused_unroll10", "torch_compile"],
+    # the issue's table: the three nets in float32 and bfloat16 beside PyTorch eager and compiled
+    "issue": [
+        "nais10_fused_unroll10",
+        "nais10_bf16_stacked_unroll10",
+        "nais1_fused",
+        "nais1_bf16",
+        "resnet",
+        "resnet_bf16",
+        "torch_eager",
+        "torch_compile",
+        "torch_compile_bf16",
+    ],
     "quick": [
         "nais10",
         "nais10_unroll10",
