@@ -62,8 +62,8 @@ TILE_ROWS = 256
 NUM_WARPS = 8
 #: Widest state the automatic choice (``interpret=None``) sends to the GPU kernels. On an
 #: H100 (``benchmarks/fused_block.py``) the kernels beat XLA's stacked VJP for 16 channels
-#: (forward and backward of a 32x32x16 block: 1.12x) and lose for 32 and 64, where cuDNN's
-#: convolutions are efficient; wider blocks keep the stacked VJP.
+#: (forward and backward of a 32x32x16 block: 1.41x with the weight-gradient kernel) and lose
+#: for 32 and 64, where cuDNN's convolutions are efficient; wider blocks keep the stacked VJP.
 AUTO_MAX_CHANNELS = 16
 
 
