@@ -233,7 +233,9 @@ def run_variants(
         except subprocess.TimeoutExpired as e:
             text = (e.stdout or b"") + (e.stderr or b"")
             text = text.decode(errors="replace") if isinstance(text, bytes) else text
-            tail, failed, reason = text.strip().splitlines()[-12:], True, f"timeout {timeout:.0f} s"
+            # a child killed after writing its row (atomically, at its very end) has finished
+            tail, reason = text.strip().splitlines()[-12:], f"timeout {timeout:.0f} s"
+            failed = not os.path.exists(path)
         if failed:
             row = {"name": name, "error": reason, "log_tail": tail, "wall_s": time.time() - t0}
             with open(path + ".err", "w") as f:
@@ -241,6 +243,8 @@ def run_variants(
             print(f"[{name}] FAILED ({reason}): {' | '.join(tail[-3:])}", flush=True)
             rows.append(row)
             continue
+        if os.path.exists(path + ".err"):  # an earlier attempt's failure, superseded
+            os.remove(path + ".err")
         with open(path) as f:
             row = json.load(f)
         row["wall_s"] = time.time() - t0
