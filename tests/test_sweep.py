@@ -253,6 +253,7 @@ def test_an_interrupted_sweep_resumes(nais):
         (dict(seeds=(0, 1, 5)), "seeds"),
         (dict(model="resnet_sh"), "model"),
         (dict(limit_train=128), "limit_train"),
+        (dict(model_kwargs=ml_collections.ConfigDict({"features": 4, "steps": 3})), "model_kwargs"),
     ],
 )
 def test_resuming_another_sweep_says_what_differs(nais, monkeypatch, change, field):
@@ -264,6 +265,25 @@ def test_resuming_another_sweep_says_what_differs(nais, monkeypatch, change, fie
         config.augment = False
     with pytest.raises(ValueError, match=f"{field}: checkpoint"):
         sweep.train_sweep(config, workdir, seeds=seeds)
+
+
+def test_resuming_with_other_speed_options_is_not_refused(nais, monkeypatch):
+    """Speed options (same parameters, same maths) may change between runs of a sweep: the
+    check passes and the sweep goes on to load its data."""
+    _, workdir, _, _, _ = nais
+
+    class Passed(Exception):
+        pass
+
+    def setup(*args, **kwargs):
+        raise Passed
+
+    monkeypatch.setattr(sweep, "_setup", setup)
+    config = get_config()
+    config.model_kwargs.scan_unroll = 2
+    config.model_kwargs.block_vjp = "stacked"
+    with pytest.raises(Passed):
+        sweep.train_sweep(config, workdir, seeds=SEEDS)
 
 
 # ------------------------------------------------------------------ divergence

@@ -547,6 +547,16 @@ def test_cli_refuses_a_bad_value_with_exit_code_2(tmp_path):
     assert not (tmp_path / "work").exists()
 
 
+def test_resuming_with_other_speed_options_continues(tmp_path):
+    """Speed options change neither the parameters nor the maths: a run resumes with others."""
+    config = get_config(num_epochs=1)
+    first = int(train.train_and_evaluate(config, str(tmp_path))["state"].step)
+    other = get_config(num_epochs=2)
+    other.model_kwargs.scan_unroll = 2
+    other.model_kwargs.remat = "block"
+    assert int(train.train_and_evaluate(other, str(tmp_path))["state"].step) == 2 * first > 0
+
+
 def test_resuming_with_another_model_says_what_differs(tmp_path):
     config = get_config(num_epochs=1)
     train.train_and_evaluate(config, str(tmp_path))

@@ -111,6 +111,14 @@ BLOCK_VJP = {"autodiff": None, "stacked": "store", "stacked_recompute": "recompu
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Options that change speed or memory, never the maths (``dtype`` changes the rounding only).
 PERF_OPTIONS = ("scan_unroll", "remat", "block_vjp", "dtype", "check_every", "compact", "stream_slots")
+#: The performance options that change neither the parameters nor the values computed (all but
+#: the compute ``dtype``): a run or a sweep may resume with others (e.g. on another machine).
+SPEED_OPTIONS = tuple(o for o in PERF_OPTIONS if o != "dtype")
+
+
+def without_speed_options(kwargs) -> dict:
+    """``kwargs`` (model options) less :data:`SPEED_OPTIONS`: what a resumed run must match."""
+    return {k: v for k, v in dict(kwargs or {}).items() if k not in SPEED_OPTIONS}
 
 
 class StateUnusedWarning(UserWarning):

@@ -53,7 +53,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
-from naisnet_jax import metric_writers, train
+from naisnet_jax import metric_writers, models, train
 from naisnet_jax.checks import check_int
 from naisnet_jax.projection import count_projected_blocks
 from naisnet_jax.stability import max_radius_bound
@@ -435,7 +435,13 @@ def _check_same_sweep(meta: dict, config, seeds, directory) -> None:
     """Resuming another sweep would mix runs or fail as a shape mismatch; say what differs."""
     ours = _resume_view(config, seeds)
     theirs = (meta.get("extra") or {}).get("sweep", {})
-    differ = [f"{k}: checkpoint {theirs.get(k)!r}, now {ours[k]!r}" for k in _RESUME_FIELDS if theirs.get(k) != ours[k]]
+
+    def same(k):  # speed options may differ: same parameters, same maths
+        if k == "model_kwargs":
+            return models.without_speed_options(theirs.get(k)) == models.without_speed_options(ours[k])
+        return theirs.get(k) == ours[k]
+
+    differ = [f"{k}: checkpoint {theirs.get(k)!r}, now {ours[k]!r}" for k in _RESUME_FIELDS if not same(k)]
     if differ:
         raise ValueError(
             f"{directory} holds a sweep that differs from this one ({'; '.join(differ)}): "

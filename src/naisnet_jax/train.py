@@ -411,14 +411,15 @@ def _restore_into(state: TrainState, tree: dict) -> TrainState:
 
 
 def _check_same_model(meta: dict, config, directory) -> None:
-    """Resuming with another model would fail as a shape mismatch; say what differs."""
+    """Resuming with another model would fail as a shape mismatch; say what differs. Speed
+    options (:data:`naisnet_jax.models.SPEED_OPTIONS`) may differ: same parameters, same maths."""
     try:
         theirs = ckpt.CheckpointMetadata.from_json(meta).model_spec()
     except ckpt.CheckpointError:
         theirs = (meta.get("model"), meta.get("model_kwargs"))
     ours = (config.model, json.loads(json.dumps(model_kwargs(config))))
     theirs = (theirs[0], json.loads(json.dumps(theirs[1])))
-    if theirs != ours:
+    if (theirs[0], models.without_speed_options(theirs[1])) != (ours[0], models.without_speed_options(ours[1])):
         raise ValueError(
             f"{directory} holds checkpoints of model {theirs[0]} with {theirs[1]}, but config.model="
             f"{ours[0]} with {ours[1]}: use another workdir, or the checkpoint's config, to resume."
