@@ -47,29 +47,20 @@ def measure(spec, *, batch: int, smoke: bool, steps: int = 2) -> dict:
     import jax
     import train_step as ts
 
-    from naisnet_jax import train
-
     _, _, state = ts._model_and_state(spec, smoke)
     x, y = ts._batch(batch)
     param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.params))
 
-    def chunk(state, x, y):
-        def body(s, _):
-            s, m = train.train_step(s, (x, y))
-            return s, m["loss"]
-
-        return jax.lax.scan(body, state, None, length=steps)
-
     t0 = time.perf_counter()
-    compiled = jax.jit(chunk, donate_argnums=(0,)).lower(state, x, y).compile()
+    compiled = ts.training_chunk(steps).lower(state, x, y).compile()
     compile_s = time.perf_counter() - t0
     mem = _common.memory_analysis(compiled)
     row = {"batch": batch, "compile_s": compile_s, "memory_analysis": mem, "param_bytes": param_bytes}
     try:
-        state, losses = compiled(state, x, y)
-        jax.block_until_ready(losses)
+        state, loss = compiled(state, x, y)
+        jax.block_until_ready(loss)
         row["fits"] = True
-        row["loss"] = float(losses[-1])
+        row["loss"] = float(loss)
     except Exception as e:  # RESOURCE_EXHAUSTED: the batch does not fit
         if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
             raise

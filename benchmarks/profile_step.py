@@ -146,8 +146,6 @@ def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) 
     import jax
     import train_step as ts
 
-    from naisnet_jax import train
-
     spec = ts.VARIANTS[variant]
     if spec.get("kind") == "torch":
         raise SystemExit(f"--variant={variant} is a PyTorch row; profile a JAX variant")
@@ -156,15 +154,7 @@ def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) 
     _, _, state = ts._model_and_state(spec, smoke)
     x, y = ts._batch(batch)
 
-    def chunk(state, x, y):
-        def body(s, _):
-            s, m = train.train_step(s, (x, y))
-            return s, m["loss"]
-
-        state, losses = jax.lax.scan(body, state, None, length=steps)
-        return state, losses[-1]
-
-    f = jax.jit(chunk, donate_argnums=(0,))
+    f = ts.training_chunk(steps)
     state, loss = f(state, x, y)  # compile
     jax.block_until_ready(loss)
     state, loss = f(state, x, y)  # warm

@@ -157,18 +157,12 @@ def step_flops(state, x, y) -> dict:
     return {k: v / x.shape[0] if k != "while_loops" else v for k, v in counted.items()}
 
 
-def run_jax(spec, *, batch, steps, repeats, smoke) -> dict:
+def training_chunk(steps: int):
+    """``steps`` training steps (``naisnet_jax.train.train_step`` on a fixed batch) in one
+    jitted ``lax.scan``, the state donated: ``(state, x, y) -> (state, last loss)``."""
     import jax
-    import numpy as np
 
-    if spec.get("precision"):
-        jax.config.update("jax_default_matmul_precision", spec["precision"])
     from naisnet_jax import train
-
-    _, model, state = _model_and_state(spec, smoke)
-    x, y = _batch(batch)
-    counted = step_flops(state, x, y)  # tracing only: no compile, no device work
-    param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.params))
 
     def chunk(state, x, y):
         def body(s, _):
@@ -178,7 +172,21 @@ def run_jax(spec, *, batch, steps, repeats, smoke) -> dict:
         state, losses = jax.lax.scan(body, state, None, length=steps)
         return state, losses[-1]
 
-    f = jax.jit(chunk, donate_argnums=(0,))
+    return jax.jit(chunk, donate_argnums=(0,))
+
+
+def run_jax(spec, *, batch, steps, repeats, smoke) -> dict:
+    import jax
+    import numpy as np
+
+    if spec.get("precision"):
+        jax.config.update("jax_default_matmul_precision", spec["precision"])
+
+    _, model, state = _model_and_state(spec, smoke)
+    x, y = _batch(batch)
+    counted = step_flops(state, x, y)  # tracing only: no compile, no device work
+    param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.params))
+    f = training_chunk(steps)
     t0 = time.perf_counter()
     lowered = f.lower(state, x, y)
     t1 = time.perf_counter()

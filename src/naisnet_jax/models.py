@@ -499,28 +499,18 @@ def _unroll_block(
     if check_every == 1 and not compact and not streaming:
         x, depth = unroll_adaptive(step, x0, tol=adaptive_tol, max_steps=max_steps)
         return x, depth, None
-    op, drive, W, h, activation = tied  # the drive is per pattern: compaction moves it along
+    op, drive, W, h, activation = tied  # the drive is per pattern: compaction and streaming move it along
     act = ACTIVATIONS[activation]
+
+    def driven(x, d):
+        return x + h * act(op(x, W) + d)
+
+    drives = jnp.broadcast_to(drive, x0.shape)
+    common = dict(tol=adaptive_tol, max_steps=max_steps, check_every=check_every)
     if streaming:
-        x, depth = unroll_adaptive_stream(
-            lambda x, d: x + h * act(op(x, W) + d),
-            x0,
-            jnp.broadcast_to(drive, x0.shape),
-            tol=adaptive_tol,
-            max_steps=max_steps,
-            slots=stream_slots,
-            check_every=check_every,
-        )
-        return x, depth, None
-    x, depth = unroll_adaptive(
-        lambda x, d: x + h * act(op(x, W) + d),
-        x0,
-        inputs=jnp.broadcast_to(drive, x0.shape),
-        tol=adaptive_tol,
-        max_steps=max_steps,
-        check_every=check_every,
-        compact=compact,
-    )
+        x, depth = unroll_adaptive_stream(driven, x0, drives, slots=stream_slots, **common)
+    else:
+        x, depth = unroll_adaptive(driven, x0, inputs=drives, compact=compact, **common)
     return x, depth, None
 
 
