@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -59,6 +60,18 @@ def card_peaks(device_kind: str) -> dict | None:
     return None
 
 
+def host_summary() -> dict:
+    """The host's CPU model and core count: a step bound by kernel launches runs at the
+    host's pace (``torch.compile``'s default mode on NAIS-Net10, thousands of kernels a step)."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"host_cpu": model or platform.processor() or "unknown", "host_cores": os.cpu_count()}
+
+
 def device_summary() -> dict:
     import jax
 
@@ -68,6 +81,7 @@ def device_summary() -> dict:
         "platform": d.platform,
         "device_count": jax.device_count(),
         "jax": jax.__version__,
+        **host_summary(),
     }
 
 
