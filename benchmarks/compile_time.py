@@ -9,12 +9,12 @@ so K = 1000 must compile about as fast as K = 1: the row ``K=1000 / K=1`` must s
 under 1.3. Rows with ``scan_unroll=10`` show what unrolling costs in compile time.
 
 The blocks start at ``x_0 = u`` (``initial_state="input"``; the dense block on 8x16
-inputs, 128 values), so that every K runs the same operations. With the paper's
-``x_0 = 0`` (rows ``dense0`` and ``conv0``) a one-step block computes ``x_1 = h
-act(drive)``: its state matrix never acts (the models warn), XLA drops its products,
-and K = 1 compiles a smaller program than any K > 1 (on an H100 the dense step has
-four fewer matrix-product fusions for the autotuner to compile candidates for), so
-those rows compare two different networks; they are printed beside the others.
+inputs, 128 values), so that every K applies the state matrix. With the paper's ``x_0 =
+0`` (rows ``dense0`` and ``conv0``, printed beside the others without a target) a
+one-step block computes ``x_1 = h act(drive)``: its state matrix never acts (the models
+warn) and XLA drops its products. Either way XLA deletes a loop of one trip, so K = 1 is
+loop-free while every K > 1 has a forward and a backward loop; on a GPU the autotuner
+tunes the products in their bodies once, a fixed cost (``BENCHMARKS.md``).
 
     python benchmarks/compile_time.py --out=runs/bench/compile_time
     python benchmarks/compile_time.py --out=/tmp/smoke --smoke
