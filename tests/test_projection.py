@@ -153,6 +153,37 @@ def test_project_conv_untied_leading_axis_matches_per_step():
         np.testing.assert_allclose(pd[k], rd, rtol=1e-14)
 
 
+def test_like_conv_blocks_are_projected_together_with_each_blocks_own_result():
+    """project_params stacks the conv blocks of one shape (and delta or not) into one
+    Algorithm 2 call; every block's kernel and delta are bit for bit those it gets alone."""
+    rng = np.random.default_rng(5)
+    k = lambda *s: jnp.asarray(3.0 * rng.standard_normal(s), jnp.float32)  # noqa: E731 - infeasible
+    d = lambda c: jnp.asarray(rng.uniform(-1.5, 1.5, size=(c,)), jnp.float32)  # noqa: E731
+    params = {
+        **{
+            f"s0_b{i}": {"state_kernel": k(3, 3, 4, 4), "delta": d(4), "input": {"kernel": k(3, 3, 4, 4)}}
+            for i in range(4)
+        },
+        **{f"s1_b{i}": {"state_kernel": k(3, 3, 8, 8), "delta": d(8)} for i in range(3)},
+        "plain": {"state_kernel": k(3, 3, 4, 4)},  # no delta: its own group
+        "plain2": {"state_kernel": k(3, 3, 4, 4)},
+        "lone": {"state_kernel": k(5, 5, 4, 4), "delta": d(4)},  # a group of one
+        "untied": {"state_kernel": k(2, 3, 3, 4, 4), "delta": k(2, 4)},
+    }
+    out = nj.project_params(params, eps=0.1, eta=0.3)
+    for name, block in params.items():
+        delta = block.get("delta", jnp.zeros(block["state_kernel"].shape[:-4] + (block["state_kernel"].shape[-1],)))
+        want_k, want_d = nj.project_conv(block["state_kernel"], delta, eps=0.1, eta=0.3)
+        np.testing.assert_array_equal(out[name]["state_kernel"], want_k, err_msg=name)
+        if "delta" in block:
+            np.testing.assert_array_equal(out[name]["delta"], want_d, err_msg=name)
+        if "input" in block:
+            np.testing.assert_array_equal(out[name]["input"]["kernel"], block["input"]["kernel"])
+    # one projection per group of like blocks: s0 (4), s1 (3), plain (2), lone, untied
+    jaxpr = str(jax.make_jaxpr(lambda p: nj.project_params(p, eps=0.1, eta=0.3))(params))
+    assert jaxpr.count("name=_project_conv") == 5
+
+
 def test_conv_state_kernel_sets_centre_taps():
     rng = np.random.default_rng(5)
     kernel = jnp.asarray(rng.standard_normal((5, 5, 3, 3)))
