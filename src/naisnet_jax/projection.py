@@ -309,41 +309,19 @@ def _state_leaves(tree: Any):
     return [leaf for _, leaf in flat], treedef, blocks
 
 
-def _project_block(leaves: list, block: dict[str, int], eps: float, eta: float, relaxed: bool) -> dict[int, Any]:
-    """The projected state leaves of one block, by leaf index."""
-    out = {}
-    if FC_KEY in block:
-        i = block[FC_KEY]
-        out[i] = project_fc(jnp.asarray(leaves[i]), eps=eps, relaxed=relaxed)
-    if CONV_KERNEL_KEY in block:
-        i = block[CONV_KERNEL_KEY]
-        kernel = jnp.asarray(leaves[i])
-        check_kernel_shape(kernel.shape)
-        j = block.get(CONV_DELTA_KEY)
-        if j is None:
-            zeros = jnp.zeros(kernel.shape[:-4] + kernel.shape[-1:], kernel.dtype)
-            out[i], _ = project_conv(kernel, zeros, eps=eps, eta=eta)
-        else:
-            out[i], out[j] = project_conv(kernel, jnp.asarray(leaves[j]), eps=eps, eta=eta)
-    return out
-
-
 def _conv_group(leaves: list, block: dict[str, int]):
-    """The key under which a conv block's projection is batched with its like (kernel and
-    delta of the same shapes and dtypes), or ``None`` for a block projected on its own."""
-    if FC_KEY in block or CONV_KERNEL_KEY not in block:
-        return None
-    kernel = leaves[block[CONV_KERNEL_KEY]]
-    delta = leaves[block[CONV_DELTA_KEY]] if CONV_DELTA_KEY in block else None
-    spec = lambda a: (tuple(jnp.shape(a)), jnp.result_type(a))  # noqa: E731
-    return spec(kernel), spec(delta) if delta is not None else None
+    """The key under which a conv block's projection is batched with its like: the shapes
+    and dtypes of its kernel and delta (``None`` for a block without delta)."""
+    spec = lambda i: (tuple(jnp.shape(leaves[i])), jnp.result_type(leaves[i]))  # noqa: E731
+    delta = block.get(CONV_DELTA_KEY)
+    return spec(block[CONV_KERNEL_KEY]), None if delta is None else spec(delta)
 
 
 def _project_conv_group(leaves: list, members: list[dict[str, int]], eps: float, eta: float) -> dict[int, Any]:
-    """Algorithm 2 on the stacked kernels (and deltas) of like blocks: one projection for a
-    stage's blocks instead of one per block (on a GPU, a handful of kernels instead of a
-    handful per block). Every block's result is the one it gets on its own: the projection
-    acts on each kernel and channel separately."""
+    """Algorithm 2 on the stacked kernels (and deltas, else ``delta = 0``) of like blocks: one
+    projection for a stage's blocks instead of one per block (on a GPU, a handful of kernels
+    instead of a handful per block). Every block's result is the one it gets on its own: the
+    projection acts on each kernel and channel separately."""
     for block in members:  # each block's own shape in the error, not the stack's
         check_kernel_shape(jnp.shape(leaves[block[CONV_KERNEL_KEY]]))
     kernels = jnp.stack([jnp.asarray(leaves[b[CONV_KERNEL_KEY]]) for b in members])
@@ -363,21 +341,19 @@ def _project_conv_group(leaves: list, members: list[dict[str, int]], eps: float,
 
 def _projected_leaves(tree: Any, eps: float, eta: float, relaxed: bool):
     """``(leaves, treedef, projected)``; ``projected`` maps leaf index -> new value.
-    Conv blocks of one shape are projected together (:func:`_project_conv_group`)."""
+    Algorithm 1 per ``"R"``; Algorithm 2 once per group of like conv blocks
+    (:func:`_project_conv_group`)."""
     leaves, treedef, blocks = _state_leaves(tree)
     projected: dict[int, Any] = {}
     groups: dict[Any, list[dict[str, int]]] = {}
     for block in blocks.values():
-        key = _conv_group(leaves, block)
-        if key is None:
-            projected.update(_project_block(leaves, block, eps, eta, relaxed))
-        else:
-            groups.setdefault(key, []).append(block)
+        if FC_KEY in block:
+            i = block[FC_KEY]
+            projected[i] = project_fc(jnp.asarray(leaves[i]), eps=eps, relaxed=relaxed)
+        if CONV_KERNEL_KEY in block:
+            groups.setdefault(_conv_group(leaves, block), []).append(block)
     for members in groups.values():
-        if len(members) == 1:
-            projected.update(_project_block(leaves, members[0], eps, eta, relaxed))
-        else:
-            projected.update(_project_conv_group(leaves, members, eps, eta))
+        projected.update(_project_conv_group(leaves, members, eps, eta))
     return leaves, treedef, projected
 
 
