@@ -72,6 +72,9 @@ VARIANTS = {
     ),
     "nais10_fused": dict(model=N10, kwargs=dict(block_vjp="fused")),
     "nais10_fused_unroll10": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10)),
+    "nais10_fused_unroll10_nhwc": dict(
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), xla_flags="--xla_gpu_force_conv_nhwc"
+    ),
     "nais10_bf16": dict(model=N10, kwargs=dict(dtype="bfloat16")),
     "nais10_bf16_stacked_unroll10": dict(model=N10, kwargs=dict(dtype="bfloat16", block_vjp="stacked", scan_unroll=10)),
     "nais1": dict(model="naisnet_cifar1"),

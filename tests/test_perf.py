@@ -243,6 +243,23 @@ def test_fast_paths_every_model(options, case):
     _check_fast_path(options, case)
 
 
+def test_default_model_keeps_forward_mode_and_the_hand_written_vjp_has_none():
+    """Why the default stays ``block_vjp="autodiff"``: ``jax.jvp`` through the default dense
+    net equals a central difference (float64), while a custom VJP has no forward rule."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 4, 4, 1)), jnp.float64)
+    v = jnp.asarray(np.random.default_rng(1).standard_normal(x.shape), jnp.float64)
+    model = M.get_model("naisnet_mnist", features=6, steps=4, num_classes=3)
+    variables = jax.tree.map(lambda a: a.astype(jnp.float64), model.init(KEY, x))
+    f = functools.partial(model.apply, variables)
+    _, tangent = jax.jvp(f, (x,), (v,))
+    eps = 1e-6
+    central = (np.asarray(f(x + eps * v)) - np.asarray(f(x - eps * v))) / (2 * eps)
+    np.testing.assert_allclose(np.asarray(tangent), central, rtol=1e-6, atol=1e-8)
+    stacked = M.get_model("naisnet_mnist", features=6, steps=4, num_classes=3, block_vjp="stacked")
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(functools.partial(stacked.apply, variables), (x,), (v,))
+
+
 def test_bfloat16_compute_within_tolerance_and_parameters_stay_float32():
     """NAIS-Net conv (stem, BatchNorm, blocks) computing in bfloat16 against float32.
 
