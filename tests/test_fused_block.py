@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import naisnet_jax.block_vjp
 import naisnet_jax.models as M
 from naisnet_jax import fused_block as fb
 from naisnet_jax.block_vjp import conv_op, unroll_tied
@@ -171,17 +172,20 @@ def test_forcing_the_kernels_on_a_block_they_do_not_take_names_why():
 
 
 @pytest.mark.parametrize("activation", ["relu", "tanh"])
-def test_kernels_lower_to_triton(activation):
-    """The GPU build: forward and backward kernels lower for CUDA (Triton) on this CPU."""
+def test_kernels_lower_to_triton(activation, monkeypatch):
+    """The GPU build: forward and backward kernels lower for CUDA (Triton) on this CPU, the
+    weight-gradient kernel inside a computation annotated for a second stream."""
+    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)  # as on a GPU
     x = jax.ShapeDtypeStruct((4, 16, 16, 16), jnp.float32)
     w = jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32)
 
     def loss(a, b, c):
         return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=3, h=1.0, activation=activation, interpret=False))
 
-    for fn in (loss, jax.grad(loss, argnums=(0, 1, 2))):
+    for fn, side_stream in ((loss, False), (jax.grad(loss, argnums=(0, 1, 2)), True)):
         text = jax.jit(fn).trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
         assert "triton" in text.lower() or "__gpu$xla.gpu.triton" in text
+        assert ('_xla_stream_annotation = "1"' in text) == side_stream
 
 
 def test_kernels_under_vmap_as_in_a_sweep():

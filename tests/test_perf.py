@@ -260,6 +260,41 @@ def test_default_model_keeps_forward_mode_and_the_hand_written_vjp_has_none():
         jax.jvp(functools.partial(stacked.apply, variables), (x,), (v,))
 
 
+def test_side_stream_weight_gradient_same_values_and_annotated_for_the_gpu(monkeypatch):
+    """On a GPU the stacked VJP's weight gradient runs on a second stream: here forced on the
+    CPU (where XLA runs it inline), the gradients equal autodiff's (float64) and the program
+    lowered for CUDA carries the stream annotation; off, it does not."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 4, 4, 1)), jnp.float64)
+    y = jnp.asarray([0, 1, 2])
+
+    def grads(block_vjp):
+        model = M.get_model("naisnet_mnist", features=6, steps=5, num_classes=3, block_vjp=block_vjp)
+        variables = jax.tree.map(lambda a: a.astype(jnp.float64), model.init(KEY, x))
+
+        def loss(params):
+            logits = model.apply({**variables, "params": params}, x)
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+        fn = jax.jit(jax.grad(loss))
+        lowered = fn.trace(variables["params"]).lower(lowering_platforms=("cuda",)).as_text()
+        return fn(variables["params"]), "_xla_stream_annotation" in lowered
+
+    plain, _ = grads("autodiff")
+    _, annotated = grads("stacked")
+    assert not annotated  # on the CPU backend: inline
+    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
+    side, annotated = grads("stacked")
+    assert annotated
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(side)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-10, atol=1e-12)
+    monkeypatch.setattr(naisnet_jax.block_vjp, "SIDE_STREAM", False)
+    assert not grads("stacked")[1]
+    f = nj.block_vjp.on_side_stream(lambda a, b: a @ b, enabled=True)  # vmap and grad pass through
+    a = jnp.ones((2, 3, 3))
+    np.testing.assert_allclose(jax.vmap(f)(a, a), a @ a)
+    np.testing.assert_allclose(jax.grad(lambda m: f(m, m).sum())(a[0]), 2 * 3 * np.ones((3, 3)))
+
+
 def test_bfloat16_compute_within_tolerance_and_parameters_stay_float32():
     """NAIS-Net conv (stem, BatchNorm, blocks) computing in bfloat16 against float32.
 

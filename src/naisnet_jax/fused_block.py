@@ -30,7 +30,8 @@ channel matrices transposed), and writes every ``s_k``. A third kernel sums the
 weight gradient, tap ``t``'s ``sum_k sum_p x_k(p + offset_t)^T s_k(p)``, one
 program (one warp) per step and pattern over tiles of rows: cuDNN's weight-gradient
 convolution over the stacked, zero-padded states cost more than the two block
-kernels together at 16 channels (``BENCHMARKS.md``). The drive's gradient is the
+kernels together at 16 channels (``BENCHMARKS.md``). It runs on a second stream, beside
+the backward chain (:func:`naisnet_jax.block_vjp.on_side_stream`). The drive's gradient is the
 sum of the ``s_k``.
 
 :func:`unroll_tied_conv` is the entry point; it runs the kernels on a CUDA GPU
@@ -51,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from naisnet_jax.block_vjp import _sum_to_shape, check_tied, conv_op, unroll_tied
+from naisnet_jax.block_vjp import _sum_to_shape, check_tied, conv_op, on_side_stream, unroll_tied
 from naisnet_jax.checks import check_int
 
 Array = jax.Array
@@ -427,7 +428,8 @@ def _fused_bwd(steps, h, activation, config, res, g):
     N, H, W, C = g.shape
     layout = Layout.of(H, W, kernel.shape[0], kernel.shape[1], config.tile_rows)
     g0, ss = fused_backward(layout, g, zs, kernel, steps=steps, h=h, activation=activation, config=config)
-    dW = fused_weight_grad(layout, xs, ss, kernel.shape, config).astype(kernel.dtype)
+    weight_grad = functools.partial(fused_weight_grad, layout, kernel_shape=kernel.shape, config=config)
+    dW = on_side_stream(weight_grad, False if config.interpret else None)(xs, ss).astype(kernel.dtype)
     s_img = layout.interior(ss)
     d_drive = _sum_to_shape(jnp.sum(s_img, axis=0), drive.shape).astype(drive.dtype)
     return layout.interior(g0), d_drive, dW
