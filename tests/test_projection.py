@@ -195,6 +195,19 @@ def test_conv_state_kernel_sets_centre_taps():
     np.testing.assert_array_equal(out, ref)
 
 
+def test_zero_delta_gives_centre_taps_of_minus_one_for_stacked_and_single_kernels():
+    from naisnet_jax.parametrize import zero_delta
+
+    kernels = jnp.asarray(np.random.default_rng(7).standard_normal((2, 3, 3, 4, 4)))
+    delta = zero_delta(kernels.shape, kernels.dtype)
+    assert delta.shape == (2, 4) and delta.dtype == kernels.dtype and not np.any(np.asarray(delta))
+    out = np.asarray(nj.conv_state_kernel(kernels, delta))
+    np.testing.assert_array_equal(out[:, 1, 1][:, np.arange(4), np.arange(4)], -np.ones((2, 4)))
+    assert zero_delta((5, 5, 3, 3)).shape == (3,)
+    with pytest.raises(ValueError, match="kernel"):
+        zero_delta((3, 3, 4, 5))  # not C x C
+
+
 def test_fc_state_matrix_matches_numpy():
     R = np.random.default_rng(6).standard_normal((3, 5))
     np.testing.assert_allclose(nj.fc_state_matrix(jnp.asarray(R), 0.2), -R.T @ R - 0.2 * np.eye(5), rtol=1e-14)

@@ -80,7 +80,7 @@ from naisnet_jax.block_vjp import conv_op, dense_op, unroll_tied
 from naisnet_jax.cell import ACTIVATIONS, check_activation, check_step_size, conv_step, fc_step
 from naisnet_jax.checks import check_bool, check_choice, check_int, check_positive
 from naisnet_jax.fused_block import unroll_tied_conv
-from naisnet_jax.parametrize import check_eps, conv_state_kernel, fc_state_matrix
+from naisnet_jax.parametrize import check_eps, conv_state_kernel, fc_state_matrix, zero_delta
 from naisnet_jax.projection import check_eta, project_conv, project_fc
 from naisnet_jax.unroll import (
     check_scan_unroll,
@@ -387,8 +387,7 @@ def _conv_init(eps: float, eta: float) -> Callable:
     def init(key, shape, dtype=PARAM_DTYPE):
         k, _, c, _ = shape[-4:]
         kernel = jax.random.normal(key, shape, dtype) / math.sqrt(k * k * c)
-        delta = jnp.zeros(shape[:-4] + (c,), dtype)
-        return project_conv(kernel, delta, eps=eps, eta=eta)[0]
+        return project_conv(kernel, zero_delta(shape, dtype), eps=eps, eta=eta)[0]
 
     return init
 
@@ -634,7 +633,7 @@ class NaisConvBlock(ConvOptions):
         if self.learn_delta:
             delta = self.param("delta", nn.initializers.zeros, per_step + (C,), PARAM_DTYPE)
         else:
-            delta = jnp.zeros(per_step + (C,), kernel.dtype)
+            delta = zero_delta(kernel.shape, kernel.dtype)
         kernel = conv_state_kernel(kernel, delta)
         drive = nn.Conv(
             C * K if self.untied else C,

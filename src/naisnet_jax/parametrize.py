@@ -72,6 +72,13 @@ def centre_mask(shape: tuple[int, ...], dtype=jnp.float32) -> Array:
     return jnp.broadcast_to(mask, shape)
 
 
+def zero_delta(kernel_shape: tuple[int, ...], dtype=jnp.float32) -> Array:
+    """``delta = 0`` for a state kernel of shape ``(..., k, k, C, C)``: zeros of ``(..., C)``
+    (a block without a learnable delta: centre taps exactly ``-1``)."""
+    check_kernel_shape(kernel_shape)
+    return jnp.zeros(tuple(kernel_shape[:-4]) + tuple(kernel_shape[-1:]), dtype)
+
+
 def conv_state_kernel(kernel: Array, delta: Array) -> Array:
     """The state kernel with centre taps ``kernel[p, p, c, c] = -1 - delta[c]``.
 

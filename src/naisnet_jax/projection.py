@@ -30,7 +30,7 @@ import optax
 
 from naisnet_jax.cell import check_kernel_shape
 from naisnet_jax.checks import check_finite, check_number
-from naisnet_jax.parametrize import centre_mask, check_eps
+from naisnet_jax.parametrize import centre_mask, check_eps, zero_delta
 
 Array = jax.Array
 FC_KEY = "R"
@@ -329,7 +329,7 @@ def _project_conv_group(leaves: list, members: list[dict[str, int]], eps: float,
     if has_delta:
         deltas = jnp.stack([jnp.asarray(leaves[b[CONV_DELTA_KEY]]) for b in members])
     else:
-        deltas = jnp.zeros(kernels.shape[:-4] + kernels.shape[-1:], kernels.dtype)
+        deltas = zero_delta(kernels.shape, kernels.dtype)
     kernels, deltas = project_conv(kernels, deltas, eps=eps, eta=eta)
     out = {}
     for i, block in enumerate(members):

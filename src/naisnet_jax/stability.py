@@ -75,10 +75,10 @@ def effective_state_kernel(kernel, delta=None) -> np.ndarray:
     taps ``-1 - delta``, ``delta = 0`` when the block has none) in the parameters' dtype."""
     import jax.numpy as jnp
 
-    from naisnet_jax.parametrize import conv_state_kernel
+    from naisnet_jax.parametrize import conv_state_kernel, zero_delta
 
     kernel = jnp.asarray(kernel)
-    delta = jnp.zeros(kernel.shape[:-4] + kernel.shape[-1:], kernel.dtype) if delta is None else jnp.asarray(delta)
+    delta = zero_delta(kernel.shape, kernel.dtype) if delta is None else jnp.asarray(delta)
     return _as64(conv_state_kernel(kernel, delta.astype(kernel.dtype)))
 
 
