@@ -112,6 +112,46 @@ def test_sharded_training_matches_single_device():
     assert result["test"][0] == pytest.approx(result["test"][1], abs=0.011)  # one example of 100
 
 
+SIDE_STREAM_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import jax, numpy as np
+    import naisnet_jax.block_vjp as bv
+    from experiments.configs import digits_tiny
+    from naisnet_jax import data as data_lib, train
+
+    def run(side_stream):
+        bv._gpu_backend = lambda: side_stream  # as on a GPU: the weight gradients on stream 1
+        mesh = train.make_mesh(2)
+        config = digits_tiny.get_config()
+        config.model, config.model_kwargs = "naisnet_conv_tiny", {"steps": 4, "block_vjp": "stacked"}
+        state = train.create_train_state(config, train.build_model(config, 10), (8, 8, 1), 10)
+        rng = np.random.default_rng(0)
+        d = data_lib.DeviceData(images=rng.integers(0, 255, (64, 8, 8, 1)).astype(np.uint8),
+                                labels=rng.integers(0, 10, 64).astype(np.int32))
+        args = [train.replicate(a, mesh) for a in
+                (state, d, np.arange(64, dtype=np.int32).reshape(2, 32), jax.random.PRNGKey(0))]
+        lowered = train.make_train_chunk(0.0, 1.0, False, mesh).lower(*args)
+        out, _ = lowered.compile()(*args)
+        return out.params, "_xla_stream_annotation" in lowered.as_text()
+
+    plain, plain_annotated = run(False)
+    side, side_annotated = run(True)
+    diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+               for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(side)))
+    print(json.dumps({"annotated": [plain_annotated, side_annotated], "max_diff": diff}))
+    """
+)
+
+
+def test_side_stream_weight_gradients_inside_the_data_parallel_step():
+    """The stacked VJP's weight gradients on a second stream (forced here, as on a GPU) inside
+    ``shard_map``: the step compiles with the annotation and trains to the same parameters."""
+    result = _run_on_two_cpu_devices(SIDE_STREAM_SCRIPT)
+    assert result["annotated"] == [False, True]
+    assert result["max_diff"] == 0.0, result
+
+
 def test_bad_device_counts_are_refused():
     import jax
     import numpy as np
