@@ -295,6 +295,50 @@ def test_side_stream_weight_gradient_same_values_and_annotated_for_the_gpu(monke
     np.testing.assert_allclose(jax.grad(lambda m: f(m, m).sum())(a[0]), 2 * 3 * np.ones((3, 3)))
 
 
+def test_side_stream_drive_convolution(monkeypatch):
+    """The fast paths' drive convolution (``block_vjp.side_stream_conv``): on the CPU backend the
+    plain ``lax.conv_general_dilated``; as on a GPU (forced here), the same values and float64
+    gradients as that convolution (strided, explicit padding), its kernel gradient in a
+    computation annotated for the second stream. A conv block on a fast path gets the
+    annotation twice (its state kernel's and its drive kernel's gradients), on autodiff never,
+    and its gradients stay those of the plain scan."""
+    rng = np.random.default_rng(11)
+    lhs = jnp.asarray(rng.standard_normal((2, 7, 7, 3)))
+    rhs = jnp.asarray(rng.standard_normal((3, 3, 3, 4)))
+    dn = ("NHWC", "HWIO", "NHWC")
+    configs = [((1, 1), "SAME"), ((2, 2), [(1, 1), (0, 1)])]
+
+    def losses(conv):
+        return [lambda a, b, s=s, p=p: jnp.sum(jnp.sin(conv(a, b, s, p, dimension_numbers=dn))) for s, p in configs]
+
+    def annotated(fn, *args):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        calls = [line for line in text.splitlines() if "call @compute_on" in line]
+        assert all('_xla_stream_annotation = "1"' in line for line in calls)
+        return len(calls)
+
+    side = nj.block_vjp.side_stream_conv
+    assert annotated(jax.grad(losses(side)[0], argnums=(0, 1)), lhs, rhs) == 0  # CPU backend: plain
+    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
+    for plain, wrapped in zip(losses(jax.lax.conv_general_dilated), losses(side)):
+        np.testing.assert_allclose(wrapped(lhs, rhs), plain(lhs, rhs), rtol=1e-13)
+        for a, b in zip(jax.grad(wrapped, (0, 1))(lhs, rhs), jax.grad(plain, (0, 1))(lhs, rhs)):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+        assert annotated(jax.grad(wrapped, argnums=(0, 1)), lhs, rhs) == 1
+        assert annotated(wrapped, lhs, rhs) == 0  # the forward pass stays on the main stream
+    ctor, x = MODEL_CASES["conv_relu"]
+    variables, ref = _reference("conv_relu")
+    for options, count in ((dict(block_vjp="stacked"), 2), (dict(block_vjp="fused"), 2), ({}, 0)):
+        model = ctor(**options)
+
+        def loss(params, model=model):
+            return jnp.sum(jnp.sin(model.apply(dict(variables, params=params), x, train=True)))
+
+        assert annotated(jax.grad(loss), variables["params"]) == count, options
+        out = _value_and_grad(model, variables, x)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12), out, ref)
+
+
 def test_bfloat16_compute_within_tolerance_and_parameters_stay_float32():
     """NAIS-Net conv (stem, BatchNorm, blocks) computing in bfloat16 against float32.
 

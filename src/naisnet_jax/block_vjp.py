@@ -67,6 +67,35 @@ def on_side_stream(f: Callable, enabled: bool | None = None) -> Callable:
         return f
 
 
+def side_stream_conv(lhs: Array, rhs: Array, *args, **kwargs) -> Array:
+    """``lax.conv_general_dilated(lhs, rhs, *args, **kwargs)`` whose kernel gradient runs on the
+    second stream (:func:`on_side_stream`) on a GPU with :data:`SIDE_STREAM` set; elsewhere the
+    plain convolution. A drop-in for ``flax.linen.Conv(conv_general_dilated=...)``: the fast
+    paths (``block_vjp`` other than ``"autodiff"``) give it to their blocks' drive convolutions,
+    whose kernel gradients, like the blocks' own, feed only the optimiser."""
+
+    def conv(lhs, rhs):
+        return lax.conv_general_dilated(lhs, rhs, *args, **kwargs)
+
+    if not (SIDE_STREAM and _gpu_backend()):
+        return conv(lhs, rhs)
+
+    @jax.custom_vjp
+    def f(lhs, rhs):
+        return conv(lhs, rhs)
+
+    def f_fwd(lhs, rhs):
+        return conv(lhs, rhs), (lhs, rhs)
+
+    def f_bwd(res, g):
+        lhs, rhs = res
+        (d_lhs,) = jax.linear_transpose(lambda a: conv(a, rhs), lhs)(g)
+        return d_lhs, on_side_stream(_weight_grad(conv), True)(lhs, g, rhs)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f(lhs, rhs)
+
+
 def dense_op(x: Array, A: Array) -> Array:
     """``x @ A.T``: the dense block's state operator."""
     return jnp.matmul(x, A.T)

@@ -76,7 +76,7 @@ import jax
 import jax.numpy as jnp
 
 from naisnet_jax import probe
-from naisnet_jax.block_vjp import conv_op, dense_op, unroll_tied
+from naisnet_jax.block_vjp import conv_op, dense_op, side_stream_conv, unroll_tied
 from naisnet_jax.cell import ACTIVATIONS, check_activation, check_step_size, conv_step, fc_step
 from naisnet_jax.checks import check_bool, check_choice, check_int, check_positive
 from naisnet_jax.fused_block import unroll_tied_conv
@@ -642,6 +642,8 @@ class NaisConvBlock(ConvOptions):
             padding="SAME",
             use_bias=not self.normalize_drive,
             dtype=_compute_dtype(self.dtype),
+            # the fast paths: the drive's kernel gradient beside the backward chain, as the block's
+            conv_general_dilated=None if self.block_vjp == "autodiff" else side_stream_conv,
             name="input",
         )(u)
         if self.normalize_drive:
