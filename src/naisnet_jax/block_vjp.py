@@ -33,9 +33,11 @@ from naisnet_jax.unroll import check_scan_unroll
 Array = jax.Array
 RESIDUALS = ("store", "recompute")
 
-#: Run the weight gradients of the hand-written VJPs on a second GPU stream. Off the
-#: input-gradient chain, they can then overlap its latency-bound kernels: NAIS-Net10's
-#: step 39.5 -> 38.5 ms on an H200 (``BENCHMARKS.md``). Read when a model is traced.
+#: Run the weight gradients of the hand-written VJPs (and of the fast paths' drive
+#: convolutions, :func:`side_stream_conv`) on a second GPU stream. Off the input-gradient
+#: chain, they can then overlap its latency-bound kernels: NAIS-Net10's step 39.5 -> 38.5 ms
+#: on an H200, then 41.2 -> 40.9 ms on an H100 with the drives' (``BENCHMARKS.md``). Read
+#: when a model is traced.
 SIDE_STREAM = True
 
 
