@@ -326,6 +326,10 @@ def test_side_stream_drive_convolution(monkeypatch):
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
         assert annotated(jax.grad(wrapped, argnums=(0, 1)), lhs, rhs) == 1
         assert annotated(wrapped, lhs, rhs) == 0  # the forward pass stays on the main stream
+    seeds = (jnp.stack([lhs, 0.5 * lhs]), jnp.stack([rhs, -rhs]))  # a sweep vmaps over seeds
+    plain, wrapped = losses(jax.lax.conv_general_dilated)[0], losses(side)[0]
+    for a, b in zip(jax.vmap(jax.grad(wrapped, (0, 1)))(*seeds), jax.vmap(jax.grad(plain, (0, 1)))(*seeds)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
     ctor, x = MODEL_CASES["conv_relu"]
     variables, ref = _reference("conv_relu")
     for options, count in ((dict(block_vjp="stacked"), 2), (dict(block_vjp="fused"), 2), ({}, 0)):
