@@ -45,13 +45,19 @@ def _gpu_backend() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def _side_stream_default() -> bool:
+    """Whether weight gradients go to the second stream when not told: on a GPU backend with
+    :data:`SIDE_STREAM` set."""
+    return SIDE_STREAM and _gpu_backend()
+
+
 def on_side_stream(f: Callable, enabled: bool | None = None) -> Callable:
     """``f`` as a computation XLA runs on a second CUDA stream (``compute_on("gpu_stream:1")``),
     started where its inputs are ready and awaited where its outputs are used; the values
     are ``f``'s. ``enabled=None``: on a GPU backend with :data:`SIDE_STREAM` set; elsewhere,
     or with a JAX without the function form of ``compute_on``, ``f`` itself."""
     if enabled is None:
-        enabled = SIDE_STREAM and _gpu_backend()
+        enabled = _side_stream_default()
     if not enabled:
         return f
     try:
@@ -79,7 +85,7 @@ def side_stream_conv(lhs: Array, rhs: Array, *args, **kwargs) -> Array:
     def conv(lhs, rhs):
         return lax.conv_general_dilated(lhs, rhs, *args, **kwargs)
 
-    if not (SIDE_STREAM and _gpu_backend()):
+    if not _side_stream_default():
         return conv(lhs, rhs)
 
     @jax.custom_vjp
