@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
-OPTIONS = [("autodiff", 1), ("autodiff", 10), ("stacked", 1), ("stacked", 10)]
+OPTIONS = [("autodiff", 1), ("autodiff", 10), ("stacked", 1), ("stacked", 10), ("fused", 1)]
 
 
 def _state(K: int, block_vjp: str, unroll: int, features: int | None):

@@ -43,9 +43,10 @@ memory or compile time, never the maths:
   computes the state weight's gradient with one operation over the K states
   stacked on the batch axis (:mod:`naisnet_jax.block_vjp`), keeping the states
   (``"stacked"``) or recomputing them (``"stacked_recompute"``); ``"fused"``
-  runs a conv block's K steps as one GPU kernel forward and one backward
-  (:mod:`naisnet_jax.fused_block`, Pallas; float32, CUDA) and is ``"stacked"``
-  wherever those kernels do not run (dense blocks, CPU, TPU, other dtypes);
+  runs a tied block's K steps as one GPU kernel forward and one backward
+  (conv blocks: :mod:`naisnet_jax.fused_block`; dense blocks up to 128 units:
+  :mod:`naisnet_jax.fused_dense`; Pallas, float32, CUDA) and is ``"stacked"``
+  wherever those kernels do not run (CPU, TPU, other dtypes, wider blocks);
 - ``check_every``, ``compact``: adaptive depth at inference (``adaptive_tol``
   set, ``train=False``) tests for convergence once per ``check_every`` steps and,
   with ``compact``, moves the running patterns into smaller buffers (see
@@ -80,6 +81,7 @@ from naisnet_jax.block_vjp import conv_op, dense_op, side_stream_conv, unroll_ti
 from naisnet_jax.cell import ACTIVATIONS, check_activation, check_step_size, conv_step, fc_step
 from naisnet_jax.checks import check_bool, check_choice, check_int, check_positive
 from naisnet_jax.fused_block import unroll_tied_conv
+from naisnet_jax.fused_dense import unroll_tied_dense
 from naisnet_jax.parametrize import check_eps, conv_state_kernel, fc_state_matrix, zero_delta
 from naisnet_jax.projection import check_eta, project_conv, project_fc
 from naisnet_jax.unroll import (
@@ -464,6 +466,11 @@ def _unroll_block(
                 h=h,
                 activation=activation,
                 scan_unroll=scan_unroll,
+            )
+        elif block_vjp == "fused" and not trajectory and tied[0] is dense_op:
+            op, drive, W, h, activation = tied
+            run = functools.partial(
+                unroll_tied_dense, drive=drive, A=W, steps=steps, h=h, activation=activation, scan_unroll=scan_unroll
             )
         elif block_vjp != "autodiff" and not trajectory:
             op, drive, W, h, activation = tied

@@ -1,0 +1,252 @@
+"""A tied dense NAIS block's K steps in one GPU kernel each way (Pallas, Triton).
+
+XLA runs a dense block ``x_{k+1} = x_k + h act(x_k A^T + drive)`` through ``lax.scan``:
+every step is a small matrix product and an elementwise fusion forward, and about twice
+that backward, each a few microseconds of launch latency at the widths of the paper's FC
+nets (a 128 x 128 state matrix, a batch of 128), so a deep block is bound by launches. Its
+compile time grows with ``K`` too: the products inside the loop bodies are fusions the
+GPU autotuner compiles candidates for, which a one-step block (no loop) does not have
+(``BENCHMARKS.md``, compile time).
+
+Here one kernel runs the K forward steps and one the K backward steps. A dense block
+treats every pattern on its own, so program ``i`` takes rows ``i * R .. (i + 1) * R`` of the
+batch and keeps their state in registers from the first step to the last: no barrier, no
+round trip to memory between steps (only the saved states and pre-activations are written).
+The state matrix is read once per program. The weight gradient is the stacked product of
+:mod:`naisnet_jax.block_vjp`, ``dA = sum_k s_k^T x_k``, one matrix product over all K steps
+on the second stream (:func:`naisnet_jax.block_vjp.on_side_stream`); the backward kernel
+sums the drive's gradient ``sum_k s_k`` as it goes.
+
+Shapes. A width that is not a power of two (at least 16) is zero padded to one, and the batch
+to a multiple of ``R``: a zero column of the state, of the drive and of ``A`` stays zero at
+every step (``act(0) = 0`` for ReLU and tanh), and a zero row computes zeros, so the padding
+changes no value and is cut off again. Widths up to :data:`MAX_WIDTH` (the state matrix must
+fit in a program's shared memory).
+
+:func:`unroll_tied_dense` is the entry point; it runs the kernels on a CUDA GPU (float32) and
+otherwise falls back to :func:`naisnet_jax.block_vjp.unroll_tied`, whose values it
+reproduces (``tests/test_fused_dense.py`` runs the kernels in Pallas' interpreter on the CPU,
+in float64, against the plain loop).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from naisnet_jax.block_vjp import _sum_to_shape, check_tied, dense_op, on_side_stream, unroll_tied
+from naisnet_jax.checks import check_int
+from naisnet_jax.fused_block import _INTERPRET, _index, _scaled_slope, gpu_kernels_available
+
+Array = jax.Array
+
+#: Batch rows per program (the ``M`` of each product; Triton's products need at least 16).
+BLOCK_ROWS = 16
+#: Warps per program.
+NUM_WARPS = 4
+#: Widest state (after padding to a power of two) the kernels take: a 128 x 128 float32 state
+#: matrix is 64 KiB of a program's shared memory; 256 x 256 would not fit.
+MAX_WIDTH = 128
+
+
+class Config(NamedTuple):
+    """How the kernels run: in Pallas' interpreter or on the GPU, and their tiling."""
+
+    interpret: bool = False
+    block_rows: int = BLOCK_ROWS
+    num_warps: int = NUM_WARPS
+
+
+GPU = Config()  # the GPU kernels at the default tiling
+
+
+def _padded_width(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _act(activation, z):
+    return jnp.maximum(z, 0) if activation == "relu" else jnp.tanh(z)
+
+
+def _forward_kernel(steps, h, activation, save, rows, x0_ref, d_ref, at_ref, x_ref, *saved):
+    """Program ``i`` runs its ``rows`` patterns' K steps, the state held in registers.
+    ``save``: write every state ``x_k`` and pre-activation ``z_k`` (k < K) for the backward."""
+    from jax.experimental import pallas as pl
+
+    r = pl.ds(_index(pl.program_id(0)) * rows, rows)
+    at, d = at_ref[...], d_ref[r, :]
+
+    def step(k, x):
+        z = jnp.dot(x, at, preferred_element_type=x.dtype) + d
+        if save:
+            k = _index(k)
+            saved[0][k, r, :] = x
+            saved[1][k, r, :] = z
+        return x + h * _act(activation, z)
+
+    x_ref[r, :] = lax.fori_loop(0, steps, step, x0_ref[r, :])
+
+
+def _backward_kernel(steps, h, activation, rows, g_ref, zs_ref, a_ref, g0_ref, ss_ref, dd_ref):
+    """Program ``i`` carries its patterns' gradient from ``x_K`` back to ``x_0``: for k = K-1 .. 0,
+    ``s_k = h act'(z_k) g_{k+1}`` (written out), ``g_k = g_{k+1} + s_k A``; and ``sum_k s_k``."""
+    from jax.experimental import pallas as pl
+
+    r = pl.ds(_index(pl.program_id(0)) * rows, rows)
+    a = a_ref[...]
+
+    def step(i, carry):
+        g, dd = carry
+        k = steps - 1 - _index(i)
+        s = _scaled_slope(activation, h, zs_ref[k, r, :], g)
+        ss_ref[k, r, :] = s
+        return g + jnp.dot(s, a, preferred_element_type=s.dtype), dd + s
+
+    g = g_ref[r, :]
+    g, dd = lax.fori_loop(0, steps, step, (g, jnp.zeros_like(g)))
+    g0_ref[r, :] = g
+    dd_ref[r, :] = dd
+
+
+def _pallas(kernel, out_shape, programs, config: Config):
+    from jax.experimental import pallas as pl
+
+    params = {}
+    if not config.interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=(programs,), interpret=config.interpret, **params)
+
+
+def _pad(a: Array, rows: int, cols: int) -> Array:
+    return jnp.pad(a, [(0, rows - a.shape[-2]), (0, cols - a.shape[-1])])
+
+
+def _padded_shape(x0: Array, config: Config) -> tuple[int, int]:
+    B, N = x0.shape
+    R = config.block_rows
+    return -(-B // R) * R, _padded_width(N)
+
+
+def fused_forward(x0, drive, A, *, steps, h, activation, save=True, config=GPU):
+    """The block on padded arrays: ``x_K``, and with ``save`` every ``x_k`` and ``z_k`` for
+    ``k < K`` (each ``(K, B', N')``, ``B'`` and ``N'`` the padded batch and width)."""
+    Bp, Np = _padded_shape(x0, config)
+    x0p = _pad(x0, Bp, Np)
+    dp = _pad(jnp.broadcast_to(drive, x0.shape).astype(x0.dtype), Bp, Np)
+    atp = _pad(A.T.astype(x0.dtype), Np, Np)
+    body = functools.partial(_forward_kernel, steps, h, activation, save, config.block_rows)
+    state = jax.ShapeDtypeStruct((Bp, Np), x0.dtype)
+    saved = jax.ShapeDtypeStruct((steps, Bp, Np), x0.dtype)
+    out_shape = (state, saved, saved) if save else (state,)
+    return _pallas(body, out_shape, Bp // config.block_rows, config)(x0p, dp, atp)
+
+
+def fused_backward(g, zs, A, *, steps, h, activation, config=GPU):
+    """``(g_0, s_0 .. s_{K-1}, sum_k s_k)`` on padded arrays, from the gradient ``g`` at ``x_K``."""
+    Bp, Np = zs.shape[1:]
+    body = functools.partial(_backward_kernel, steps, h, activation, config.block_rows)
+    out_shape = (
+        jax.ShapeDtypeStruct((Bp, Np), g.dtype),
+        jax.ShapeDtypeStruct((steps, Bp, Np), g.dtype),
+        jax.ShapeDtypeStruct((Bp, Np), g.dtype),
+    )
+    return _pallas(body, out_shape, Bp // config.block_rows, config)(
+        _pad(g, Bp, Np), zs, _pad(A.astype(g.dtype), Np, Np)
+    )
+
+
+def _stacked_weight_grad(xs: Array, ss: Array) -> Array:
+    """``sum_k s_k^T x_k``: one product over the K steps stacked on the batch axis."""
+    return lax.dot_general(ss, xs, (((0, 1), (0, 1)), ((), ())))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused(x0, drive, A, steps, h, activation, config):
+    (x,) = fused_forward(x0, drive, A, steps=steps, h=h, activation=activation, save=False, config=config)
+    return x[: x0.shape[0], : x0.shape[1]]
+
+
+def _fused_fwd(x0, drive, A, steps, h, activation, config):
+    x, xs, zs = fused_forward(x0, drive, A, steps=steps, h=h, activation=activation, config=config)
+    return x[: x0.shape[0], : x0.shape[1]], (xs, zs, drive, A)
+
+
+def _fused_bwd(steps, h, activation, config, res, g):
+    xs, zs, drive, A = res
+    B, N = g.shape
+    g0, ss, dd = fused_backward(g, zs, A, steps=steps, h=h, activation=activation, config=config)
+    dA = on_side_stream(_stacked_weight_grad, False if config.interpret else None)(xs, ss)
+    d_drive = _sum_to_shape(dd[:B, :N], drive.shape).astype(drive.dtype)
+    return g0[:B, :N], d_drive, dA[:N, :N].astype(A.dtype)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def kernel_supported(x0: Array, A: Array) -> str | None:
+    """``None`` if the fused kernels take this block, else why not (in words)."""
+    if x0.ndim != 2 or A.ndim != 2:
+        return f"expected a state (batch, width) and a (width, width) matrix, got shapes {x0.shape} and {A.shape}"
+    N = x0.shape[-1]
+    if A.shape != (N, N):
+        return f"the state matrix {A.shape} must map the state's {N} values to {N}"
+    if _padded_width(N) > MAX_WIDTH:
+        return f"the width must be at most {MAX_WIDTH}, got {N}"
+    return None
+
+
+def unroll_tied_dense(
+    x0: Array,
+    drive: Array,
+    A: Array,
+    *,
+    steps: int,
+    h: float = 1.0,
+    activation: str = "tanh",
+    scan_unroll: int | bool = 1,
+    interpret: bool | None = None,
+    block_rows: int = BLOCK_ROWS,
+    num_warps: int = NUM_WARPS,
+) -> Array:
+    """``x_K`` of a tied dense NAIS block; the fused Pallas kernels where they run.
+
+    Plain-Python meaning (values and gradients equal those of this loop)::
+
+        x = x0
+        for k in range(steps):
+            x = x + h * act(x @ A.T + drive)
+        return x
+
+    ``drive`` broadcasts to ``x0`` (its gradient has its own shape). ``interpret=None`` runs
+    the GPU kernels when the block fits them (:func:`kernel_supported`) and
+    :func:`naisnet_jax.fused_block.gpu_kernels_available`, else the stacked pure-JAX VJP
+    (:func:`naisnet_jax.block_vjp.unroll_tied`, with ``scan_unroll``) or, inside
+    :func:`naisnet_jax.fused_block.interpreted`, the kernels in Pallas' interpreter.
+    ``interpret=True`` runs the interpreter (any backend and float dtype: the tests' path),
+    ``False`` forces the GPU kernels. ``block_rows`` (a power of two, at least 16: the batch
+    rows of a program) and ``num_warps`` tune the GPU kernels. The products run at the
+    default precision (TF32 on an NVIDIA GPU, as XLA's; ``jax_default_matmul_precision``
+    set to ``"highest"`` makes them float32).
+    """
+    x0, drive, A, h = check_tied("unroll_tied_dense", x0, drive, A, steps, h, activation, scan_unroll)
+    check_int("block_rows", block_rows, 16)
+    check_int("num_warps", num_warps)
+    if block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows={block_rows!r} must be a power of two (a program's rows are one tile).")
+    why = kernel_supported(x0, A)
+    if interpret is None:
+        if why is None and _INTERPRET.get():
+            interpret = True
+        elif why is not None or not gpu_kernels_available(x0):
+            return unroll_tied(dense_op, x0, drive, A, steps=steps, h=h, activation=activation, scan_unroll=scan_unroll)
+        else:
+            interpret = False
+    elif why is not None:
+        raise ValueError(f"unroll_tied_dense: the fused kernels do not take this block: {why}.")
+    return _fused(x0, drive, A, steps, h, activation, Config(bool(interpret), block_rows, num_warps))
