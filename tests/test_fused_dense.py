@@ -81,6 +81,18 @@ def test_broadcast_drive_and_the_forward_without_saved_states():
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("steps, batch", [(1, 16), (300, 48), (257, 32)])
+def test_weight_gradient_kernel_sums_every_step(steps, batch):
+    """The weight-gradient kernel's partial sums over groups of steps (300 steps: 2 a program;
+    257, a prime: 1) add up to sum_k s_k^T x_k, in float64."""
+    assert fd._steps_per_program(300) == 2 and fd._steps_per_program(257) == 1
+    assert fd._steps_per_program(1000) == 5 and fd._steps_per_program(1) == 1
+    rng = np.random.default_rng(steps)
+    xs, ss = (rng.standard_normal((steps, batch, 16)) for _ in range(2))
+    got = fd.fused_weight_grad(jnp.asarray(xs), jnp.asarray(ss), fd.GPU._replace(interpret=True))
+    np.testing.assert_allclose(got, np.einsum("kbi,kbj->ij", ss, xs), rtol=1e-12, atol=1e-11)
+
+
 def test_model_with_fused_blocks_matches_autodiff_through_the_kernels():
     """NaisDenseBlock with block_vjp='fused', its kernels forced through the interpreter,
     against the plain autodiff scan: output and every parameter's gradient, float64."""

@@ -13,9 +13,10 @@ treats every pattern on its own, so program ``i`` takes rows ``i * R .. (i + 1) 
 batch and keeps their state in registers from the first step to the last: no barrier, no
 round trip to memory between steps (only the saved states and pre-activations are written).
 The state matrix is read once per program. The weight gradient is the stacked product of
-:mod:`naisnet_jax.block_vjp`, ``dA = sum_k s_k^T x_k``, one matrix product over all K steps
-on the second stream (:func:`naisnet_jax.block_vjp.on_side_stream`); the backward kernel
-sums the drive's gradient ``sum_k s_k`` as it goes.
+:mod:`naisnet_jax.block_vjp`, ``dA = sum_k s_k^T x_k``, summed by a third kernel over groups of
+steps on the second stream (:func:`naisnet_jax.block_vjp.on_side_stream`); the backward kernel
+sums the drive's gradient ``sum_k s_k`` as it goes. No program's code depends on K, so the
+compile time does not either.
 
 Shapes. A width that is not a power of two (at least 16) is zero padded to one, and the batch
 to a multiple of ``R``: a zero column of the state, of the drive and of ``A`` stays zero at
@@ -51,6 +52,9 @@ NUM_WARPS = 4
 #: Widest state (after padding to a power of two) the kernels take: a 128 x 128 float32 state
 #: matrix is 64 KiB of a program's shared memory; 256 x 256 would not fit.
 MAX_WIDTH = 128
+#: Programs the weight-gradient kernel aims for (each sums a group of steps), and their warps.
+WGRAD_PROGRAMS = 128
+WGRAD_WARPS = 8
 
 
 class Config(NamedTuple):
@@ -161,9 +165,43 @@ def fused_backward(g, zs, A, *, steps, h, activation, config=GPU):
     )
 
 
-def _stacked_weight_grad(xs: Array, ss: Array) -> Array:
-    """``sum_k s_k^T x_k``: one product over the K steps stacked on the batch axis."""
-    return lax.dot_general(ss, xs, (((0, 1), (0, 1)), ((), ())))
+def _weight_grad_kernel(rows, sub, xs_ref, ss_ref, out_ref):
+    """Program ``p`` sums ``s^T x`` over its ``rows`` stacked rows, ``sub`` at a time."""
+    from jax.experimental import pallas as pl
+
+    p = _index(pl.program_id(0))
+
+    def body(j, acc):
+        r = pl.ds(p * rows + _index(j) * sub, sub)
+        return acc + jnp.dot(ss_ref[r, :].T, xs_ref[r, :], preferred_element_type=acc.dtype)
+
+    n = out_ref.shape[-1]
+    out_ref[p, :, :] = lax.fori_loop(0, rows // sub, body, jnp.zeros((n, n), out_ref.dtype))
+
+
+def _steps_per_program(steps: int) -> int:
+    """The most steps, a divisor of ``steps``, that leaves at least :data:`WGRAD_PROGRAMS` programs
+    (or one step a program)."""
+    most = max(1, steps // WGRAD_PROGRAMS)
+    return max(d for d in range(1, most + 1) if steps % d == 0)
+
+
+def fused_weight_grad(xs: Array, ss: Array, config: Config = GPU) -> Array:
+    """``sum_k s_k^T x_k`` (padded, ``(N', N')``) from the saved states and the backward kernel's
+    ``s_k``: partial sums over groups of steps in one kernel, then their sum.
+
+    A kernel rather than one ``dot_general`` over the K * B stacked rows: XLA's autotuner would
+    tune that product for each K (its reduction grows with K: split-K candidates), which made
+    the dense step's compile time grow with K (``BENCHMARKS.md``); the kernel's code does not
+    depend on K."""
+    steps, Bp, Np = ss.shape
+    group = _steps_per_program(steps)
+    sub = min(64, Bp & -Bp)  # the largest power of two dividing the padded batch (>= 16)
+    body = functools.partial(_weight_grad_kernel, group * Bp, sub)
+    out_shape = jax.ShapeDtypeStruct((steps // group, Np, Np), ss.dtype)
+    config = config._replace(num_warps=WGRAD_WARPS)
+    parts = _pallas(body, out_shape, steps // group, config)(xs.reshape(-1, Np), ss.reshape(-1, Np))
+    return jnp.sum(parts, axis=0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -181,7 +219,8 @@ def _fused_bwd(steps, h, activation, config, res, g):
     xs, zs, drive, A = res
     B, N = g.shape
     g0, ss, dd = fused_backward(g, zs, A, steps=steps, h=h, activation=activation, config=config)
-    dA = on_side_stream(_stacked_weight_grad, False if config.interpret else None)(xs, ss)
+    weight_grad = functools.partial(fused_weight_grad, config=config)
+    dA = on_side_stream(weight_grad, False if config.interpret else None)(xs, ss)
     d_drive = _sum_to_shape(dd[:B, :N], drive.shape).astype(drive.dtype)
     return g0[:B, :N], d_drive, dA[:N, :N].astype(A.dtype)
 
