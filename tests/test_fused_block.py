@@ -71,21 +71,6 @@ def test_kernels_match_the_plain_loop_values_and_gradients(shape, k, activation,
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("in_kernel", [True, False])
-def test_drive_gradient_summed_in_the_kernel_or_after(in_kernel, monkeypatch):
-    """The drive's gradient, summed by the backward kernel or from the saved s_k afterwards
-    (``DRIVE_GRAD_IN_KERNEL``), is the plain loop's, per pixel and per channel."""
-    monkeypatch.setattr(fb, "DRIVE_GRAD_IN_KERNEL", in_kernel)
-    x0, drive, kernel, cot = _case((2, 5, 6, 16), 3, seed=2)
-    fused = functools.partial(fb.unroll_tied_conv, steps=3, h=0.5, activation="tanh", interpret=True, tile_rows=16)
-    loop = functools.partial(_loop, steps=3, h=0.5, activation="tanh")
-    for d in (drive, drive[0, 0, 0]):  # per pixel, and one value per channel
-        (_, got), (_, want) = (_value_and_grads(f, x0, d, kernel, cot) for f in (fused, loop))
-        assert got[1].shape == d.shape
-        for a, b in zip(got, want):
-            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
-
-
 def test_broadcast_drive_and_unrolled_or_looped_tiles():
     """A per-channel drive (shape (C,)) gets a gradient of its own shape; the tiles'
     loop and their unrolled form agree; the forward that keeps no states gives x_K."""

@@ -237,9 +237,8 @@ def _scaled_slope(activation, h, z, g):
     return h * g * (1 - t) * (1 + t)
 
 
-def _backward_kernel(layout, offsets, steps, h, activation, config, gk_ref, zs_ref, wt_ref, g_ref, s_ref, *dd):
-    """Program ``n`` carries pattern ``n``'s gradient from ``x_K`` back to ``x_0``; with ``dd``
-    it also sums the drive's gradient ``sum_k s_k`` there, tile by tile."""
+def _backward_kernel(layout, offsets, steps, h, activation, config, gk_ref, zs_ref, wt_ref, g_ref, s_ref):
+    """Program ``n`` carries pattern ``n``'s gradient from ``x_K`` back to ``x_0``."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -254,10 +253,7 @@ def _backward_kernel(layout, offsets, steps, h, activation, config, gk_ref, zs_r
         g = gk_ref[n, rows]
         g_ref[n, rows] = g
         s = _scaled_slope(activation, h, zs_ref[steps - 1, n, rows], g)
-        s = jnp.where(_inside(layout, q0), s, jnp.zeros_like(s))
-        s_ref[steps - 1, n, rows] = s
-        if dd:
-            dd[0][n, rows] = s
+        s_ref[steps - 1, n, rows] = jnp.where(_inside(layout, q0), s, jnp.zeros_like(s))
         return carry
 
     _over_tiles(layout, config, first)
@@ -278,10 +274,7 @@ def _backward_kernel(layout, offsets, steps, h, activation, config, gk_ref, zs_r
             g_ref[n, rows] = g
             s = _scaled_slope(activation, h, z, g)
             s = jnp.where(inside, s, jnp.zeros_like(s))
-            more = jnp.broadcast_to(k > 0, s.shape)
-            plgpu.store(s_ref.at[prev, n, rows], s, mask=more)
-            if dd:
-                plgpu.store(dd[0].at[n, rows], dd[0][n, rows] + s, mask=more)
+            plgpu.store(s_ref.at[prev, n, rows], s, mask=jnp.broadcast_to(k > 0, s.shape))
             return carry
 
         _over_tiles(layout, config, tile)
@@ -388,22 +381,18 @@ def fused_forward(x0, drive, kernel, *, steps, h, activation, save=True, config=
     return (layout, *out) if save else (layout, out[0][steps % 2])
 
 
-def fused_backward(layout, g, zs, kernel, *, steps, h, activation, config=GPU, drive_grad=False):
-    """``(g_0, s_0 .. s_{K-1})`` as buffers from the gradient ``g`` at ``x_K``; with
-    ``drive_grad`` also ``sum_k s_k``, summed in the kernel."""
+def fused_backward(layout, g, zs, kernel, *, steps, h, activation, config=GPU):
+    """``(g_0, s_0 .. s_{K-1})`` as buffers from the gradient ``g`` at ``x_K``."""
     N, C = g.shape[0], g.shape[-1]
     kh, kw = kernel.shape[:2]
     transposed = jnp.swapaxes(_taps(kernel.astype(g.dtype)), 1, 2)  # tap t's C_out x C_in
     body = functools.partial(_backward_kernel, layout, layout.offsets(kh, kw), steps, h, activation, config)
-    buffer = jax.ShapeDtypeStruct((N, layout.rows, C), g.dtype)
-    out_shape = (buffer, jax.ShapeDtypeStruct((steps, N, layout.rows, C), g.dtype)) + ((buffer,) if drive_grad else ())
+    out_shape = (
+        jax.ShapeDtypeStruct((N, layout.rows, C), g.dtype),
+        jax.ShapeDtypeStruct((steps, N, layout.rows, C), g.dtype),
+    )
     return _pallas(body, out_shape, N, config)(layout.to_buffer(g), zs, transposed)
 
-
-#: Sum the drive's gradient ``sum_k s_k`` in the backward kernel, as it writes each ``s_k``,
-#: instead of reading the K saved ``s_k`` back afterwards (XLA then read them twice: once for
-#: that sum and once more for the drive's bias gradient). Read when a model is traced.
-DRIVE_GRAD_IN_KERNEL = True
 
 #: Rows per tile of the weight-gradient kernel (one warp per program; on an H100, 32 rows: a
 #: 32x32x16 block forward + backward 0.98 ms, 64 rows 1.03, 128 rows 1.08).
@@ -438,13 +427,11 @@ def _fused_bwd(steps, h, activation, config, res, g):
     xs, zs, drive, kernel = res
     N, H, W, C = g.shape
     layout = Layout.of(H, W, kernel.shape[0], kernel.shape[1], config.tile_rows)
-    g0, ss, *dd = fused_backward(
-        layout, g, zs, kernel, steps=steps, h=h, activation=activation, config=config, drive_grad=DRIVE_GRAD_IN_KERNEL
-    )
+    g0, ss = fused_backward(layout, g, zs, kernel, steps=steps, h=h, activation=activation, config=config)
     weight_grad = functools.partial(fused_weight_grad, layout, kernel_shape=kernel.shape, config=config)
     dW = on_side_stream(weight_grad, False if config.interpret else None)(xs, ss).astype(kernel.dtype)
-    summed = layout.interior(dd[0]) if dd else jnp.sum(layout.interior(ss), axis=0)
-    d_drive = _sum_to_shape(summed, drive.shape).astype(drive.dtype)
+    s_img = layout.interior(ss)
+    d_drive = _sum_to_shape(jnp.sum(s_img, axis=0), drive.shape).astype(drive.dtype)
     return layout.interior(g0), d_drive, dW
 
 
