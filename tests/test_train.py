@@ -19,6 +19,7 @@ import sys
 import time
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -253,6 +254,34 @@ def test_train_step_computes_in_float32_with_x64(model, model_kwargs, shape):
     new_state, metrics = jax.eval_shape(train.train_step, state, batch)
     assert float_dtypes(new_state.params) == {np.dtype(np.float32)}
     assert float_dtypes(new_state.opt_state) <= {np.dtype(np.float32)}
+
+
+def test_compiled_initial_state_equals_eager_init_and_compiles_once(monkeypatch):
+    """The initial state as a GPU builds it (compiled once per model and shape, then run per
+    seed) equals eager ``init``'s, BatchNorm statistics included; a second seed reuses the
+    compiled program; under ``eval_shape`` it is traced like the rest."""
+    config = get_config(model="naisnet_cifar10")  # one block of 8 channels, with BatchNorm statistics
+    config.model_kwargs = ml_collections.ConfigDict(dict(stage_sizes=(1,), filters=(8,), steps=2))
+    net = train.build_model(config, 10)
+    shape = (8, 8, 3)
+
+    def seeded(seed):
+        c = ml_collections.ConfigDict(config.to_dict())
+        c.seed = seed
+        return c
+
+    eager = [train.initial_variables(seeded(s), net, shape) for s in (0, 1)]
+    monkeypatch.setattr(train, "COMPILED_INIT_BACKENDS", (jax.default_backend(),))
+    train._compiled_initializer.cache_clear()
+    compiled = [train.initial_variables(seeded(s), net, shape) for s in (0, 1)]
+    assert eager[0][1] is not None
+    info = train._compiled_initializer.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+    for a, b in zip(eager, compiled):
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7), a, b)
+    assert not all(np.allclose(a, b) for a, b in zip(*(jax.tree.leaves(c[0]) for c in compiled)))  # seeds differ
+    shapes = jax.eval_shape(lambda: train.initial_variables(config, net, shape))
+    assert jax.tree.map(lambda a: a.shape, shapes) == jax.tree.map(lambda a: a.shape, tuple(compiled[0]))
 
 
 def test_adaptive_depth_statistics(tmp_path):
