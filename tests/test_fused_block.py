@@ -147,6 +147,23 @@ def test_fallback_where_the_kernels_do_not_run():
     assert not fb.gpu_kernels_available(jnp.zeros((1, 4, 4, 16), jnp.bfloat16))
 
 
+def test_kernels_follow_the_default_device(monkeypatch):
+    """On a CUDA machine the kernels run, unless ``jax.default_device`` puts the model on the CPU
+    (a Pallas GPU kernel cannot run there)."""
+    import types
+
+    gpu = types.SimpleNamespace(platform="gpu", client=types.SimpleNamespace(platform_version="cuda 12.9"))
+    cpu = jax.devices("cpu")[0]
+    real = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda backend=None: [gpu] if backend is None else real(backend))
+    x = jnp.zeros((1, 4, 4, 16), jnp.float32)
+    assert fb.gpu_kernels_available(x)
+    with jax.default_device(cpu):
+        assert not fb.gpu_kernels_available(x)
+    with jax.default_device("cpu"):
+        assert not fb.gpu_kernels_available(x)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

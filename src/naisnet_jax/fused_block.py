@@ -454,10 +454,15 @@ def kernel_supported(x0: Array, kernel: Array) -> str | None:
 
 
 def gpu_kernels_available(x0: Array) -> bool:
-    """The GPU kernels run here: a float32 state and a CUDA GPU as JAX's default device."""
+    """The GPU kernels run here: a float32 state and a CUDA GPU as JAX's default device (the one
+    ``jax.default_device`` names, if set: a model run on the CPU of a GPU machine falls back)."""
     if x0.dtype != jnp.float32:
         return False
-    device = jax.devices()[0]
+    default = jax.config.jax_default_device
+    if default is None or isinstance(default, str):  # a platform's name, or unset: its first device
+        device = jax.devices(default)[0] if default else jax.devices()[0]
+    else:
+        device = default
     return device.platform == "gpu" and "cuda" in getattr(device.client, "platform_version", "").lower()
 
 
