@@ -8,6 +8,7 @@ optax and numpy; Flax models live in :mod:`naisnet_jax.models`, training in
 from naisnet_jax.block_vjp import unroll_tied
 from naisnet_jax.cell import ACTIVATIONS, activation_slope, conv_same, conv_step, fc_step
 from naisnet_jax.fused_block import unroll_tied_conv
+from naisnet_jax.fused_dense import unroll_tied_dense
 from naisnet_jax.parametrize import centre_mask, conv_state_kernel, fc_state_matrix
 from naisnet_jax.projection import (
     count_projected_blocks,
@@ -49,4 +50,5 @@ __all__ = [
     "unroll_adaptive_stream",
     "unroll_tied",
     "unroll_tied_conv",
+    "unroll_tied_dense",
 ]
