@@ -4,7 +4,9 @@ The FC NAIS-Net of the default config (``naisnet_mnist``: one 128-unit tied bloc
 images, SGD with momentum and the projection after every step), batch 128, for each K the
 four combinations of ``block_vjp`` (``"autodiff"``: reverse mode through the scan;
 ``"stacked"``: the hand-written VJP with one weight-gradient product for all K steps) and
-``scan_unroll`` (1 or 10), side by side in one process: every variant compiled first, then
+``scan_unroll`` (1 or 10), and ``"fused"`` (the K steps one Pallas kernel each way on a CUDA
+GPU, :mod:`naisnet_jax.fused_dense`; elsewhere ``"stacked"``), side by side in one process:
+every variant compiled first, then
 timed in alternating rounds (chunks of jitted steps in one ``lax.scan``), best round kept.
 The options do not change the maths: each row's first gradient is compared with the plain
 one's (``autodiff``, unroll 1) on the same parameters and batch.
