@@ -15,8 +15,9 @@ round trip to memory between steps (only the saved states and pre-activations ar
 The state matrix is read once per program. The weight gradient is the stacked product of
 :mod:`naisnet_jax.block_vjp`, ``dA = sum_k s_k^T x_k``, summed by a third kernel over groups of
 steps on the second stream (:func:`naisnet_jax.block_vjp.on_side_stream`); the backward kernel
-sums the drive's gradient ``sum_k s_k`` as it goes. No program's code depends on K, so the
-compile time does not either.
+sums the drive's gradient ``sum_k s_k`` as it goes. K changes only the kernels' loop bounds
+and grids, and the autotuner has nothing to tune in them, so the compile time does not grow
+with K.
 
 Shapes. A width that is not a power of two (at least 16) is zero padded to one, and the batch
 to a multiple of ``R``: a zero column of the state, of the drive and of ``A`` stays zero at
@@ -192,8 +193,8 @@ def fused_weight_grad(xs: Array, ss: Array, config: Config = GPU) -> Array:
 
     A kernel rather than one ``dot_general`` over the K * B stacked rows: XLA's autotuner would
     tune that product for each K (its reduction grows with K: split-K candidates), which made
-    the dense step's compile time grow with K (``BENCHMARKS.md``); the kernel's code does not
-    depend on K."""
+    the dense step's compile time grow with K (``BENCHMARKS.md``); a Pallas kernel is compiled
+    as written, with nothing to tune, and K changes only its loop bounds and grid."""
     steps, Bp, Np = ss.shape
     group = _steps_per_program(steps)
     sub = min(64, Bp & -Bp)  # the largest power of two dividing the padded batch (>= 16)
