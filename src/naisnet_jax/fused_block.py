@@ -214,7 +214,7 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, config, x0_ref,
             taps, d = taps_now(), d_ref[n, rows]
             x = windows[centre]
             z = _conv(windows, taps) + d
-            a = jnp.maximum(z, 0) if activation == "relu" else jnp.tanh(z)
+            a = _act(activation, z)
             inside = _inside(layout, q0)
             zero = jnp.zeros_like(x)
             xs_ref[slot(k + 1), n, rows] = jnp.where(inside, x + h * a, zero)
@@ -227,6 +227,11 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, config, x0_ref,
         return carry
 
     lax.fori_loop(0, steps, step, 0)
+
+
+def _act(activation, z):
+    """``act(z)`` in a kernel (ReLU as a maximum)."""
+    return jnp.maximum(z, 0) if activation == "relu" else jnp.tanh(z)
 
 
 def _scaled_slope(activation, h, z, g):
@@ -344,7 +349,9 @@ def interpreted():
         _INTERPRET.reset(token)
 
 
-def _pallas(kernel, out_shape, batch, config: Config, num_warps=None):
+def _pallas(kernel, out_shape, programs: int, config, num_warps=None):
+    """``pallas_call`` of ``kernel`` over ``programs`` programs, as ``config`` says (any config with
+    ``interpret`` and ``num_warps``, this module's or :mod:`naisnet_jax.fused_dense`'s)."""
     from jax.experimental import pallas as pl
 
     params = {}
@@ -353,7 +360,7 @@ def _pallas(kernel, out_shape, batch, config: Config, num_warps=None):
 
         warps = num_warps or config.num_warps
         params["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=1)
-    return pl.pallas_call(kernel, out_shape=out_shape, grid=(batch,), interpret=config.interpret, **params)
+    return pl.pallas_call(kernel, out_shape=out_shape, grid=(programs,), interpret=config.interpret, **params)
 
 
 def _taps(kernel: Array) -> Array:
@@ -459,11 +466,24 @@ def gpu_kernels_available(x0: Array) -> bool:
     if x0.dtype != jnp.float32:
         return False
     default = jax.config.jax_default_device
-    if default is None or isinstance(default, str):  # a platform's name, or unset: its first device
-        device = jax.devices(default)[0] if default else jax.devices()[0]
-    else:
-        device = default
+    # unset, or a platform's name: that backend's first device
+    device = jax.devices(default)[0] if default is None or isinstance(default, str) else default
     return device.platform == "gpu" and "cuda" in getattr(device.client, "platform_version", "").lower()
+
+
+def kernel_mode(name: str, interpret: bool | None, why: str | None, runs_here: bool) -> bool | None:
+    """How the entry point ``name`` runs a block: ``True`` in Pallas' interpreter, ``False`` as
+    GPU kernels, ``None`` not at all (fall back to the stacked VJP). ``interpret=None`` chooses:
+    the interpreter inside :func:`interpreted`, the GPU kernels where the block fits them
+    (``why is None``) and ``runs_here``; a forced choice on a block they do not take is refused,
+    naming ``why``."""
+    if interpret is None:
+        if why is None and _INTERPRET.get():
+            return True
+        return False if why is None and runs_here else None
+    if why is not None:
+        raise ValueError(f"{name}: the fused kernels do not take this block: {why}.")
+    return bool(interpret)
 
 
 def unroll_tied_conv(
@@ -508,23 +528,10 @@ def unroll_tied_conv(
         raise ValueError(f"tile_rows={tile_rows!r} must be a power of two (a tile is one (tile_rows, C) block).")
     why = kernel_supported(x0, kernel)
     hoist = x0.shape[-1] <= 32 if hoist_taps is None else bool(hoist_taps)  # 9 C x C taps in registers
-    if interpret is None:
-        if why is None and _INTERPRET.get():
-            interpret = True
-        elif why is not None or not gpu_kernels_available(x0) or x0.shape[-1] > AUTO_MAX_CHANNELS:
-            return unroll_tied(
-                conv_op, x0, drive, kernel, steps=steps, h=h, activation=activation, scan_unroll=scan_unroll
-            )
-        else:
-            interpret = False
-    elif why is not None:
-        raise ValueError(f"unroll_tied_conv: the fused kernels do not take this block: {why}.")
+    runs_here = gpu_kernels_available(x0) and x0.shape[-1] <= AUTO_MAX_CHANNELS
+    mode = kernel_mode("unroll_tied_conv", interpret, why, runs_here)
+    if mode is None:
+        return unroll_tied(conv_op, x0, drive, kernel, steps=steps, h=h, activation=activation, scan_unroll=scan_unroll)
     return _fused(
-        x0,
-        drive,
-        kernel,
-        steps,
-        h,
-        activation,
-        Config(bool(interpret), tile_rows, num_warps, bool(unroll_tiles), hoist),
+        x0, drive, kernel, steps, h, activation, Config(mode, tile_rows, num_warps, bool(unroll_tiles), hoist)
     )

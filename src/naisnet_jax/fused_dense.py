@@ -42,7 +42,7 @@ from jax import lax
 
 from naisnet_jax.block_vjp import _sum_to_shape, check_tied, dense_op, on_side_stream, unroll_tied
 from naisnet_jax.checks import check_int
-from naisnet_jax.fused_block import _INTERPRET, _index, _scaled_slope, gpu_kernels_available
+from naisnet_jax.fused_block import _act, _index, _pallas, _scaled_slope, gpu_kernels_available, kernel_mode
 
 Array = jax.Array
 
@@ -71,10 +71,6 @@ GPU = Config()  # the GPU kernels at the default tiling
 
 def _padded_width(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
-
-
-def _act(activation, z):
-    return jnp.maximum(z, 0) if activation == "relu" else jnp.tanh(z)
 
 
 def _forward_kernel(steps, h, activation, save, rows, x0_ref, d_ref, at_ref, x_ref, *saved):
@@ -115,17 +111,6 @@ def _backward_kernel(steps, h, activation, rows, g_ref, zs_ref, a_ref, g0_ref, s
     g, dd = lax.fori_loop(0, steps, step, (g, jnp.zeros_like(g)))
     g0_ref[r, :] = g
     dd_ref[r, :] = dd
-
-
-def _pallas(kernel, out_shape, programs, config: Config):
-    from jax.experimental import pallas as pl
-
-    params = {}
-    if not config.interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
-    return pl.pallas_call(kernel, out_shape=out_shape, grid=(programs,), interpret=config.interpret, **params)
 
 
 def _pad(a: Array, rows: int, cols: int) -> Array:
@@ -200,8 +185,9 @@ def fused_weight_grad(xs: Array, ss: Array, config: Config = GPU) -> Array:
     sub = min(64, Bp & -Bp)  # the largest power of two dividing the padded batch (>= 16)
     body = functools.partial(_weight_grad_kernel, group * Bp, sub)
     out_shape = jax.ShapeDtypeStruct((steps // group, Np, Np), ss.dtype)
-    config = config._replace(num_warps=WGRAD_WARPS)
-    parts = _pallas(body, out_shape, steps // group, config)(xs.reshape(-1, Np), ss.reshape(-1, Np))
+    parts = _pallas(body, out_shape, steps // group, config, num_warps=WGRAD_WARPS)(
+        xs.reshape(-1, Np), ss.reshape(-1, Np)
+    )
     return jnp.sum(parts, axis=0)
 
 
@@ -280,13 +266,7 @@ def unroll_tied_dense(
     if block_rows & (block_rows - 1):
         raise ValueError(f"block_rows={block_rows!r} must be a power of two (a program's rows are one tile).")
     why = kernel_supported(x0, A)
-    if interpret is None:
-        if why is None and _INTERPRET.get():
-            interpret = True
-        elif why is not None or not gpu_kernels_available(x0):
-            return unroll_tied(dense_op, x0, drive, A, steps=steps, h=h, activation=activation, scan_unroll=scan_unroll)
-        else:
-            interpret = False
-    elif why is not None:
-        raise ValueError(f"unroll_tied_dense: the fused kernels do not take this block: {why}.")
-    return _fused(x0, drive, A, steps, h, activation, Config(bool(interpret), block_rows, num_warps))
+    mode = kernel_mode("unroll_tied_dense", interpret, why, gpu_kernels_available(x0))
+    if mode is None:
+        return unroll_tied(dense_op, x0, drive, A, steps=steps, h=h, activation=activation, scan_unroll=scan_unroll)
+    return _fused(x0, drive, A, steps, h, activation, Config(mode, block_rows, num_warps))
