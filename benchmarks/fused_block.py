@@ -6,9 +6,10 @@ linear function of ``x_K`` with respect to ``x_0``, the drive and the kernel) of
 
 - ``xla_stacked_u10``: :func:`naisnet_jax.block_vjp.unroll_tied` (the stacked VJP),
   ``scan_unroll=10``: the best pure-XLA block of ``train_step.py``;
-- ``fused_t{rows}_w{warps}[_loop][_tapsload]``: :func:`naisnet_jax.fused_block.unroll_tied_conv` on the GPU
-  at each tiling (``_loop``: a step's tiles as a loop, not unrolled; ``_tapsload``: the
-  kernel's taps loaded per tile, not once per program).
+- ``fused_default``, ``fused_t{rows}_w{warps}[_loop][_tapsload]``:
+  :func:`naisnet_jax.fused_block.unroll_tied_conv` on the GPU at the default tiling for the
+  state's width (``fused_block.TILINGS``) and at each tiling (``_loop``: a step's tiles as a
+  loop, not unrolled; ``_tapsload``: the kernel's taps loaded per tile, not once per program).
 
 and, per shape, how far the fused kernels' values and gradients lie from XLA's at the
 same (TF32) precision and from a float32 reference at the highest precision. Each time
@@ -30,7 +31,7 @@ import _common  # noqa: E402
 
 SHAPES = [(32, 32, 16), (16, 16, 32), (8, 8, 64)]
 TILINGS = [  # (rows per tile, warps, a step's tiles unrolled, taps loaded once per program)
-    (256, 8, True, True),
+    (None, None, True, None),  # the defaults for the state's width (fused_block.TILINGS)
     (128, 4, True, True),
     (512, 8, True, True),
     (512, 16, True, True),
@@ -130,7 +131,8 @@ def main(argv=None):
         xla = functools.partial(unroll_tied, conv_op, steps=steps, h=1.0, activation="relu", scan_unroll=10)
         variants = {"xla_stacked_u10": lambda a, b, c, f=xla: f(a, b, c)}
         for rows_, warps, unrolled, hoist in tilings:
-            name = f"fused_t{rows_}_w{warps}" + ("" if unrolled else "_loop") + ("_tapsload" if hoist is False else "")
+            name = "fused_default" if rows_ is None else f"fused_t{rows_}_w{warps}"
+            name += ("" if unrolled else "_loop") + ("_tapsload" if hoist is False else "")
             variants[name] = functools.partial(
                 unroll_tied_conv,
                 steps=steps,

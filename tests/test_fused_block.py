@@ -53,6 +53,7 @@ CASES = [  # (state shape, kernel size, activation, steps, h, tile rows)
     ((2, 8, 8, 16), 3, "relu", 3, 1.0, 32),  # 100 padded rows over 4 tiles: the last one part padding
     ((1, 5, 7, 16), 5, "tanh", 2, 0.7, 64),  # H != W, 5x5: two rows of padding, one tile
     ((1, 4, 4, 32), 1, "relu", 2, 0.25, 16),  # 1x1 kernel: no padding, no slack
+    ((1, 6, 5, 32), 3, "relu", 2, 0.5, None),  # 32 channels at their default tilings (TILINGS, WGRAD_TILINGS)
 ]
 
 
@@ -188,13 +189,32 @@ def test_forcing_the_kernels_on_a_block_they_do_not_take_names_why():
         fb.unroll_tied_conv(x0, drive, kernel, steps=2, interpret=True)
 
 
-@pytest.mark.parametrize("activation", ["relu", "tanh"])
-def test_kernels_lower_to_triton(activation, monkeypatch):
+def test_automatic_choice_by_channels(monkeypatch):
+    """Where the GPU kernels run, the automatic choice takes blocks of up to AUTO_MAX_CHANNELS
+    (16 and 32: NAIS-Net10's first two stages), each at its width's tiling, and leaves 64
+    channels to the stacked VJP."""
+    monkeypatch.setattr(fb, "gpu_kernels_available", lambda x0: True)
+    configs = []
+    real = fb._fused
+    monkeypatch.setattr(fb, "_fused", lambda *args: configs.append(args[-1]) or real(*args))
+    assert fb.AUTO_MAX_CHANNELS == 32
+    for C, tiling in ((16, (256, 8)), (32, (128, 8)), (64, None)):
+        configs.clear()
+        x0, drive, kernel, _ = (a.astype(jnp.float32) for a in _case((1, 4, 4, C), 3))
+        jaxpr = str(jax.make_jaxpr(lambda a, b, c: fb.unroll_tied_conv(a, b, c, steps=2))(x0, drive, kernel))
+        assert ("pallas_call" in jaxpr) == (tiling is not None), C
+        assert [(c.tile_rows, c.num_warps, c.interpret) for c in configs] == ([(*tiling, False)] if tiling else [])
+    assert fb.WGRAD_TILINGS[32] == (64, 2) and 16 not in fb.WGRAD_TILINGS  # 16: one warp, 32 rows
+
+
+@pytest.mark.parametrize("activation, C", [("relu", 16), ("tanh", 16), ("relu", 32)])
+def test_kernels_lower_to_triton(activation, C, monkeypatch):
     """The GPU build: forward and backward kernels lower for CUDA (Triton) on this CPU, the
-    weight-gradient kernel inside a computation annotated for a second stream."""
+    weight-gradient kernel inside a computation annotated for a second stream (32 channels:
+    their own tilings, two warps for the weight gradient)."""
     monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)  # as on a GPU
-    x = jax.ShapeDtypeStruct((4, 16, 16, 16), jnp.float32)
-    w = jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32)
+    x = jax.ShapeDtypeStruct((4, 16, 16, C), jnp.float32)
+    w = jax.ShapeDtypeStruct((3, 3, C, C), jnp.float32)
 
     def loss(a, b, c):
         return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=3, h=1.0, activation=activation, interpret=False))

@@ -11,8 +11,10 @@ convolution is nine ``(M, C) @ (C, C)`` products on the tensor cores.
 
 Measured on an H100 (``BENCHMARKS.md``): a tile loads nine overlapping windows and
 moves each into the tensor cores' layout (Pallas' Triton backend gives a program no
-shared memory to hold a tile and its halo once), and the kernels beat XLA only at 16
-channels; the automatic choice uses them there (:data:`AUTO_MAX_CHANNELS`).
+shared memory to hold a tile and its halo once), and the kernels beat XLA at 16 and 32
+channels (at 32 with smaller tiles, :data:`TILINGS`, and a wider weight-gradient program,
+:data:`WGRAD_TILINGS`), not at 64; the automatic choice uses them up to
+:data:`AUTO_MAX_CHANNELS`.
 
 Layout. A pattern's ``(H, W, C)`` state is zero padded to ``(H + 2p, W + 2q, C)``
 (``p, q`` the kernel's half sizes) and flattened to rows of ``C``: tap ``(a, b)`` of
@@ -61,11 +63,17 @@ Array = jax.Array
 TILE_ROWS = 256
 #: Warps per program.
 NUM_WARPS = 8
+#: The block kernels' tiling by channels, ``C -> (tile rows, warps)``, where it differs from
+#: ``(TILE_ROWS, NUM_WARPS)``. On an H100 (batch 128, K = 10): at 16x16x32 the forward kernel
+#: takes 0.215 ms with 128-row tiles against 0.538 with 256 (its nine 32-channel windows fill the
+#: registers), the backward kernel 0.204 against 0.529.
+TILINGS = {32: (128, 8)}
 #: Widest state the automatic choice (``interpret=None``) sends to the GPU kernels. On an
-#: H100 (``benchmarks/fused_block.py``) the kernels beat XLA's stacked VJP for 16 channels
-#: (forward and backward of a 32x32x16 block: 1.41x with the weight-gradient kernel) and lose
-#: for 32 and 64, where cuDNN's convolutions are efficient; wider blocks keep the stacked VJP.
-AUTO_MAX_CHANNELS = 16
+#: H100 the kernels beat XLA's stacked VJP for 16 channels (forward and backward of a 32x32x16
+#: block: 1.41x with the weight-gradient kernel) and 32 (NAIS-Net10's training step 40.1
+#: against 41.3 ms with its 32-channel stage on them) and lose for 64, where cuDNN's
+#: convolutions are efficient; wider blocks keep the stacked VJP.
+AUTO_MAX_CHANNELS = 32
 
 
 class Layout(NamedTuple):
@@ -401,19 +409,26 @@ def fused_backward(layout, g, zs, kernel, *, steps, h, activation, config=GPU):
     return _pallas(body, out_shape, N, config)(layout.to_buffer(g), zs, transposed)
 
 
-#: Rows per tile of the weight-gradient kernel (one warp per program; on an H100, 32 rows: a
-#: 32x32x16 block forward + backward 0.98 ms, 64 rows 1.03, 128 rows 1.08).
+#: Rows per tile of the weight-gradient kernel (on an H100, 32 rows: a 32x32x16 block forward +
+#: backward 0.98 ms, 64 rows 1.03, 128 rows 1.08).
 WGRAD_ROWS = 32
+#: Warps per weight-gradient program.
+WGRAD_WARPS = 1
+#: Its tiling by channels, ``C -> (rows, warps)``, where it differs. At 16x16x32 (H100, K = 10,
+#: batch 128) one warp takes 384 us, two 227 to 230 us (64 or 32 rows), four 258 to 322; at 8x8x64
+#: four warps take 435 us (cuDNN ~90: 64 channels stay on XLA).
+WGRAD_TILINGS = {32: (64, 2), 64: (32, 4), 128: (32, 4)}
 
 
 def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU):
     """``dW`` (HWIO) from the saved states ``xs`` and the backward kernel's ``ss`` (buffers)."""
     steps, N, _, C = ss.shape
     kh, kw = kernel_shape[:2]
-    rows = min(WGRAD_ROWS, layout.tile_rows)
+    rows, warps = WGRAD_TILINGS.get(C, (WGRAD_ROWS, WGRAD_WARPS))
+    rows = min(rows, layout.tile_rows)
     body = functools.partial(_weight_grad_kernel, layout, layout.offsets(kh, kw), N, rows)
     out_shape = jax.ShapeDtypeStruct((steps * N, kh * kw, C, C), ss.dtype)
-    parts = _pallas(body, out_shape, steps * N, config, num_warps=1)(xs, ss)
+    parts = _pallas(body, out_shape, steps * N, config, num_warps=warps)(xs, ss)
     dWt = jnp.sum(parts, axis=0)  # (taps, C_out, C_in): each tap's transpose
     return jnp.swapaxes(dWt, 1, 2).reshape(kernel_shape)
 
@@ -496,8 +511,8 @@ def unroll_tied_conv(
     activation: str = "relu",
     scan_unroll: int | bool = 1,
     interpret: bool | None = None,
-    tile_rows: int = TILE_ROWS,
-    num_warps: int = NUM_WARPS,
+    tile_rows: int | None = None,
+    num_warps: int | None = None,
     unroll_tiles: bool = True,
     hoist_taps: bool | None = None,
 ) -> Array:
@@ -517,11 +532,15 @@ def unroll_tied_conv(
     or, inside :func:`interpreted`, the kernels in Pallas' interpreter.
     ``interpret=True`` runs the interpreter (any backend and float dtype: the
     tests' path), ``False`` forces the GPU kernels. ``tile_rows`` (a power of two,
-    at least 16), ``num_warps``, ``unroll_tiles`` and ``hoist_taps`` (default: for
+    at least 16; default by channels, :data:`TILINGS`, else :data:`TILE_ROWS`), ``num_warps``
+    (likewise, else :data:`NUM_WARPS`), ``unroll_tiles`` and ``hoist_taps`` (default: for
     at most 32 channels) tune the GPU kernels. The products run at the
     default precision (TF32 on an NVIDIA GPU, as XLA's convolutions).
     """
     x0, drive, kernel, h = check_tied("unroll_tied_conv", x0, drive, kernel, steps, h, activation, scan_unroll)
+    default_rows, default_warps = TILINGS.get(x0.shape[-1], (TILE_ROWS, NUM_WARPS))
+    tile_rows = default_rows if tile_rows is None else tile_rows
+    num_warps = default_warps if num_warps is None else num_warps
     check_int("tile_rows", tile_rows, 16)
     check_int("num_warps", num_warps)
     if tile_rows & (tile_rows - 1):
