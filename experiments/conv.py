@@ -49,7 +49,7 @@ VARIANTS = {
     "naisnet10": ("NAIS-Net10, x(0) = 0", "naisnet_cifar10", {"drive_norm": "every"}),
 }
 # Speed options of every NAIS variant (same maths: tests/test_perf.py, tests/test_fused_block.py):
-# on a CUDA GPU the 16-channel blocks run as fused Pallas kernels, the others the stacked VJP,
+# on a CUDA GPU the 16- and 32-channel blocks run as fused Pallas kernels, the others the stacked VJP,
 # every block's loop unrolled by 10 (NAIS-Net10's step on an H100: 1.6 x the plain step,
 # BENCHMARKS.md); on a CPU or TPU the stacked VJP. --nofast trains with the plain step.
 NAIS_FAST = {"block_vjp": "fused", "scan_unroll": 10}
