@@ -225,12 +225,14 @@ def test_kernels_lower_to_triton(activation, C, monkeypatch):
         assert ('_xla_stream_annotation = "1"' in text) == side_stream
 
 
-def test_kernels_under_vmap_as_in_a_sweep():
+@pytest.mark.parametrize("C", [16, 32])
+def test_kernels_under_vmap_as_in_a_sweep(C):
     """A sweep vmaps the model over seeds (each seed its own kernel): the batched kernels
-    give every seed the plain loop's values and gradients, and lower to Triton."""
+    give every seed the plain loop's values and gradients, and lower to Triton (32 channels:
+    at their own tilings)."""
     rng = np.random.default_rng(5)
-    x0, drive = (jnp.asarray(rng.standard_normal((2, 1, 5, 5, 16))) for _ in range(2))
-    kernel = jnp.asarray(0.1 * rng.standard_normal((2, 3, 3, 16, 16)))
+    x0, drive = (jnp.asarray(rng.standard_normal((2, 1, 5, 5, C))) for _ in range(2))
+    kernel = jnp.asarray(0.1 * rng.standard_normal((2, 3, 3, C, C)))
 
     def loss(run):
         return lambda a, b, c: jnp.sum(jnp.sin(run(a, b, c)))
@@ -241,7 +243,7 @@ def test_kernels_under_vmap_as_in_a_sweep():
     want = jax.vmap(jax.value_and_grad(loss(loop), argnums=(0, 1, 2)))(x0, drive, kernel)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), got, want)
     gpu = functools.partial(fb.unroll_tied_conv, steps=2, interpret=False)
-    spec = jax.ShapeDtypeStruct((2, 4, 8, 8, 16), jnp.float32)
-    kspec = jax.ShapeDtypeStruct((2, 3, 3, 16, 16), jnp.float32)
+    spec = jax.ShapeDtypeStruct((2, 4, 8, 8, C), jnp.float32)
+    kspec = jax.ShapeDtypeStruct((2, 3, 3, C, C), jnp.float32)
     lowered = jax.jit(jax.vmap(jax.grad(loss(gpu), argnums=(0, 1, 2)))).trace(spec, spec, kspec)
     assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text().lower()
