@@ -4,9 +4,11 @@ Runs a variant of ``train_step.py`` (the same model, batch and jitted chunk of s
 under ``jax.profiler.trace`` with a Perfetto trace, reads the trace's device events
 back and prints, per training step: the time in each group of kernels (the fused
 block kernels, cuDNN/cuBLAS convolutions and matrix products, XLA's own fusions,
-copies) and the kernels that take the most time, with their count per step. Kernels
-run one after another on one stream here, so the sum of their times is the step's
-device time; the gap to the wall-clock step is host and launch overhead.
+copies) and the kernels that take the most time, with their count per step. The sum of
+their times is the step's device time: on one stream the kernels run one after another,
+and the gap to the wall-clock step is host and launch overhead; on a GPU the weight
+gradients run on a second stream (``block_vjp.on_side_stream``), so where they overlap
+the main stream the device time exceeds the wall.
 
     python benchmarks/profile_step.py --out=runs/bench/profile --variant=nais10_fused_unroll10
     python benchmarks/profile_step.py --out=/tmp/smoke --smoke      # CPU, tiny: the trace's CPU ops
