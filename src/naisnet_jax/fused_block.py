@@ -416,7 +416,8 @@ WGRAD_ROWS = 32
 WGRAD_WARPS = 1
 #: Its tiling by channels, ``C -> (rows, warps)``, where it differs. At 16x16x32 (H100, K = 10,
 #: batch 128) one warp takes 384 us, two 227 to 230 us (64 or 32 rows), four 258 to 322; at 8x8x64
-#: four warps take 435 us (cuDNN ~90: 64 channels stay on XLA).
+#: four warps take 435 us (cuDNN ~90: 64 channels stay on XLA). 128 channels (only when forced)
+#: take 64's tiling, not measured.
 WGRAD_TILINGS = {32: (64, 2), 64: (32, 4), 128: (32, 4)}
 
 
