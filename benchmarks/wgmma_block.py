@@ -44,13 +44,15 @@ def _chunks(start: int, stop: int, size: int = TMA_ROWS) -> list[tuple[int, int]
     return [(s, min(size, stop - s)) for s in range(start, stop, size)]
 
 
-def forward_kernel(layout, offsets, steps, h, x0_ref, d_ref, w_hi_ref, w_lo_ref, xs_ref, zs_ref, state, zstage, bar):
+def forward_kernel(
+    layout, offsets, steps, h, x0_ref, d_ref, taps_hi, taps_lo, xs_ref, zs_ref, state, zstage, w_hi_ref, w_lo_ref, bar
+):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    n = pl.program_id(0)
+    n = jax.lax.axis_index("n")
     S, C = layout.slack, state.shape[-1]
     tiles = layout.tiles * layout.tile_rows // M
     centre = offsets.index(0)
@@ -72,8 +74,9 @@ def forward_kernel(layout, offsets, steps, h, x0_ref, d_ref, w_hi_ref, w_lo_ref,
         )
 
     # x_0 into buffer 0, the drive into buffer 1 (free until step 0 writes it), then into registers
-    loads = _chunks(0, layout.rows)
-    for s0, size in loads:
+    plgpu.copy_gmem_to_smem(taps_hi, w_hi_ref, bar)  # TMA swizzles them on the way in
+    plgpu.copy_gmem_to_smem(taps_lo, w_lo_ref, bar)
+    for s0, size in _chunks(0, layout.rows):
         plgpu.copy_gmem_to_smem(x0_ref.at[n, pl.ds(s0, size)], state.at[0, pl.ds(s0, size)], bar)
         plgpu.copy_gmem_to_smem(d_ref.at[n, pl.ds(s0, size)], state.at[1, pl.ds(s0, size)], bar)
     plgpu.barrier_wait(bar)
@@ -123,7 +126,6 @@ def fused_forward_wgmma(x0, drive, kernel, *, steps, h=1.0):
     """``(layout, xs, zs)`` as ``fused_block.fused_forward`` (3x3 kernel, ReLU, 16 channels)."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from naisnet_jax.fused_block import Layout
@@ -137,21 +139,21 @@ def fused_forward_wgmma(x0, drive, kernel, *, steps, h=1.0):
     w_hi = taps.astype(jnp.bfloat16)
     w_lo = (taps - w_hi.astype(jnp.float32)).astype(jnp.bfloat16)
     swizzled = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # 16 bf16 columns: 32 B
-    gmem = plgpu.BlockSpec(memory_space=plgpu.GMEM)
-    call = pl.pallas_call(
+    call = plgpu.kernel(
         functools.partial(forward_kernel, layout, offsets, steps, h),
-        grid=(N,),
-        in_specs=[gmem, gmem, plgpu.BlockSpec(transforms=swizzled), plgpu.BlockSpec(transforms=swizzled)],
-        out_specs=[gmem, gmem],
-        out_shape=[
+        out_type=(
             jax.ShapeDtypeStruct((steps + 1, N, layout.rows, C), jnp.float32),
             jax.ShapeDtypeStruct((steps, N, layout.rows, C), jnp.float32),
-        ],
-        scratch_shapes=[
+        ),
+        scratch_types=[
             plgpu.SMEM((2, layout.rows, C), jnp.float32),
             plgpu.SMEM((2, M, C), jnp.float32),
-            plgpu.Barrier(num_arrivals=2 * len(_chunks(0, layout.rows))),
+            plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
+            plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
+            plgpu.Barrier(num_arrivals=2 + 2 * len(_chunks(0, layout.rows))),
         ],
+        grid=(N,),
+        grid_names=("n",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
     xs, zs = call(x0b, db, w_hi, w_lo)

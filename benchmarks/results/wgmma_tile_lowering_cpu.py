@@ -28,8 +28,11 @@ drive, every ``x_k`` and ``z_k``) must move by TMA through small staging buffers
 neither loads a global ref into registers in the WGMMA layout nor stores one there ("Only
 optimized transfers to SMEM supported").
 
-Pallas' Mosaic GPU interpreter cannot run the kernel (no discharge rule for the ``wgmma``
-accumulator), so its values and its speed still need a GPU: not yet compiled or run there.
+This file uses ``pallas_call`` with Mosaic GPU's ``CompilerParams``, which JAX 0.11 no longer lowers
+(its Mosaic GPU kernels go through ``plgpu.kernel``, as ``benchmarks/wgmma_block.py`` does; that
+one lowers on JAX 0.10.2 and 0.11.2). Pallas' Mosaic GPU interpreter cannot run the kernel (no
+discharge rule for the ``wgmma`` accumulator), so its values and its speed still need a GPU: not
+yet compiled or run there.
 
     python benchmarks/results/wgmma_tile_lowering_cpu.py
 """
