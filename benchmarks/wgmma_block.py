@@ -1,11 +1,12 @@
-"""Benchmark (prototype, not yet run on a GPU): a conv block's forward kernel on Hopper ``wgmma``.
+"""Benchmark (prototype, not yet run on a GPU): a conv block's kernels on Hopper ``wgmma``.
 
 The Triton block kernels (``naisnet_jax.fused_block``) are latency-bound at 28 to 38 us a step
-at 16 channels (BENCHMARKS.md, "Where the step's time goes"). This is the forward kernel
-written for Pallas' Mosaic GPU backend instead:
+at 16 channels (BENCHMARKS.md, "Where the step's time goes"). These are the forward and backward
+kernels written for Pallas' Mosaic GPU backend instead (``plgpu.kernel``, Lane semantics):
 
-- one program (one warpgroup) per pattern, the pattern's state double-buffered in shared memory
-  in ``fused_block.Layout``'s buffer layout (2 x 1,350 rows x 64 B at 32x32x16);
+- one program (one warpgroup) per pattern, the state (forward) or ``s_k`` (backward)
+  double-buffered in shared memory in ``fused_block.Layout``'s buffer layout (2 x 1,350 rows x
+  64 B at 32x32x16);
 - per 64-row tile, each of the nine taps' windows loaded from shared memory into registers at
   its row offset, split into ``hi = bf16(x)`` and ``lo = bf16(x - hi)``, and multiplied with the
   taps (split the same way) by three ``wgmma``s: ``hi w_hi + lo w_hi + hi w_lo``. Mosaic GPU's
@@ -13,14 +14,19 @@ written for Pallas' Mosaic GPU backend instead:
   only in 8 or 16 bits, so this is how a window at any offset reaches the tensor cores. The split
   is more exact than TF32 (5.2e-6 against 3.5e-4 from float64, in
   ``benchmarks/results/wgmma_tile_lowering_cpu.py``);
-- the drive held in registers for all K steps (it does not change), ``x_0`` and the drive
-  brought in by TMA, every state ``x_k`` sent out by TMA from shared memory after its step, every
-  pre-activation ``z_k`` through a two-slot staging buffer.
+- forward: the drive held in registers for all K steps (it does not change), ``x_0`` and the
+  drive brought in by TMA, every state ``x_k`` sent out by TMA from shared memory after its step,
+  every pre-activation ``z_k`` through a two-slot staging buffer;
+- backward: the gradient ``g`` in registers for all K steps, the transposed convolution over
+  ``s_k``'s windows (taps mirrored and transposed), each ``z_{k-1}`` tile brought in by TMA one
+  tile ahead, every ``s_k`` sent out by TMA.
 
-Its outputs are ``fused_block.fused_forward``'s (``xs``, ``zs``), so the Triton backward and
-weight-gradient kernels can take them. On a GPU the script checks the values against the Triton
-forward kernel and a float32 reference at the highest precision and times both; with
-``--smoke`` (any machine) it only lowers the kernel for CUDA.
+Their inputs and outputs are ``fused_block.fused_forward``'s and ``fused_backward``'s, so either
+can stand in for the Triton kernel beside the other kernels (the weight gradient stays Triton's).
+On a GPU the script checks the values against the highest precision (the Triton kernels in
+Pallas' interpreter) and times both against the Triton kernels; with ``--smoke`` (any machine)
+it only lowers them for CUDA. The tiles are unrolled: 3.2 MB of MLIR forward and 6.6 MB
+backward at K = 10, so the first compile on a GPU may be slow.
 
     python benchmarks/wgmma_block.py --out=$OUT/wgmma_block
     python benchmarks/wgmma_block.py --out=/tmp/wgmma --smoke
@@ -44,6 +50,52 @@ def _chunks(start: int, stop: int, size: int = TMA_ROWS) -> list[tuple[int, int]
     return [(s, min(size, stop - s)) for s in range(start, stop, size)]
 
 
+def _wgmma_layout(v):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.layout_cast(v, plgpu.Layout.WGMMA)
+
+
+def _inside(layout, q0, C):
+    """``(M, C)`` mask (WGMMA layout) of the tile's rows that are pixels of the image."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    q = q0 + plgpu.broadcasted_iota(jnp.int32, (M, C), 0, layout=plgpu.Layout.WGMMA)
+    i, j = q // layout.padded_width, q % layout.padded_width
+    return (
+        (i >= layout.pad_h)
+        & (i < layout.pad_h + layout.height)
+        & (j >= layout.pad_w)
+        & (j < layout.pad_w + layout.width)
+    )
+
+
+def _conv_tile(buf, src, start, offsets, w_hi_ref, w_lo_ref, centre=None):
+    """``(sum_t window_t @ w_t, window_centre)`` for the tile at row ``start`` of ``buf[src]``, each
+    product as three bf16 ``wgmma``s (``hi w_hi + lo w_hi + hi w_lo``)."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    C = buf.shape[-1]
+
+    def products(acc_ref):
+        kept = None
+        for i, off in enumerate(offsets):
+            window = _wgmma_layout(buf[src, pl.ds(start + off, M), :])
+            kept = window if i == centre else kept
+            hi = window.astype(jnp.bfloat16)
+            lo = (window - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+            plgpu.wgmma(acc_ref, hi, w_hi_ref.at[i])
+            plgpu.wgmma(acc_ref, lo, w_hi_ref.at[i])
+            plgpu.wgmma(acc_ref, hi, w_lo_ref.at[i])
+        plgpu.wgmma_wait(0)
+        return acc_ref[...], kept
+
+    return pl.run_scoped(products, plgpu.ACC((M, C), jnp.float32))
+
+
 def forward_kernel(
     layout, offsets, steps, h, x0_ref, d_ref, taps_hi, taps_lo, xs_ref, zs_ref, state, zstage, w_hi_ref, w_lo_ref, bar
 ):
@@ -60,19 +112,6 @@ def forward_kernel(
     # rows go out as they are: nothing reads them, as with the Triton kernel's buffers)
     region = _chunks(0, layout.rows)
 
-    def wgmma_layout(v):
-        return plgpu.layout_cast(v, plgpu.Layout.WGMMA)
-
-    def inside(q0):
-        q = q0 + plgpu.broadcasted_iota(jnp.int32, (M, C), 0, layout=plgpu.Layout.WGMMA)
-        i, j = q // layout.padded_width, q % layout.padded_width
-        return (
-            (i >= layout.pad_h)
-            & (i < layout.pad_h + layout.height)
-            & (j >= layout.pad_w)
-            & (j < layout.pad_w + layout.width)
-        )
-
     # x_0 into buffer 0, the drive into buffer 1 (free until step 0 writes it), then into registers
     plgpu.copy_gmem_to_smem(taps_hi, w_hi_ref, bar)  # TMA swizzles them on the way in
     plgpu.copy_gmem_to_smem(taps_lo, w_lo_ref, bar)
@@ -80,7 +119,7 @@ def forward_kernel(
         plgpu.copy_gmem_to_smem(x0_ref.at[n, pl.ds(s0, size)], state.at[0, pl.ds(s0, size)], bar)
         plgpu.copy_gmem_to_smem(d_ref.at[n, pl.ds(s0, size)], state.at[1, pl.ds(s0, size)], bar)
     plgpu.barrier_wait(bar)
-    drive = [wgmma_layout(state[1, pl.ds(S + t * M, M), :]) for t in range(tiles)]
+    drive = [_wgmma_layout(state[1, pl.ds(S + t * M, M), :]) for t in range(tiles)]
     for s0, size in region:  # xs[0] = x_0
         plgpu.copy_smem_to_gmem(state.at[0, pl.ds(s0, size)], xs_ref.at[0, n, pl.ds(s0, size)])
     plgpu.commit_smem()  # every thread holds its drive before step 0 overwrites buffer 1
@@ -92,22 +131,9 @@ def forward_kernel(
             q0 = t * M
             rows = pl.ds(S + q0, M)
 
-            def products(acc_ref, q0=q0):
-                centre_window = None
-                for i, off in enumerate(offsets):
-                    window = wgmma_layout(state[src, pl.ds(S + q0 + off, M), :])
-                    centre_window = window if i == centre else centre_window
-                    hi = window.astype(jnp.bfloat16)
-                    lo = (window - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-                    plgpu.wgmma(acc_ref, hi, w_hi_ref.at[i])
-                    plgpu.wgmma(acc_ref, lo, w_hi_ref.at[i])
-                    plgpu.wgmma(acc_ref, hi, w_lo_ref.at[i])
-                plgpu.wgmma_wait(0)
-                return acc_ref[...], centre_window
-
-            acc, x = pl.run_scoped(products, plgpu.ACC((M, C), jnp.float32))
+            acc, x = _conv_tile(state, src, S + q0, offsets, w_hi_ref, w_lo_ref, centre)
             z = acc + drive[t]
-            keep, zero = inside(q0), jnp.zeros_like(z)
+            keep, zero = _inside(layout, q0, C), jnp.zeros_like(z)
             state[dst, rows, :] = jnp.where(keep, x + h * jnp.maximum(z, 0.0), zero)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the staging slot's last copy has read it
             zstage[t % 2] = jnp.where(keep, z, zero)
@@ -160,6 +186,130 @@ def fused_forward_wgmma(x0, drive, kernel, *, steps, h=1.0):
     return layout, xs, zs
 
 
+def backward_kernel(
+    layout,
+    offsets,
+    steps,
+    h,
+    gk_ref,
+    zs_ref,
+    taps_hi,
+    taps_lo,
+    g0_ref,
+    ss_ref,
+    sbuf,
+    zbuf,
+    w_hi_ref,
+    w_lo_ref,
+    bar,
+    zbar,
+):
+    """Pattern ``n``'s gradient from ``x_K`` back to ``x_0``, as ``fused_block``'s backward kernel:
+    ``s_k = h relu'(z_k) g_{k+1}``, ``g_k = g_{k+1} + conv^T(s_k)`` (``offsets``: the mirrored taps;
+    the taps transposed). ``g`` stays in registers, ``s_k`` double-buffered in shared memory (read
+    as windows while ``s_{k-1}`` is written), each ``z_{k-1}`` tile brought in by TMA one tile
+    ahead through two slots."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n = jax.lax.axis_index("n")
+    S, C = layout.slack, sbuf.shape[-1]
+    tiles = layout.tiles * layout.tile_rows // M
+    region = _chunks(0, layout.rows)
+
+    def fetch_z(k, t):  # z_k's tile t into slot t % 2
+        plgpu.copy_gmem_to_smem(zs_ref.at[k, n, pl.ds(S + t * M, M)], zbuf.at[t % 2], zbar.at[t % 2])
+
+    def slope_tile(t, g):  # h relu'(z) g for the tile whose z is in its slot, masked
+        plgpu.barrier_wait(zbar.at[t % 2])
+        z = _wgmma_layout(zbuf[t % 2])
+        return jnp.where(_inside(layout, t * M, C) & (z > 0), h * g, jnp.zeros_like(g))
+
+    plgpu.copy_gmem_to_smem(taps_hi, w_hi_ref, bar)
+    plgpu.copy_gmem_to_smem(taps_lo, w_lo_ref, bar)
+    for s0, size in region:  # g_K through buffer 1 into registers
+        plgpu.copy_gmem_to_smem(gk_ref.at[n, pl.ds(s0, size)], sbuf.at[1, pl.ds(s0, size)], bar)
+    plgpu.barrier_wait(bar)
+    g = [_wgmma_layout(sbuf[1, pl.ds(S + t * M, M), :]) for t in range(tiles)]
+    fetch_z(steps - 1, 0)
+    for t in range(tiles):  # s_{K-1} into buffer 0
+        if t + 1 < tiles:
+            fetch_z(steps - 1, t + 1)
+        sbuf[0, pl.ds(S + t * M, M), :] = slope_tile(t, g[t])
+        plgpu.commit_smem()  # every thread is done with slot t % 2 before it is refilled
+    for s0, size in region:
+        plgpu.copy_smem_to_gmem(sbuf.at[0, pl.ds(s0, size)], ss_ref.at[steps - 1, n, pl.ds(s0, size)])
+
+    def step(i, g, last=False):  # k = K-1-i: g_k from s_k (buffer i % 2), then s_{k-1} (the other)
+        k = steps - 1 - i
+        src, dst = i % 2, 1 - i % 2
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # s_{k+1}'s copy out of buffer dst is done
+        if not last:
+            fetch_z(k - 1, 0)
+        g = list(g)
+        for t in range(tiles):
+            if not last and t + 1 < tiles:
+                fetch_z(k - 1, t + 1)
+            acc, _ = _conv_tile(sbuf, src, S + t * M, offsets, w_hi_ref, w_lo_ref)
+            g[t] = jnp.where(_inside(layout, t * M, C), g[t] + acc, jnp.zeros_like(acc))
+            if not last:
+                sbuf[dst, pl.ds(S + t * M, M), :] = slope_tile(t, g[t])
+                plgpu.commit_smem()
+        if not last:
+            plgpu.commit_smem()  # s_{k-1} complete
+            for s0, size in region:
+                plgpu.copy_smem_to_gmem(sbuf.at[dst, pl.ds(s0, size)], ss_ref.at[k - 1, n, pl.ds(s0, size)])
+        return tuple(g)
+
+    g = jax.lax.fori_loop(0, steps - 1, step, tuple(g))
+    g = step(steps - 1, g, last=True)  # k = 0: g_0 only
+    plgpu.commit_smem()
+    buf = (steps - 1) % 2 + 0  # the buffer the last step read; the other one is free
+    free = 1 - buf
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for t in range(tiles):
+        sbuf[free, pl.ds(S + t * M, M), :] = g[t]
+    plgpu.commit_smem()
+    for s0, size in region:
+        plgpu.copy_smem_to_gmem(sbuf.at[free, pl.ds(s0, size)], g0_ref.at[n, pl.ds(s0, size)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def fused_backward_wgmma(layout, g, zs, kernel, *, steps, h=1.0):
+    """``(g_0, s_0 .. s_{K-1})`` as buffers, as ``fused_block.fused_backward`` (3x3, ReLU)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    N, C = g.shape[0], g.shape[-1]
+    mirrored = [-off for off in layout.offsets(3, 3)]
+    taps = jnp.swapaxes(kernel.reshape(9, C, C).astype(jnp.float32), 1, 2)  # tap t's C_out x C_in
+    w_hi = taps.astype(jnp.bfloat16)
+    w_lo = (taps - w_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    swizzled = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    call = plgpu.kernel(
+        functools.partial(backward_kernel, layout, mirrored, steps, h),
+        out_type=(
+            jax.ShapeDtypeStruct((N, layout.rows, C), jnp.float32),
+            jax.ShapeDtypeStruct((steps, N, layout.rows, C), jnp.float32),
+        ),
+        scratch_types=[
+            plgpu.SMEM((2, layout.rows, C), jnp.float32),
+            plgpu.SMEM((2, M, C), jnp.float32),
+            plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
+            plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
+            plgpu.Barrier(num_arrivals=2 + len(_chunks(0, layout.rows))),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),
+        ],
+        grid=(N,),
+        grid_names=("n",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )
+    return call(layout.to_buffer(g), zs, w_hi, w_lo)
+
+
 def _rel(a, b):
     import numpy as np
 
@@ -184,49 +334,67 @@ def main(argv=None):
 
     os.makedirs(args.out, exist_ok=True)
     shape = (args.batch, 32, 32, 16)
-    run = jax.jit(lambda a, b, c: fused_forward_wgmma(a, b, c, steps=args.steps)[1:])
+    K = args.steps
+    layout = fb.Layout.of(32, 32, 3, 3)
+    forward = {
+        "triton_tf32": jax.jit(lambda a, b, c: fb.fused_forward(a, b, c, steps=K, h=1.0, activation="relu")[1:]),
+        "wgmma_bf16x3": jax.jit(lambda a, b, c: fused_forward_wgmma(a, b, c, steps=K)[1:]),
+    }
+    backward = {
+        "triton_tf32": jax.jit(lambda g, z, c: fb.fused_backward(layout, g, z, c, steps=K, h=1.0, activation="relu")),
+        "wgmma_bf16x3": jax.jit(lambda g, z, c: fused_backward_wgmma(layout, g, z, c, steps=K)),
+    }
     if args.smoke:
         x = jax.ShapeDtypeStruct(shape, jnp.float32)
         w = jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32)
-        text = run.trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
-        print(f"lowered for CUDA: {len(text)} characters of MLIR (batch {args.batch}, K = {args.steps})")
+        zs = jax.ShapeDtypeStruct((K, args.batch, layout.rows, 16), jnp.float32)
+        for name, fn, args_ in (
+            ("forward", forward["wgmma_bf16x3"], (x, x, w)),
+            ("backward", backward["wgmma_bf16x3"], (x, zs, w)),
+        ):
+            text = fn.trace(*args_).lower(lowering_platforms=("cuda",)).as_text()
+            print(f"{name} lowered for CUDA: {len(text)} characters of MLIR (batch {args.batch}, K = {K})")
         return
     import fused_block as bench  # benchmarks/fused_block.py
 
-    x0, drive, kernel, _ = bench._inputs(args.batch, shape[1:])
-    triton = jax.jit(
-        lambda a, b, c: fb.fused_forward(a, b, c, steps=args.steps, h=1.0, activation="relu", config=fb.GPU)[1:]
-    )
-    rows = []
-    # the reference: the same kernel in Pallas' interpreter, its products at the highest precision
+    x0, drive, kernel, cot = bench._inputs(args.batch, shape[1:])
+    # the reference: the Triton kernels in Pallas' interpreter, their products at the highest precision
     interpreted = fb.GPU._replace(interpret=True)
     with jax.default_matmul_precision("highest"):
         ref_xs, ref_zs = jax.jit(
-            lambda a, b, c: fb.fused_forward(a, b, c, steps=args.steps, h=1.0, activation="relu", config=interpreted)[
-                1:
-            ]
+            lambda a, b, c: fb.fused_forward(a, b, c, steps=K, h=1.0, activation="relu", config=interpreted)[1:]
         )(x0, drive, kernel)
-    layout = fb.Layout.of(32, 32, 3, 3)
-    for name, fn in (("triton_tf32", triton), ("wgmma_bf16x3", run)):
+        ref_g0, ref_ss = jax.jit(
+            lambda g, z, c: fb.fused_backward(layout, g, z, c, steps=K, h=1.0, activation="relu", config=interpreted)
+        )(cot, ref_zs, kernel)
+    rows = []
+    for name in forward:
         row = dict(name=name)
         try:
-            xs, zs = fn(x0, drive, kernel)
+            xs, zs = forward[name](x0, drive, kernel)
             row["err_xK_vs_highest"] = _rel(layout.interior(xs[-1]), layout.interior(ref_xs[-1]))
             row["err_zs_vs_highest"] = _rel(layout.interior(zs), layout.interior(ref_zs))
-            row["forward_ms"] = 1e3 * bench._time(fn, (x0, drive, kernel), args.iters, args.repeats)
+            row["forward_ms"] = 1e3 * bench._time(forward[name], (x0, drive, kernel), args.iters, args.repeats)
+            g0, ss = backward[name](cot, ref_zs, kernel)  # both from the same (reference) z
+            row["err_g0_vs_highest"] = _rel(layout.interior(g0), layout.interior(ref_g0))
+            row["err_ss_vs_highest"] = _rel(layout.interior(ss), layout.interior(ref_ss))
+            row["backward_ms"] = 1e3 * bench._time(backward[name], (cot, ref_zs, kernel), args.iters, args.repeats)
         except Exception as e:  # a kernel the compiler refuses is a row, not the end
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         rows.append(row)
         print(row, flush=True)
     columns = [
-        ("name", "forward kernel", "s"),
-        ("forward_ms", "ms (saving xs, zs)", ".3f"),
+        ("name", "kernels", "s"),
+        ("forward_ms", "forward ms (saving xs, zs)", ".3f"),
+        ("backward_ms", "backward ms", ".3f"),
         ("err_xK_vs_highest", "x_K rel err", ".1e"),
         ("err_zs_vs_highest", "z rel err", ".1e"),
+        ("err_g0_vs_highest", "g_0 rel err", ".1e"),
+        ("err_ss_vs_highest", "s rel err", ".1e"),
     ]
     text, md = _common.table(rows, columns)
     device = _common.device_summary()
-    header = f"Forward kernel of one 32x32x16 block, batch {args.batch}, K = {args.steps}, on {device['device_kind']}"
+    header = f"Block kernels of one 32x32x16 block, batch {args.batch}, K = {K}, on {device['device_kind']}"
     _common.write_results(args.out, "wgmma_block", dict(device=device, rows=rows), header + "\n\n" + md)
     print(header)
     print(text)
