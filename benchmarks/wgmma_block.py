@@ -25,8 +25,9 @@ Their inputs and outputs are ``fused_block.fused_forward``'s and ``fused_backwar
 can stand in for the Triton kernel beside the other kernels (the weight gradient stays Triton's).
 On a GPU the script checks the values against the highest precision (the Triton kernels in
 Pallas' interpreter) and times both against the Triton kernels; with ``--smoke`` (any machine)
-it only lowers them for CUDA. The tiles are unrolled: 3.2 MB of MLIR forward and 6.6 MB
-backward at K = 10, so the first compile on a GPU may be slow.
+it only lowers them for CUDA. Both widths NAIS-Net10 runs on these kernels are covered:
+32x32x16 and 16x16x32 (``--shapes``). The tiles are unrolled (at 32x32x16, K = 10: 3.2 MB of MLIR
+forward, 6.6 MB backward), so the first compile on a GPU may be slow.
 
     python benchmarks/wgmma_block.py --out=$OUT/wgmma_block
     python benchmarks/wgmma_block.py --out=/tmp/wgmma --smoke
@@ -50,10 +51,15 @@ def _chunks(start: int, stop: int, size: int = TMA_ROWS) -> list[tuple[int, int]
     return [(s, min(size, stop - s)) for s in range(start, stop, size)]
 
 
-def _wgmma_layout(v):
+def _load(ref, *idx):
+    """``ref[idx]`` from shared memory into registers in the WGMMA layout. Rows of 16 float32
+    (64 B) load without bank conflicts; wider rows have no conflict-free pattern in Mosaic GPU
+    ("Failed to synthesize a transfer pattern that avoids bank conflicts"), so they load without
+    that guarantee."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return plgpu.layout_cast(v, plgpu.Layout.WGMMA)
+    optimized = ref.shape[-1] * 4 <= 64
+    return plgpu.load(ref, idx, layout=plgpu.Layout.WGMMA, optimized=optimized)
 
 
 def _inside(layout, q0, C):
@@ -83,7 +89,7 @@ def _conv_tile(buf, src, start, offsets, w_hi_ref, w_lo_ref, centre=None):
     def products(acc_ref):
         kept = None
         for i, off in enumerate(offsets):
-            window = _wgmma_layout(buf[src, pl.ds(start + off, M), :])
+            window = _load(buf, src, pl.ds(start + off, M), slice(None))
             kept = window if i == centre else kept
             hi = window.astype(jnp.bfloat16)
             lo = (window - hi.astype(jnp.float32)).astype(jnp.bfloat16)
@@ -119,7 +125,7 @@ def forward_kernel(
         plgpu.copy_gmem_to_smem(x0_ref.at[n, pl.ds(s0, size)], state.at[0, pl.ds(s0, size)], bar)
         plgpu.copy_gmem_to_smem(d_ref.at[n, pl.ds(s0, size)], state.at[1, pl.ds(s0, size)], bar)
     plgpu.barrier_wait(bar)
-    drive = [_wgmma_layout(state[1, pl.ds(S + t * M, M), :]) for t in range(tiles)]
+    drive = [_load(state, 1, pl.ds(S + t * M, M), slice(None)) for t in range(tiles)]
     for s0, size in region:  # xs[0] = x_0
         plgpu.copy_smem_to_gmem(state.at[0, pl.ds(s0, size)], xs_ref.at[0, n, pl.ds(s0, size)])
     plgpu.commit_smem()  # every thread holds its drive before step 0 overwrites buffer 1
@@ -148,8 +154,26 @@ def forward_kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
+def triton_config(C: int):
+    """The Triton kernels' configuration at width ``C`` (its tiling decides the buffers' layout)."""
+    from naisnet_jax import fused_block as fb
+
+    rows, warps = fb.TILINGS.get(C, (fb.TILE_ROWS, fb.NUM_WARPS))
+    return fb.GPU._replace(tile_rows=rows, num_warps=warps)
+
+
+def _swizzled(C: int):
+    """Shared-memory transforms of a ``(C, C)`` bfloat16 tap for ``wgmma``: rows of ``2 C`` bytes."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    swizzle = min(128, 2 * C)
+    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
 def fused_forward_wgmma(x0, drive, kernel, *, steps, h=1.0):
-    """``(layout, xs, zs)`` as ``fused_block.fused_forward`` (3x3 kernel, ReLU, 16 channels)."""
+    """``(layout, xs, zs)`` as ``fused_block.fused_forward`` with the Triton kernels' layout at this
+    width (3x3 kernel, ReLU; 16 or 32 channels: at 64 the split taps alone, 2 x 74 KB, leave no
+    room for the state in shared memory, and the kernel does not lower)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -157,14 +181,14 @@ def fused_forward_wgmma(x0, drive, kernel, *, steps, h=1.0):
     from naisnet_jax.fused_block import Layout
 
     N, H, W, C = x0.shape
-    layout = Layout.of(H, W, 3, 3)
+    layout = Layout.of(H, W, 3, 3, triton_config(C).tile_rows)
     offsets = layout.offsets(3, 3)
     x0b = layout.to_buffer(x0)
     db = layout.to_buffer(jnp.broadcast_to(drive, x0.shape).astype(x0.dtype))
     taps = kernel.reshape(9, C, C).astype(jnp.float32)
     w_hi = taps.astype(jnp.bfloat16)
     w_lo = (taps - w_hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    swizzled = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # 16 bf16 columns: 32 B
+    swizzled = _swizzled(C)
     call = plgpu.kernel(
         functools.partial(forward_kernel, layout, offsets, steps, h),
         out_type=(
@@ -224,7 +248,7 @@ def backward_kernel(
 
     def slope_tile(t, g):  # h relu'(z) g for the tile whose z is in its slot, masked
         plgpu.barrier_wait(zbar.at[t % 2])
-        z = _wgmma_layout(zbuf[t % 2])
+        z = _load(zbuf, t % 2, slice(None), slice(None))
         return jnp.where(_inside(layout, t * M, C) & (z > 0), h * g, jnp.zeros_like(g))
 
     plgpu.copy_gmem_to_smem(taps_hi, w_hi_ref, bar)
@@ -232,7 +256,7 @@ def backward_kernel(
     for s0, size in region:  # g_K through buffer 1 into registers
         plgpu.copy_gmem_to_smem(gk_ref.at[n, pl.ds(s0, size)], sbuf.at[1, pl.ds(s0, size)], bar)
     plgpu.barrier_wait(bar)
-    g = [_wgmma_layout(sbuf[1, pl.ds(S + t * M, M), :]) for t in range(tiles)]
+    g = [_load(sbuf, 1, pl.ds(S + t * M, M), slice(None)) for t in range(tiles)]
     fetch_z(steps - 1, 0)
     for t in range(tiles):  # s_{K-1} into buffer 0
         if t + 1 < tiles:
@@ -288,7 +312,7 @@ def fused_backward_wgmma(layout, g, zs, kernel, *, steps, h=1.0):
     taps = jnp.swapaxes(kernel.reshape(9, C, C).astype(jnp.float32), 1, 2)  # tap t's C_out x C_in
     w_hi = taps.astype(jnp.bfloat16)
     w_lo = (taps - w_hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    swizzled = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    swizzled = _swizzled(C)
     call = plgpu.kernel(
         functools.partial(backward_kernel, layout, mirrored, steps, h),
         out_type=(
@@ -324,7 +348,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--smoke", action="store_true", help="lower the kernel for CUDA only (any machine)")
+    parser.add_argument("--shapes", default="32x32x16,16x16x32", help="comma-separated HxWxC (C: 16 or 32)")
+    parser.add_argument("--smoke", action="store_true", help="lower the kernels for CUDA only (any machine)")
     args = parser.parse_args(argv)
     _common.importable()
     import jax
@@ -333,57 +358,68 @@ def main(argv=None):
     from naisnet_jax import fused_block as fb
 
     os.makedirs(args.out, exist_ok=True)
-    shape = (args.batch, 32, 32, 16)
     K = args.steps
-    layout = fb.Layout.of(32, 32, 3, 3)
-    forward = {
-        "triton_tf32": jax.jit(lambda a, b, c: fb.fused_forward(a, b, c, steps=K, h=1.0, activation="relu")[1:]),
-        "wgmma_bf16x3": jax.jit(lambda a, b, c: fused_forward_wgmma(a, b, c, steps=K)[1:]),
-    }
-    backward = {
-        "triton_tf32": jax.jit(lambda g, z, c: fb.fused_backward(layout, g, z, c, steps=K, h=1.0, activation="relu")),
-        "wgmma_bf16x3": jax.jit(lambda g, z, c: fused_backward_wgmma(layout, g, z, c, steps=K)),
-    }
-    if args.smoke:
-        x = jax.ShapeDtypeStruct(shape, jnp.float32)
-        w = jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32)
-        zs = jax.ShapeDtypeStruct((K, args.batch, layout.rows, 16), jnp.float32)
-        for name, fn, args_ in (
-            ("forward", forward["wgmma_bf16x3"], (x, x, w)),
-            ("backward", backward["wgmma_bf16x3"], (x, zs, w)),
-        ):
-            text = fn.trace(*args_).lower(lowering_platforms=("cuda",)).as_text()
-            print(f"{name} lowered for CUDA: {len(text)} characters of MLIR (batch {args.batch}, K = {K})")
-        return
-    import fused_block as bench  # benchmarks/fused_block.py
-
-    x0, drive, kernel, cot = bench._inputs(args.batch, shape[1:])
-    # the reference: the Triton kernels in Pallas' interpreter, their products at the highest precision
-    interpreted = fb.GPU._replace(interpret=True)
-    with jax.default_matmul_precision("highest"):
-        ref_xs, ref_zs = jax.jit(
-            lambda a, b, c: fb.fused_forward(a, b, c, steps=K, h=1.0, activation="relu", config=interpreted)[1:]
-        )(x0, drive, kernel)
-        ref_g0, ref_ss = jax.jit(
-            lambda g, z, c: fb.fused_backward(layout, g, z, c, steps=K, h=1.0, activation="relu", config=interpreted)
-        )(cot, ref_zs, kernel)
     rows = []
-    for name in forward:
-        row = dict(name=name)
-        try:
-            xs, zs = forward[name](x0, drive, kernel)
-            row["err_xK_vs_highest"] = _rel(layout.interior(xs[-1]), layout.interior(ref_xs[-1]))
-            row["err_zs_vs_highest"] = _rel(layout.interior(zs), layout.interior(ref_zs))
-            row["forward_ms"] = 1e3 * bench._time(forward[name], (x0, drive, kernel), args.iters, args.repeats)
-            g0, ss = backward[name](cot, ref_zs, kernel)  # both from the same (reference) z
-            row["err_g0_vs_highest"] = _rel(layout.interior(g0), layout.interior(ref_g0))
-            row["err_ss_vs_highest"] = _rel(layout.interior(ss), layout.interior(ref_ss))
-            row["backward_ms"] = 1e3 * bench._time(backward[name], (cot, ref_zs, kernel), args.iters, args.repeats)
-        except Exception as e:  # a kernel the compiler refuses is a row, not the end
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        rows.append(row)
-        print(row, flush=True)
+    for shape in [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]:
+        H, W, C = shape
+        config = triton_config(C)
+        layout = fb.Layout.of(H, W, 3, 3, config.tile_rows)
+        forward = {
+            "triton_tf32": functools.partial(fb.fused_forward, steps=K, h=1.0, activation="relu", config=config),
+            "wgmma_bf16x3": functools.partial(fused_forward_wgmma, steps=K),
+        }
+        backward = {
+            "triton_tf32": functools.partial(fb.fused_backward, steps=K, h=1.0, activation="relu", config=config),
+            "wgmma_bf16x3": functools.partial(fused_backward_wgmma, steps=K),
+        }
+        forward = {k: jax.jit(lambda a, b, c, f=f: f(a, b, c)[1:]) for k, f in forward.items()}
+        backward = {k: jax.jit(lambda g, z, c, f=f: f(layout, g, z, c)) for k, f in backward.items()}
+        if args.smoke:
+            x = jax.ShapeDtypeStruct((args.batch, *shape), jnp.float32)
+            w = jax.ShapeDtypeStruct((3, 3, C, C), jnp.float32)
+            zs = jax.ShapeDtypeStruct((K, args.batch, layout.rows, C), jnp.float32)
+            for name, fn, args_ in (
+                ("forward", forward["wgmma_bf16x3"], (x, x, w)),
+                ("backward", backward["wgmma_bf16x3"], (x, zs, w)),
+            ):
+                text = fn.trace(*args_).lower(lowering_platforms=("cuda",)).as_text()
+                print(
+                    f"{H}x{W}x{C} {name} lowered for CUDA: {len(text)} characters of MLIR (batch {args.batch}, K = {K})"
+                )
+            continue
+        import fused_block as bench  # benchmarks/fused_block.py
+
+        x0, drive, kernel, cot = bench._inputs(args.batch, shape)
+        # the reference: the Triton kernels in Pallas' interpreter, their products at the highest precision
+        interpreted = config._replace(interpret=True)
+        with jax.default_matmul_precision("highest"):
+            ref_xs, ref_zs = jax.jit(
+                lambda a, b, c: fb.fused_forward(a, b, c, steps=K, h=1.0, activation="relu", config=interpreted)[1:]
+            )(x0, drive, kernel)
+            ref_g0, ref_ss = jax.jit(
+                lambda g, z, c: fb.fused_backward(
+                    layout, g, z, c, steps=K, h=1.0, activation="relu", config=interpreted
+                )
+            )(cot, ref_zs, kernel)
+        for name in forward:
+            row = dict(shape=f"{H}x{W}x{C}", name=name)
+            try:
+                xs, zs = forward[name](x0, drive, kernel)
+                row["err_xK_vs_highest"] = _rel(layout.interior(xs[-1]), layout.interior(ref_xs[-1]))
+                row["err_zs_vs_highest"] = _rel(layout.interior(zs), layout.interior(ref_zs))
+                row["forward_ms"] = 1e3 * bench._time(forward[name], (x0, drive, kernel), args.iters, args.repeats)
+                g0, ss = backward[name](cot, ref_zs, kernel)  # both from the same (reference) z
+                row["err_g0_vs_highest"] = _rel(layout.interior(g0), layout.interior(ref_g0))
+                row["err_ss_vs_highest"] = _rel(layout.interior(ss), layout.interior(ref_ss))
+                row["backward_ms"] = 1e3 * bench._time(backward[name], (cot, ref_zs, kernel), args.iters, args.repeats)
+            except Exception as e:  # a kernel the compiler refuses is a row, not the end
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            rows.append(row)
+            print(row, flush=True)
+    if args.smoke:
+        return
     columns = [
+        ("shape", "state", "s"),
         ("name", "kernels", "s"),
         ("forward_ms", "forward ms (saving xs, zs)", ".3f"),
         ("backward_ms", "backward ms", ".3f"),
@@ -394,7 +430,7 @@ def main(argv=None):
     ]
     text, md = _common.table(rows, columns)
     device = _common.device_summary()
-    header = f"Block kernels of one 32x32x16 block, batch {args.batch}, K = {K}, on {device['device_kind']}"
+    header = f"Block kernels of one block, batch {args.batch}, K = {K}, ReLU, on {device['device_kind']}"
     _common.write_results(args.out, "wgmma_block", dict(device=device, rows=rows), header + "\n\n" + md)
     print(header)
     print(text)
