@@ -76,6 +76,11 @@ TILINGS = {32: (128, 8)}
 AUTO_MAX_CHANNELS = 32
 
 
+def default_tiling(channels: int) -> tuple[int, int]:
+    """The block kernels' ``(tile rows, warps)`` for a state of ``channels`` channels."""
+    return TILINGS.get(channels, (TILE_ROWS, NUM_WARPS))
+
+
 class Layout(NamedTuple):
     """Where a pattern's padded state lives in its buffer of ``rows`` x ``C``."""
 
@@ -104,6 +109,12 @@ class Layout(NamedTuple):
         tiles = -(-(height + 2 * pad_h) * padded_width // tile_rows)
         return cls(height, width, pad_h, pad_w, slack, tiles, tile_rows, tiles * tile_rows + 2 * slack)
 
+    def is_pixel(self, q: Array) -> Array:
+        """Whether each row ``q`` of the padded image (counted from its first row) is a pixel of
+        the image, not padding."""
+        i, j = q // self.padded_width, q % self.padded_width
+        return (i >= self.pad_h) & (i < self.pad_h + self.height) & (j >= self.pad_w) & (j < self.pad_w + self.width)
+
     def offsets(self, kh: int, kw: int) -> list[int]:
         """Row offset of every tap, in the kernel's ``(a, b)`` order."""
         return [(a - self.pad_h) * self.padded_width + (b - self.pad_w) for a in range(kh) for b in range(kw)]
@@ -129,14 +140,7 @@ class Layout(NamedTuple):
 
 def _inside(layout: Layout, tile_start) -> Array:
     """``(M, 1)`` mask of the tile's rows that are pixels of the image (not padding)."""
-    q = tile_start + lax.broadcasted_iota(jnp.int32, (layout.tile_rows, 1), 0)
-    i, j = q // layout.padded_width, q % layout.padded_width
-    return (
-        (i >= layout.pad_h)
-        & (i < layout.pad_h + layout.height)
-        & (j >= layout.pad_w)
-        & (j < layout.pad_w + layout.width)
-    )
+    return layout.is_pixel(tile_start + lax.broadcasted_iota(jnp.int32, (layout.tile_rows, 1), 0))
 
 
 def _index(v) -> Array:
@@ -539,7 +543,7 @@ def unroll_tied_conv(
     default precision (TF32 on an NVIDIA GPU, as XLA's convolutions).
     """
     x0, drive, kernel, h = check_tied("unroll_tied_conv", x0, drive, kernel, steps, h, activation, scan_unroll)
-    default_rows, default_warps = TILINGS.get(x0.shape[-1], (TILE_ROWS, NUM_WARPS))
+    default_rows, default_warps = default_tiling(x0.shape[-1])
     tile_rows = default_rows if tile_rows is None else tile_rows
     num_warps = default_warps if num_warps is None else num_warps
     check_int("tile_rows", tile_rows, 16)
