@@ -12,8 +12,8 @@ kernels written for Pallas' Mosaic GPU backend instead (``plgpu.kernel``, Lane s
   taps (split the same way) by three ``wgmma``s: ``hi w_hi + lo w_hi + hi w_lo``. Mosaic GPU's
   ``wgmma`` takes a shared-memory operand only swizzled and 8-row tiled and a register operand
   only in 8 or 16 bits, so this is how a window at any offset reaches the tensor cores. The split
-  is more exact than TF32 (5.2e-6 against 3.5e-4 from float64, in
-  ``benchmarks/results/wgmma_tile_lowering_cpu.py``);
+  is more exact than TF32 (5.2e-6 against 3.5e-4 from float64: :func:`split_errors`, which
+  ``--smoke`` prints);
 - forward: the drive held in registers for all K steps (it does not change), ``x_0`` and the
   drive brought in by TMA, every state ``x_k`` sent out by TMA from shared memory after its step,
   every pre-activation ``z_k`` through a two-slot staging buffer;
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import os
 import sys
 
@@ -59,7 +60,10 @@ def _load(ref, *idx):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     optimized = ref.shape[-1] * 4 <= 64
-    return plgpu.load(ref, idx, layout=plgpu.Layout.WGMMA, optimized=optimized)
+    kwargs = dict(layout=plgpu.Layout.WGMMA, optimized=optimized)
+    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:  # JAX 0.10
+        return plgpu.load(ref, idx, **kwargs)
+    return plgpu.load(ref.at[idx], **kwargs)  # JAX 0.11 deprecates a separate index
 
 
 def _inside(layout, q0, C):
@@ -67,14 +71,40 @@ def _inside(layout, q0, C):
     import jax.numpy as jnp
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    q = q0 + plgpu.broadcasted_iota(jnp.int32, (M, C), 0, layout=plgpu.Layout.WGMMA)
-    i, j = q // layout.padded_width, q % layout.padded_width
-    return (
-        (i >= layout.pad_h)
-        & (i < layout.pad_h + layout.height)
-        & (j >= layout.pad_w)
-        & (j < layout.pad_w + layout.width)
-    )
+    return layout.is_pixel(q0 + plgpu.broadcasted_iota(jnp.int32, (M, C), 0, layout=plgpu.Layout.WGMMA))
+
+
+def split_bf16(x):
+    """``(hi, lo)``: ``hi = bf16(x)``, ``lo = bf16(x - hi)``, so that ``hi + lo`` carries ``x`` to
+    about 16 significant bits (in a kernel and outside it alike)."""
+    import jax.numpy as jnp
+
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def split_errors(seed: int = 0) -> dict:
+    """Relative max error against float64 of float32 products of a tile's shape ((4096 x 144) @
+    (144 x 16)) as one bf16 product, as TF32 and as the three-product split."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((4096, 144)).astype(np.float32)
+    w = (0.1 * rng.standard_normal((144, 16))).astype(np.float32)
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+
+    def tf32(a):  # round to nearest on the 10-bit mantissa
+        bits = (a.view(np.uint32) + np.uint32(0x1000)) & np.uint32(0xFFFFE000)
+        return bits.view(np.float32).astype(np.float64)
+
+    (x_hi, x_lo), (w_hi, w_lo) = ([np.asarray(v, np.float64) for v in split_bf16(a)] for a in (x, w))
+    variants = {
+        "bf16 x1": x_hi @ w_hi,
+        "TF32": tf32(x) @ tf32(w),
+        "bf16 x3": x_hi @ w_hi + x_lo @ w_hi + x_hi @ w_lo,
+    }
+    scale = np.max(np.abs(ref))
+    return {name: float(np.max(np.abs(v - ref)) / scale) for name, v in variants.items()}
 
 
 def _conv_tile(buf, src, start, offsets, w_hi_ref, w_lo_ref, centre=None):
@@ -91,8 +121,7 @@ def _conv_tile(buf, src, start, offsets, w_hi_ref, w_lo_ref, centre=None):
         for i, off in enumerate(offsets):
             window = _load(buf, src, pl.ds(start + off, M), slice(None))
             kept = window if i == centre else kept
-            hi = window.astype(jnp.bfloat16)
-            lo = (window - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+            hi, lo = split_bf16(window)
             plgpu.wgmma(acc_ref, hi, w_hi_ref.at[i])
             plgpu.wgmma(acc_ref, lo, w_hi_ref.at[i])
             plgpu.wgmma(acc_ref, hi, w_lo_ref.at[i])
@@ -121,7 +150,7 @@ def forward_kernel(
     # x_0 into buffer 0, the drive into buffer 1 (free until step 0 writes it), then into registers
     plgpu.copy_gmem_to_smem(taps_hi, w_hi_ref, bar)  # TMA swizzles them on the way in
     plgpu.copy_gmem_to_smem(taps_lo, w_lo_ref, bar)
-    for s0, size in _chunks(0, layout.rows):
+    for s0, size in region:
         plgpu.copy_gmem_to_smem(x0_ref.at[n, pl.ds(s0, size)], state.at[0, pl.ds(s0, size)], bar)
         plgpu.copy_gmem_to_smem(d_ref.at[n, pl.ds(s0, size)], state.at[1, pl.ds(s0, size)], bar)
     plgpu.barrier_wait(bar)
@@ -158,8 +187,39 @@ def triton_config(C: int):
     """The Triton kernels' configuration at width ``C`` (its tiling decides the buffers' layout)."""
     from naisnet_jax import fused_block as fb
 
-    rows, warps = fb.TILINGS.get(C, (fb.TILE_ROWS, fb.NUM_WARPS))
+    rows, warps = fb.default_tiling(C)
     return fb.GPU._replace(tile_rows=rows, num_warps=warps)
+
+
+def _mosaic_call(body, layout, kernel, out_type, barriers, transposed):
+    """``body`` as a Mosaic GPU kernel, one program (one warpgroup) per pattern, with the scratch both
+    kernels use: the double buffer (``(2, rows, C)``), a two-slot ``(M, C)`` staging buffer, the
+    split taps in swizzled shared memory, then ``barriers``. Returns ``f(*buffers)``, the split
+    taps (``transposed``: each tap's ``C_out x C_in``, as the transposed convolution takes them)
+    passed after the buffers."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    C = kernel.shape[-1]
+    taps = kernel.reshape(9, C, C).astype(jnp.float32)
+    if transposed:
+        taps = jnp.swapaxes(taps, 1, 2)
+    swizzled = _swizzled(C)
+    call = plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=[
+            plgpu.SMEM((2, layout.rows, C), jnp.float32),
+            plgpu.SMEM((2, M, C), jnp.float32),
+            plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
+            plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
+            *barriers,
+        ],
+        grid=(out_type[0].shape[-3],),  # the patterns: every output is (..., N, rows, C)
+        grid_names=("n",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )
+    return lambda *buffers: call(*buffers, *split_bf16(taps))
 
 
 def _swizzled(C: int):
@@ -185,28 +245,18 @@ def fused_forward_wgmma(x0, drive, kernel, *, steps, h=1.0):
     offsets = layout.offsets(3, 3)
     x0b = layout.to_buffer(x0)
     db = layout.to_buffer(jnp.broadcast_to(drive, x0.shape).astype(x0.dtype))
-    taps = kernel.reshape(9, C, C).astype(jnp.float32)
-    w_hi = taps.astype(jnp.bfloat16)
-    w_lo = (taps - w_hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    swizzled = _swizzled(C)
-    call = plgpu.kernel(
+    call = _mosaic_call(
         functools.partial(forward_kernel, layout, offsets, steps, h),
+        layout,
+        kernel,
         out_type=(
             jax.ShapeDtypeStruct((steps + 1, N, layout.rows, C), jnp.float32),
             jax.ShapeDtypeStruct((steps, N, layout.rows, C), jnp.float32),
         ),
-        scratch_types=[
-            plgpu.SMEM((2, layout.rows, C), jnp.float32),
-            plgpu.SMEM((2, M, C), jnp.float32),
-            plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
-            plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
-            plgpu.Barrier(num_arrivals=2 + 2 * len(_chunks(0, layout.rows))),
-        ],
-        grid=(N,),
-        grid_names=("n",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        barriers=[plgpu.Barrier(num_arrivals=2 + 2 * len(_chunks(0, layout.rows)))],
+        transposed=False,
     )
-    xs, zs = call(x0b, db, w_hi, w_lo)
+    xs, zs = call(x0b, db)
     return layout, xs, zs
 
 
@@ -309,36 +359,21 @@ def fused_backward_wgmma(layout, g, zs, kernel, *, steps, h=1.0):
 
     N, C = g.shape[0], g.shape[-1]
     mirrored = [-off for off in layout.offsets(3, 3)]
-    taps = jnp.swapaxes(kernel.reshape(9, C, C).astype(jnp.float32), 1, 2)  # tap t's C_out x C_in
-    w_hi = taps.astype(jnp.bfloat16)
-    w_lo = (taps - w_hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    swizzled = _swizzled(C)
-    call = plgpu.kernel(
+    call = _mosaic_call(
         functools.partial(backward_kernel, layout, mirrored, steps, h),
+        layout,
+        kernel,
         out_type=(
             jax.ShapeDtypeStruct((N, layout.rows, C), jnp.float32),
             jax.ShapeDtypeStruct((steps, N, layout.rows, C), jnp.float32),
         ),
-        scratch_types=[
-            plgpu.SMEM((2, layout.rows, C), jnp.float32),
-            plgpu.SMEM((2, M, C), jnp.float32),
-            plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
-            plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
+        barriers=[
             plgpu.Barrier(num_arrivals=2 + len(_chunks(0, layout.rows))),
             plgpu.Barrier(num_arrivals=1, num_barriers=2),
         ],
-        grid=(N,),
-        grid_names=("n",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        transposed=True,
     )
-    return call(layout.to_buffer(g), zs, w_hi, w_lo)
-
-
-def _rel(a, b):
-    import numpy as np
-
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+    return call(layout.to_buffer(g), zs)
 
 
 def main(argv=None):
@@ -352,12 +387,14 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="lower the kernels for CUDA only (any machine)")
     args = parser.parse_args(argv)
     _common.importable()
+    import fused_block as bench  # benchmarks/fused_block.py: inputs, timing, errors
     import jax
     import jax.numpy as jnp
 
     from naisnet_jax import fused_block as fb
 
     os.makedirs(args.out, exist_ok=True)
+    print("rel. error vs float64: " + ", ".join(f"{k} {v:.1e}" for k, v in split_errors().items()))
     K = args.steps
     rows = []
     for shape in [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]:
@@ -387,8 +424,6 @@ def main(argv=None):
                     f"{H}x{W}x{C} {name} lowered for CUDA: {len(text)} characters of MLIR (batch {args.batch}, K = {K})"
                 )
             continue
-        import fused_block as bench  # benchmarks/fused_block.py
-
         x0, drive, kernel, cot = bench._inputs(args.batch, shape)
         # the reference: the Triton kernels in Pallas' interpreter, their products at the highest precision
         interpreted = config._replace(interpret=True)
@@ -405,12 +440,12 @@ def main(argv=None):
             row = dict(shape=f"{H}x{W}x{C}", name=name)
             try:
                 xs, zs = forward[name](x0, drive, kernel)
-                row["err_xK_vs_highest"] = _rel(layout.interior(xs[-1]), layout.interior(ref_xs[-1]))
-                row["err_zs_vs_highest"] = _rel(layout.interior(zs), layout.interior(ref_zs))
+                row["err_xK_vs_highest"] = bench._rel(layout.interior(xs[-1]), layout.interior(ref_xs[-1]))
+                row["err_zs_vs_highest"] = bench._rel(layout.interior(zs), layout.interior(ref_zs))
                 row["forward_ms"] = 1e3 * bench._time(forward[name], (x0, drive, kernel), args.iters, args.repeats)
                 g0, ss = backward[name](cot, ref_zs, kernel)  # both from the same (reference) z
-                row["err_g0_vs_highest"] = _rel(layout.interior(g0), layout.interior(ref_g0))
-                row["err_ss_vs_highest"] = _rel(layout.interior(ss), layout.interior(ref_ss))
+                row["err_g0_vs_highest"] = bench._rel(layout.interior(g0), layout.interior(ref_g0))
+                row["err_ss_vs_highest"] = bench._rel(layout.interior(ss), layout.interior(ref_ss))
                 row["backward_ms"] = 1e3 * bench._time(backward[name], (cot, ref_zs, kernel), args.iters, args.repeats)
             except Exception as e:  # a kernel the compiler refuses is a row, not the end
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
