@@ -31,7 +31,7 @@ import _common  # noqa: E402
 
 # kernel name -> group, first match wins
 GROUPS = [
-    ("fused block kernel (Pallas)", r"forward_kernel|backward_kernel|weight_grad_kernel"),
+    ("fused block kernel (Pallas)", r"forward_kernel|backward_kernel|weight_grad_kernel|mosaic_gpu_kernel"),
     ("convolution (cuDNN on GPU)", r"cudnn|xmma|implicit_?gemm|fprop|dgrad|wgrad|conv|sm\d+_.*(nhwc|nchw)"),
     ("matrix product (cuBLAS/Triton GEMM)", r"gemm|cutlass|cublas|triton_(softmax|gemm)|__triton_gemm"),
     ("copy / transpose", r"memcpy|memset|copy|transpose"),

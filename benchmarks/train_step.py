@@ -72,6 +72,7 @@ VARIANTS = {
     ),
     "nais10_fused": dict(model=N10, kwargs=dict(block_vjp="fused")),
     "nais10_fused_unroll10": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10)),
+    "nais10_fused_unroll10_triton": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), engine="triton"),
     "nais10_fused_unroll10_nhwc": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), xla_flags="--xla_gpu_force_conv_nhwc"
     ),
@@ -203,6 +204,12 @@ def run_jax(spec, *, batch, steps, repeats, smoke) -> dict:
 
     if spec.get("precision"):
         jax.config.update("jax_default_matmul_precision", spec["precision"])
+    if spec.get("engine"):  # the fused conv blocks' GPU kernels: "wgmma" or "triton" (default: by card)
+        import functools
+
+        from naisnet_jax import fused_block, models
+
+        models.unroll_tied_conv = functools.partial(fused_block.unroll_tied_conv, engine=spec["engine"])
 
     config, model, state = _model_and_state(spec, smoke)
     x, y = _batch(batch)

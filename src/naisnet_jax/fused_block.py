@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from naisnet_jax import hopper_block
 from naisnet_jax.block_vjp import _sum_to_shape, check_tied, conv_op, on_side_stream, unroll_tied
 from naisnet_jax.checks import check_int
 
@@ -342,6 +343,9 @@ class Config(NamedTuple):
     num_warps: int = NUM_WARPS
     unroll_tiles: bool = True  # a step's tiles as straight-line code (independent loads overlap)
     hoist_taps: bool = True  # load the kernel's taps once per program, not once per tile
+    # > 0: the forward and backward kernels on Hopper's wgmma (naisnet_jax.hopper_block), with this
+    # many warpgroups a pattern; 0: the Triton kernels
+    warpgroups: int = 0
 
 
 GPU = Config()  # the GPU kernels at the default tiling
@@ -393,6 +397,19 @@ def fused_forward(x0, drive, kernel, *, steps, h, activation, save=True, config=
     layout = Layout.of(H, W, kh, kw, config.tile_rows)
     x0b = layout.to_buffer(x0)
     db = layout.to_buffer(jnp.broadcast_to(drive, x0.shape).astype(x0.dtype))
+    if config.warpgroups and not config.interpret:
+        out = hopper_block.fused_forward(
+            layout,
+            x0b,
+            db,
+            _taps(kernel.astype(x0.dtype)),
+            steps=steps,
+            h=h,
+            activation=activation,
+            save=save,
+            warpgroups=config.warpgroups,
+        )
+        return (layout, *out) if save else (layout, out[0][0])
     body = functools.partial(_forward_kernel, layout, layout.offsets(kh, kw), steps, h, activation, save, config)
     states = jax.ShapeDtypeStruct(((steps + 1) if save else 2, N, layout.rows, C), x0.dtype)
     out_shape = (states, jax.ShapeDtypeStruct((steps, N, layout.rows, C), x0.dtype)) if save else (states,)
@@ -404,6 +421,17 @@ def fused_backward(layout, g, zs, kernel, *, steps, h, activation, config=GPU):
     """``(g_0, s_0 .. s_{K-1})`` as buffers from the gradient ``g`` at ``x_K``."""
     N, C = g.shape[0], g.shape[-1]
     kh, kw = kernel.shape[:2]
+    if config.warpgroups and not config.interpret:
+        return hopper_block.fused_backward(
+            layout,
+            layout.to_buffer(g),
+            zs,
+            _taps(kernel.astype(g.dtype)),
+            steps=steps,
+            h=h,
+            activation=activation,
+            warpgroups=config.warpgroups,
+        )
     transposed = jnp.swapaxes(_taps(kernel.astype(g.dtype)), 1, 2)  # tap t's C_out x C_in
     body = functools.partial(_backward_kernel, layout, layout.offsets(kh, kw), steps, h, activation, config)
     out_shape = (
@@ -520,6 +548,8 @@ def unroll_tied_conv(
     num_warps: int | None = None,
     unroll_tiles: bool = True,
     hoist_taps: bool | None = None,
+    engine: str | None = None,
+    warpgroups: int | None = None,
 ) -> Array:
     """``x_K`` of a tied conv NAIS block; the fused Pallas kernels where they run.
 
@@ -539,8 +569,14 @@ def unroll_tied_conv(
     tests' path), ``False`` forces the GPU kernels. ``tile_rows`` (a power of two,
     at least 16; default by channels, :data:`TILINGS`, else :data:`TILE_ROWS`), ``num_warps``
     (likewise, else :data:`NUM_WARPS`), ``unroll_tiles`` and ``hoist_taps`` (default: for
-    at most 32 channels) tune the GPU kernels. The products run at the
+    at most 32 channels) tune the Triton kernels. Their products run at the
     default precision (TF32 on an NVIDIA GPU, as XLA's convolutions).
+
+    ``engine`` picks the GPU kernels' implementation: ``"triton"``, or ``"wgmma"`` for the
+    forward and backward kernels of :mod:`naisnet_jax.hopper_block` (Hopper GPUs; 3x3 kernels,
+    16 or 32 channels, ReLU or tanh; products split in bfloat16 halves, about 16 significant
+    bits), with ``warpgroups`` a program (default :func:`naisnet_jax.hopper_block.choose_warpgroups`).
+    ``None`` takes ``"wgmma"`` where the block fits it on a Hopper GPU, else ``"triton"``.
     """
     x0, drive, kernel, h = check_tied("unroll_tied_conv", x0, drive, kernel, steps, h, activation, scan_unroll)
     default_rows, default_warps = default_tiling(x0.shape[-1])
@@ -553,9 +589,25 @@ def unroll_tied_conv(
     why = kernel_supported(x0, kernel)
     hoist = x0.shape[-1] <= 32 if hoist_taps is None else bool(hoist_taps)  # 9 C x C taps in registers
     runs_here = gpu_kernels_available(x0) and x0.shape[-1] <= AUTO_MAX_CHANNELS
+    if engine not in (None, "triton", "wgmma"):
+        raise ValueError(f"engine={engine!r} must be None, 'triton' or 'wgmma'.")
+    if warpgroups is not None:
+        if engine != "wgmma":
+            raise ValueError(f"warpgroups={warpgroups!r} tunes the wgmma kernels: pass engine='wgmma' with it.")
+        check_int("warpgroups", warpgroups)
     mode = kernel_mode("unroll_tied_conv", interpret, why, runs_here)
     if mode is None:
         return unroll_tied(conv_op, x0, drive, kernel, steps=steps, h=h, activation=activation, scan_unroll=scan_unroll)
+    nw = 0
+    if engine == "wgmma" or (engine is None and not mode):
+        layout = Layout.of(x0.shape[1], x0.shape[2], kernel.shape[0], kernel.shape[1], tile_rows)
+        why_not = hopper_block.unsupported(layout, x0, kernel, activation)
+        if mode and engine == "wgmma":
+            why_not = "Pallas' interpreter cannot run wgmma (interpret=True); they run on a Hopper GPU only"
+        if engine == "wgmma" and why_not is not None:
+            raise ValueError(f"unroll_tied_conv: engine='wgmma' does not take this block: {why_not}.")
+        if engine == "wgmma" or (why_not is None and hopper_block.hopper_available()):
+            nw = warpgroups or hopper_block.choose_warpgroups(layout, x0.shape[-1])
     return _fused(
-        x0, drive, kernel, steps, h, activation, Config(mode, tile_rows, num_warps, bool(unroll_tiles), hoist)
+        x0, drive, kernel, steps, h, activation, Config(mode, tile_rows, num_warps, bool(unroll_tiles), hoist, nw)
     )
