@@ -314,6 +314,23 @@ def write_results(out: str, stem: str, payload: dict, markdown: str) -> None:
         f.write(markdown.rstrip() + "\n")
 
 
+def error_row(row: dict, e: Exception) -> None:
+    """A variant that the compiler or the run refuses becomes a FAILED row, not the end of the run."""
+    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def report(out: str, stem: str, header: str, rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """Writes ``<stem>.json`` (the device and ``rows``) and ``<stem>.md`` under ``out``, then prints
+    the header (``{device}`` in it becomes the card's name) and the table."""
+    os.makedirs(out, exist_ok=True)
+    text, md = table(rows, columns)
+    device = device_summary()
+    header = header.format(device=device["device_kind"])
+    write_results(out, stem, dict(device=device, rows=rows), header + "\n\n" + md)
+    print(header)
+    print(text)
+
+
 def bar_chart(
     path: str,
     labels: list[str],
@@ -342,3 +359,20 @@ def bar_chart(
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def hopper_here(out: str, stem: str) -> bool:
+    """Whether JAX's default device is a Hopper GPU (the wgmma kernels' scripts need one); if not,
+    says so and writes ``<stem>.md`` saying why, so that ``make bench`` goes on."""
+    from naisnet_jax.hopper_block import hopper_available
+
+    if hopper_available():
+        return True
+    import jax
+
+    why = f"{stem}: skipped, the wgmma kernels need a Hopper GPU (default device: {jax.devices()[0].device_kind})"
+    print(why)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(why + "\n")
+    return False

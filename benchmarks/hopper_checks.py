@@ -156,6 +156,8 @@ def main(argv=None):
         smoke()
         return
     os.makedirs(args.out, exist_ok=True)
+    if not _common.hopper_here(args.out, "hopper_checks"):
+        return
     values = [] if args.skip_values else value_rows(args.value_batch, args.steps)
     steps = step_rows(args.batch, args.rounds)
     device = _common.device_summary()

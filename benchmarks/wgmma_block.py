@@ -85,6 +85,8 @@ def main(argv=None):
     from naisnet_jax import hopper_block as hb
 
     os.makedirs(args.out, exist_ok=True)
+    if not args.smoke and not _common.hopper_here(args.out, "wgmma_block"):
+        return
     print("rel. error vs float64: " + ", ".join(f"{k} {v:.1e}" for k, v in split_errors().items()))
     K = args.steps
     rows = []
@@ -150,7 +152,7 @@ def main(argv=None):
                 row["err_ss_vs_highest"] = bench._rel(layout.interior(ss), layout.interior(ref_ss))
                 row["backward_ms"] = 1e3 * bench._time(backward[name], (cot, ref_zs, kernel), args.iters, args.repeats)
             except Exception as e:  # a kernel the compiler refuses is a row, not the end
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                _common.error_row(row, e)
             rows.append(row)
             print(row, flush=True)
     if args.smoke:
@@ -165,12 +167,8 @@ def main(argv=None):
         ("err_g0_vs_highest", "g_0 rel err", ".1e"),
         ("err_ss_vs_highest", "s rel err", ".1e"),
     ]
-    text, md = _common.table(rows, columns)
-    device = _common.device_summary()
-    header = f"Block kernels of one block, batch {args.batch}, K = {K}, ReLU, on {device['device_kind']}"
-    _common.write_results(args.out, "wgmma_block", dict(device=device, rows=rows), header + "\n\n" + md)
-    print(header)
-    print(text)
+    header = f"Block kernels of one block, batch {args.batch}, K = {K}, ReLU, on {{device}}"
+    _common.report(args.out, "wgmma_block", header, rows, columns)
 
 
 if __name__ == "__main__":

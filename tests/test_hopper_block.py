@@ -176,3 +176,19 @@ def test_kernels_lower_under_vmap(monkeypatch):
 
     text = _lowered(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))), x, x, w)
     assert text.count("custom_call @mosaic_gpu_v2") == 2
+
+
+def test_kernel_size_does_not_grow_with_depth(monkeypatch):
+    """The K steps are a loop inside each kernel, not unrolled: the gradient's lowered program at
+    K = 200 is the size of K = 2's (what keeps compile time flat in K, issue 9's item 3)."""
+    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
+    x = jax.ShapeDtypeStruct((4, 16, 16, 16), jnp.float32)
+    w = jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32)
+
+    def size(steps):
+        def loss(a, b, c):
+            return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=steps, interpret=False, engine="wgmma"))
+
+        return len(_lowered(jax.grad(loss, argnums=(0, 1, 2)), x, x, w))
+
+    assert size(200) < 1.02 * size(2)

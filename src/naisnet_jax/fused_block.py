@@ -36,6 +36,11 @@ kernels together at 16 channels (``BENCHMARKS.md``). It runs on a second stream,
 the backward chain (:func:`naisnet_jax.block_vjp.on_side_stream`). The drive's gradient is the
 sum of the ``s_k``.
 
+On Hopper GPUs the forward and backward kernels have a second implementation,
+:mod:`naisnet_jax.hopper_block` (Pallas' Mosaic GPU backend: the pattern held in shared
+memory, the products on ``wgmma`` in split bfloat16, several warpgroups a program), with the
+same buffers, so this module's weight-gradient kernel takes its outputs; ``engine=`` chooses.
+
 :func:`unroll_tied_conv` is the entry point; it runs the kernels on a CUDA GPU
 (float32, channels a power of two from 16 to 128, odd kernel sizes; automatically
 up to :data:`AUTO_MAX_CHANNELS`) and otherwise falls back to :func:`naisnet_jax.block_vjp.unroll_tied`, whose values
