@@ -103,7 +103,7 @@ def test_bad_engine_arguments_are_refused():
         fb.unroll_tied_conv(x0, x0, kernel, steps=2, engine="cutlass")
     with pytest.raises(ValueError, match="warpgroups=2 tunes the wgmma kernels"):
         fb.unroll_tied_conv(x0, x0, kernel, steps=2, warpgroups=2)
-    with pytest.raises(ValueError, match="interpreter cannot run wgmma"):
+    with pytest.raises(ValueError, match=r"interpreter \(interpret=True\) cannot run wgmma"):
         fb.unroll_tied_conv(x0, x0, kernel, steps=2, interpret=True, engine="wgmma")
     with pytest.raises(ValueError, match="warpgroups=3 must be a positive divisor of the state's 4 tiles"):
         fb.unroll_tied_conv(x0, x0, kernel, steps=2, interpret=False, engine="wgmma", warpgroups=3)

@@ -518,9 +518,7 @@ def gpu_kernels_available(x0: Array) -> bool:
     ``jax.default_device`` names, if set: a model run on the CPU of a GPU machine falls back)."""
     if x0.dtype != jnp.float32:
         return False
-    default = jax.config.jax_default_device
-    # unset, or a platform's name: that backend's first device
-    device = jax.devices(default)[0] if default is None or isinstance(default, str) else default
+    device = hopper_block.default_device()
     return device.platform == "gpu" and "cuda" in getattr(device.client, "platform_version", "").lower()
 
 
@@ -537,6 +535,23 @@ def kernel_mode(name: str, interpret: bool | None, why: str | None, runs_here: b
     if why is not None:
         raise ValueError(f"{name}: the fused kernels do not take this block: {why}.")
     return bool(interpret)
+
+
+def _wgmma_warpgroups(engine, warpgroups, x0, kernel, activation, tile_rows) -> int:
+    """Warpgroups a program of the wgmma kernels gets for this block, or 0 for the Triton kernels:
+    ``engine=None`` takes wgmma where the block fits it on a Hopper GPU; ``"wgmma"`` refuses a
+    block it does not take, naming why."""
+    if engine == "triton":
+        return 0
+    layout = Layout.of(x0.shape[1], x0.shape[2], kernel.shape[0], kernel.shape[1], tile_rows)
+    why = hopper_block.unsupported(layout, x0, kernel, activation)
+    if engine == "wgmma":
+        if why is not None:
+            raise ValueError(f"unroll_tied_conv: engine='wgmma' does not take this block: {why}.")
+        return warpgroups or hopper_block.choose_warpgroups(layout, x0.shape[-1])
+    if why is None and hopper_block.hopper_available():
+        return hopper_block.choose_warpgroups(layout, x0.shape[-1])
+    return 0
 
 
 def unroll_tied_conv(
@@ -581,7 +596,9 @@ def unroll_tied_conv(
     forward and backward kernels of :mod:`naisnet_jax.hopper_block` (Hopper GPUs; 3x3 kernels,
     16 or 32 channels, ReLU or tanh; products split in bfloat16 halves, about 16 significant
     bits), with ``warpgroups`` a program (default :func:`naisnet_jax.hopper_block.choose_warpgroups`).
-    ``None`` takes ``"wgmma"`` where the block fits it on a Hopper GPU, else ``"triton"``.
+    ``None`` takes ``"wgmma"`` where the block fits it on a Hopper GPU, else ``"triton"``. Both
+    apply where the GPU kernels run (``interpret=False``, or chosen as above); a block that falls
+    back runs the stacked VJP whatever ``engine`` says.
     """
     x0, drive, kernel, h = check_tied("unroll_tied_conv", x0, drive, kernel, steps, h, activation, scan_unroll)
     default_rows, default_warps = default_tiling(x0.shape[-1])
@@ -603,16 +620,12 @@ def unroll_tied_conv(
     mode = kernel_mode("unroll_tied_conv", interpret, why, runs_here)
     if mode is None:
         return unroll_tied(conv_op, x0, drive, kernel, steps=steps, h=h, activation=activation, scan_unroll=scan_unroll)
-    nw = 0
-    if engine == "wgmma" or (engine is None and not mode):
-        layout = Layout.of(x0.shape[1], x0.shape[2], kernel.shape[0], kernel.shape[1], tile_rows)
-        why_not = hopper_block.unsupported(layout, x0, kernel, activation)
-        if mode and engine == "wgmma":
-            why_not = "Pallas' interpreter cannot run wgmma (interpret=True); they run on a Hopper GPU only"
-        if engine == "wgmma" and why_not is not None:
-            raise ValueError(f"unroll_tied_conv: engine='wgmma' does not take this block: {why_not}.")
-        if engine == "wgmma" or (why_not is None and hopper_block.hopper_available()):
-            nw = warpgroups or hopper_block.choose_warpgroups(layout, x0.shape[-1])
+    if mode and engine == "wgmma":
+        raise ValueError(
+            "unroll_tied_conv: engine='wgmma' needs a Hopper GPU: "
+            "Pallas' interpreter (interpret=True) cannot run wgmma."
+        )
+    nw = 0 if mode else _wgmma_warpgroups(engine, warpgroups, x0, kernel, activation, tile_rows)
     return _fused(
         x0, drive, kernel, steps, h, activation, Config(mode, tile_rows, num_warps, bool(unroll_tiles), hoist, nw)
     )

@@ -14,8 +14,8 @@ Mosaic GPU backend, where a program holds a pattern's whole state in shared memo
   and held in swizzled shared memory, by three ``wgmma``: ``hi w_hi + lo w_hi + hi w_lo``. The
   products carry about 16 significant bits, more than TF32's 11 (``tests/test_hopper_block.py``);
 - forward: the drive held in registers for all K steps, ``x_0`` and the drive in by TMA, each
-  new state out by TMA after its step and each pre-activation ``z_k`` through a two-slot staging
-  buffer per warpgroup;
+  new state out by TMA after its step and each pre-activation ``z_k`` through a staging buffer
+  per warpgroup (two slots; one where a warpgroup has a single tile);
 - backward: the gradient ``g`` in registers for all K steps, the transposed convolution over
   ``s_k``'s windows (taps mirrored and transposed), each ``z_{k-1}`` tile in by TMA one tile
   ahead, each ``s_k`` out by TMA.
@@ -103,10 +103,16 @@ def unsupported(layout, x0: Array, kernel: Array, activation: str) -> str | None
     return None
 
 
+def default_device():
+    """The device JAX computes on by default: the one ``jax.default_device`` names, if set (a
+    device, or a platform's name: that backend's first device), else the default backend's first."""
+    default = jax.config.jax_default_device
+    return jax.devices(default)[0] if default is None or isinstance(default, str) else default
+
+
 def hopper_available() -> bool:
     """JAX's default device is a Hopper GPU (compute capability 9.x)."""
-    default = jax.config.jax_default_device
-    device = jax.devices(default)[0] if default is None or isinstance(default, str) else default
+    device = default_device()
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
