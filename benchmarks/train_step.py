@@ -73,6 +73,8 @@ VARIANTS = {
     "nais10_fused": dict(model=N10, kwargs=dict(block_vjp="fused")),
     "nais10_fused_unroll10": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10)),
     "nais10_fused_unroll10_triton": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), engine="triton"),
+    # the weight gradient on wgmma too (prototype, benchmarks/wgmma_wgrad.py; Hopper only)
+    "nais10_fused_unroll10_wgmma_wgrad": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma"),
     "nais10_fused_unroll10_nhwc": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), xla_flags="--xla_gpu_force_conv_nhwc"
     ),
@@ -210,6 +212,10 @@ def run_jax(spec, *, batch, steps, repeats, smoke) -> dict:
         from naisnet_jax import fused_block, models
 
         models.unroll_tied_conv = functools.partial(fused_block.unroll_tied_conv, engine=spec["engine"])
+    if spec.get("wgrad") == "wgmma":  # the prototype weight-gradient kernel of benchmarks/wgmma_wgrad.py
+        import wgmma_wgrad
+
+        wgmma_wgrad.patch_fused_block()
 
     config, model, state = _model_and_state(spec, smoke)
     x, y = _batch(batch)

@@ -45,8 +45,12 @@ def _padded(n: int, to: int = 64) -> int:
     return -(-n // to) * to
 
 
-def wgrad_kernel(layout, offsets, steps, xs_ref, ss_ref, out_ref, xbuf, sbuf, p_hi, p_lo, s_hi, s_lo, stage, bars):
-    """Program ``(n, k)``: ``sum over tiles of P^T @ s`` for step ``k`` of pattern ``n``."""
+def wgrad_kernel(
+    layout, offsets, steps_per, double, xs_ref, ss_ref, out_ref, xbuf, sbuf, p_hi, p_lo, s_hi, s_lo, stage, bars
+):
+    """Program ``(n, b)``: ``sum over (step, tile) of P^T @ s`` for pattern ``n``'s steps
+    ``b * steps_per ..`` (``steps_per`` of them). ``double``: ``P`` and ``s`` in two slots, so a
+    tile's products run while the next tile's patch matrix is built."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -54,92 +58,133 @@ def wgrad_kernel(layout, offsets, steps, xs_ref, ss_ref, out_ref, xbuf, sbuf, p_
 
     from naisnet_jax.hopper_block import _load, split_bf16
 
-    n, k = jax.lax.axis_index("n"), jax.lax.axis_index("k")
+    n, b = jax.lax.axis_index("n"), jax.lax.axis_index("b")
     S, C = layout.slack, sbuf.shape[-1]
     tiles = layout.tiles * layout.tile_rows // M
     span = layout.tiles * layout.tile_rows  # rows that hold the image (after the slack)
     halo = M + 2 * S
     mpad = p_hi.shape[-1]
+    items = steps_per * tiles  # (step, tile) pairs, step by step
 
-    def fetch(j):  # tile j's x_k rows with their halo and its s_k rows into slot j % 2
-        q0 = j * M
-        plgpu.copy_gmem_to_smem(xs_ref.at[k, n, pl.ds(q0, halo)], xbuf.at[j % 2], bars.at[j % 2])
-        plgpu.copy_gmem_to_smem(ss_ref.at[k, n, pl.ds(S + q0, M)], sbuf.at[j % 2], bars.at[j % 2])
+    def fetch(i):  # item i's x_k rows with their halo and its s_k rows into slot i % 2
+        k, q0 = b * steps_per + i // tiles, (i % tiles) * M
+        plgpu.copy_gmem_to_smem(xs_ref.at[k, n, pl.ds(q0, halo)], xbuf.at[i % 2], bars.at[i % 2])
+        plgpu.copy_gmem_to_smem(ss_ref.at[k, n, pl.ds(S + q0, M)], sbuf.at[i % 2], bars.at[i % 2])
 
-    def tile(j, acc):
-        slot = j % 2
-        plgpu.barrier_wait(bars.at[slot])
-        rows = plgpu.broadcasted_iota(jnp.int32, (M, C), 0, layout=plgpu.Layout.WGMMA)
-        for t, off in enumerate(offsets):
-            window = _load(xbuf, slot, pl.ds(S + off, M), slice(None))
-            r = j * M + off + rows  # the window's rows, counted from the first tiled row
-            window = jnp.where((r >= 0) & (r < span), window, jnp.zeros_like(window))
-            hi, lo = split_bf16(window)
-            p_hi[:, pl.ds(t * C, C)] = hi
-            p_lo[:, pl.ds(t * C, C)] = lo
-        hi, lo = split_bf16(_load(sbuf, slot, slice(None), slice(None)))
-        s_hi[...] = hi
-        s_lo[...] = lo
-        plgpu.commit_smem()  # the stores are visible to wgmma, and every thread is done with the slot
+    def run(acc_ref):
+        def item(i, carry):
+            slot = i % 2
+            ps = slot if double else 0
+            plgpu.barrier_wait(bars.at[slot])
+            rows = plgpu.broadcasted_iota(jnp.int32, (M, C), 0, layout=plgpu.Layout.WGMMA)
+            for t, off in enumerate(offsets):
+                window = _load(xbuf, slot, pl.ds(S + off, M), slice(None))
+                r = (i % tiles) * M + off + rows  # the window's rows, counted from the first tiled row
+                window = jnp.where((r >= 0) & (r < span), window, jnp.zeros_like(window))
+                hi, lo = split_bf16(window)
+                p_hi[ps, :, pl.ds(t * C, C)] = hi
+                p_lo[ps, :, pl.ds(t * C, C)] = lo
+            hi, lo = split_bf16(_load(sbuf, slot, slice(None), slice(None)))
+            s_hi[ps] = hi
+            s_lo[ps] = lo
+            plgpu.commit_smem()  # the stores are visible to wgmma; every thread is done with the slot
 
-        @pl.when(j + 2 < tiles)
-        def _():
-            fetch(j + 2)
+            @pl.when(i + 2 < items)
+            def _():
+                fetch(i + 2)
 
-        def products(acc_ref):
-            plgpu.wgmma(acc_ref, p_hi.T, s_hi)
-            plgpu.wgmma(acc_ref, p_lo.T, s_hi)
-            plgpu.wgmma(acc_ref, p_hi.T, s_lo)
-            plgpu.wgmma_wait(0)  # P and s are rewritten by the next tile
+            a_hi, a_lo = p_hi.at[ps].T, p_lo.at[ps].T
+            plgpu.wgmma(acc_ref, a_hi, s_hi.at[ps])
+            plgpu.wgmma(acc_ref, a_lo, s_hi.at[ps])
+            plgpu.wgmma(acc_ref, a_hi, s_lo.at[ps])
+            # the slot written next must be free: one slot, every product done; two, this tile's
+            # three may still run (the previous tile's, on the other slot, are done)
+            plgpu.wgmma_wait(3 if double else 0)
+            return carry
 
-        return pl.run_state(products)(plgpu.ACC.init(acc))
+        jax.lax.fori_loop(0, items, item, 0)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
 
     fetch(0)
-    if tiles > 1:
+    if items > 1:
         fetch(1)
-    zero = plgpu.layout_cast(jnp.zeros((mpad, C), jnp.float32), plgpu.Layout.WGMMA)
-    acc = jax.lax.fori_loop(0, tiles, tile, zero)
+    acc = pl.run_scoped(run, plgpu.ACC((mpad, C), jnp.float32))
     stage[...] = acc
     plgpu.commit_smem()
     for s0 in range(0, mpad, 256):
         size = min(256, mpad - s0)
-        plgpu.copy_smem_to_gmem(stage.at[pl.ds(s0, size)], out_ref.at[k, n, pl.ds(s0, size)])
+        plgpu.copy_smem_to_gmem(stage.at[pl.ds(s0, size)], out_ref.at[b, n, pl.ds(s0, size)])
     plgpu.wait_smem_to_gmem(0)
 
 
-def fused_weight_grad_wgmma(layout, xs, ss, kernel_shape):
+def fused_weight_grad_wgmma(layout, xs, ss, kernel_shape, *, steps_per=1, double=False):
     """``dW`` (HWIO) from the saved states ``xs`` and the ``s_k`` (buffers), as
-    ``fused_block.fused_weight_grad`` (3x3 kernel)."""
+    ``fused_block.fused_weight_grad`` (3x3 kernel); one program per pattern and ``steps_per``
+    steps."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     steps, N, _, C = ss.shape
-    offsets = layout.offsets(3, 3)
+    if steps % steps_per:
+        raise ValueError(f"steps_per={steps_per} must divide the {steps} steps")
     mpad = _padded(9 * C)
     halo = M + 2 * layout.slack
-    swizzle = 2 * C  # bytes of a row of C bfloat16: P and s must share it
-    tiled = (plgpu.TilingTransform((8, C)), plgpu.SwizzleTransform(swizzle))
+    slots = 2 if double else 1
+    tiled = (plgpu.TilingTransform((8, C)), plgpu.SwizzleTransform(2 * C))  # P and s share the swizzle
     call = plgpu.kernel(
-        functools.partial(wgrad_kernel, layout, offsets, steps),
-        out_type=jax.ShapeDtypeStruct((steps, N, mpad, C), jnp.float32),
+        functools.partial(wgrad_kernel, layout, layout.offsets(3, 3), steps_per, double),
+        out_type=jax.ShapeDtypeStruct((steps // steps_per, N, mpad, C), jnp.float32),
         scratch_types=[
             plgpu.SMEM((2, halo, C), jnp.float32),
             plgpu.SMEM((2, M, C), jnp.float32),
-            plgpu.SMEM((M, mpad), jnp.bfloat16, transforms=tiled),
-            plgpu.SMEM((M, mpad), jnp.bfloat16, transforms=tiled),
-            plgpu.SMEM((M, C), jnp.bfloat16, transforms=tiled),
-            plgpu.SMEM((M, C), jnp.bfloat16, transforms=tiled),
+            plgpu.SMEM((slots, M, mpad), jnp.bfloat16, transforms=tiled),
+            plgpu.SMEM((slots, M, mpad), jnp.bfloat16, transforms=tiled),
+            plgpu.SMEM((slots, M, C), jnp.bfloat16, transforms=tiled),
+            plgpu.SMEM((slots, M, C), jnp.bfloat16, transforms=tiled),
             plgpu.SMEM((mpad, C), jnp.float32),
             plgpu.Barrier(num_arrivals=2, num_barriers=2),
         ],
-        grid=(N, steps),
-        grid_names=("n", "k"),
+        grid=(N, steps // steps_per),
+        grid_names=("n", "b"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
     )
     parts = call(xs, ss)
-    dw = jnp.sum(parts, axis=(0, 1))[: 9 * C]  # (9C_in, C_out): tap-major rows
+    dw = jnp.sum(parts, axis=(0, 1))[: 9 * C]  # (9 C_in, C_out): tap-major rows
     return dw.reshape(kernel_shape)
+
+
+@functools.cache
+def cached(layout, kernel_shape, steps_per=1, double=False):
+    """``fused_weight_grad_wgmma`` for one configuration as one jitted function, so a model's
+    blocks of one shape share one kernel (built once, as ``naisnet_jax.hopper_block`` does)."""
+    import jax
+
+    return jax.jit(
+        functools.partial(
+            fused_weight_grad_wgmma, layout, kernel_shape=tuple(kernel_shape), steps_per=steps_per, double=double
+        )
+    )
+
+
+def patch_fused_block() -> None:
+    """Makes ``naisnet_jax.fused_block`` take this kernel for the weight gradient of every block whose
+    forward and backward run on the wgmma kernels (``train_step.py``'s ``wgrad="wgmma"``)."""
+    from naisnet_jax import fused_block
+
+    triton = fused_block.fused_weight_grad
+
+    def weight_grad(layout, xs, ss, kernel_shape, config=fused_block.GPU):
+        if config.warpgroups and tuple(kernel_shape[:2]) == (3, 3):
+            return cached(layout, tuple(kernel_shape))(xs, ss)
+        return triton(layout, xs, ss, kernel_shape, config)
+
+    fused_block.fused_weight_grad = weight_grad
+
+
+#: The variants a GPU run measures: (steps a program, P and s double-buffered).
+VARIANTS = {"wgmma_bf16x3": (1, False), "wgmma_bf16x3 2 steps": (2, False), "wgmma_bf16x3 double": (1, True)}
 
 
 def main(argv=None):
@@ -170,15 +215,20 @@ def main(argv=None):
         config = fb.GPU._replace(tile_rows=tile_rows, num_warps=warps)
         layout = fb.Layout.of(H, W, 3, 3, tile_rows)
         wshape = (3, 3, C, C)
-        variants = {
-            "triton_tf32": jax.jit(lambda a, s: fb.fused_weight_grad(layout, a, s, wshape, config)),
-            "wgmma_bf16x3": jax.jit(lambda a, s: fused_weight_grad_wgmma(layout, a, s, wshape)),
-        }
+        variants = {"triton_tf32": jax.jit(lambda a, s: fb.fused_weight_grad(layout, a, s, wshape, config))}
+        for name, (per, double) in VARIANTS.items():
+            variants[name] = jax.jit(
+                functools.partial(fused_weight_grad_wgmma, layout, kernel_shape=wshape, steps_per=per, double=double)
+            )
         if args.smoke:
             xs = jax.ShapeDtypeStruct((K + 1, args.batch, layout.rows, C), jnp.float32)
             ss = jax.ShapeDtypeStruct((K, args.batch, layout.rows, C), jnp.float32)
-            text = variants["wgmma_bf16x3"].trace(xs, ss).lower(lowering_platforms=("cuda",)).as_text()
-            print(f"{H}x{W}x{C} weight gradient lowered for CUDA: {len(text)} characters (batch {args.batch}, K = {K})")
+            for name in VARIANTS:
+                try:
+                    text = variants[name].trace(xs, ss).lower(lowering_platforms=("cuda",)).as_text()
+                    print(f"{H}x{W}x{C} {name}: lowered for CUDA, {len(text)} characters (batch {args.batch}, K = {K})")
+                except Exception as e:  # shared memory, say: the GPU run records it as a FAILED row
+                    print(f"{H}x{W}x{C} {name}: does not lower: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             continue
         # the buffers the block kernels write: states and s_k from the wgmma forward and backward
         x0, drive, kernel, cot = bench._inputs(args.batch, shape)
