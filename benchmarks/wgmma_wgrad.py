@@ -155,6 +155,30 @@ def fused_weight_grad_wgmma(layout, xs, ss, kernel_shape, *, steps_per=1, double
     return dw.reshape(kernel_shape)
 
 
+def emulate(layout, xs, ss, kernel_shape):
+    """The kernel's index arithmetic in numpy, float64 and unsplit (halo slices, window offsets,
+    masks, the tap-major patch matrix, the final reshape): ``--smoke`` checks it against XLA's
+    weight-gradient convolution, which the GPU run cannot separate from Mosaic's semantics."""
+    import numpy as np
+
+    xs, ss = np.asarray(xs, np.float64), np.asarray(ss, np.float64)
+    steps, N, _, C = ss.shape
+    S, span = layout.slack, layout.tiles * layout.tile_rows
+    tiles, halo, mpad = span // M, M + 2 * layout.slack, _padded(9 * C)
+    acc = np.zeros((mpad, C))
+    for k in range(steps):
+        for n in range(N):
+            for j in range(tiles):
+                q0 = j * M
+                xh, s = xs[k, n, q0 : q0 + halo], ss[k, n, S + q0 : S + q0 + M]
+                P = np.zeros((M, mpad))
+                for t, off in enumerate(layout.offsets(3, 3)):
+                    r = q0 + off + np.arange(M)
+                    P[:, t * C : (t + 1) * C] = xh[S + off : S + off + M] * ((r >= 0) & (r < span))[:, None]
+                acc += P.T @ s
+    return acc[: 9 * C].reshape(kernel_shape)
+
+
 @functools.cache
 def cached(layout, kernel_shape, steps_per=1, double=False):
     """``fused_weight_grad_wgmma`` for one configuration as one jitted function, so a model's
@@ -221,6 +245,17 @@ def main(argv=None):
                 functools.partial(fused_weight_grad_wgmma, layout, kernel_shape=wshape, steps_per=per, double=double)
             )
         if args.smoke:
+            import numpy as np
+
+            rng = np.random.default_rng(0)  # a small case: the emulation against XLA, in float64
+            small = (3, 2, H, W, C)
+            x = rng.standard_normal(small)
+            s = rng.standard_normal(small[:2] + (H, W, C))
+            want = _weight_grad(conv_op)(
+                jnp.asarray(x.reshape((-1, H, W, C))), jnp.asarray(s.reshape((-1, H, W, C))), jnp.zeros(wshape)
+            )
+            got = emulate(layout, layout.to_buffer(jnp.asarray(x)), layout.to_buffer(jnp.asarray(s)), wshape)
+            print(f"{H}x{W}x{C} the kernel's indexing (numpy) against XLA: {bench._rel(got, want):.1e}")
             xs = jax.ShapeDtypeStruct((K + 1, args.batch, layout.rows, C), jnp.float32)
             ss = jax.ShapeDtypeStruct((K, args.batch, layout.rows, C), jnp.float32)
             for name in VARIANTS:
