@@ -75,6 +75,11 @@ VARIANTS = {
     "nais10_fused_unroll10_triton": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), engine="triton"),
     # the weight gradient on wgmma too (prototype, benchmarks/wgmma_wgrad.py; Hopper only)
     "nais10_fused_unroll10_wgmma_wgrad": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma"),
+    # the 64-channel blocks on wgmma too (prototype, benchmarks/wgmma_block64.py; Hopper only)
+    "nais10_fused_unroll10_wgmma_c64": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="wgmma"),
+    "nais10_fused_unroll10_wgmma_all": dict(
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma", c64="wgmma"
+    ),
     "nais10_fused_unroll10_nhwc": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), xla_flags="--xla_gpu_force_conv_nhwc"
     ),
@@ -216,6 +221,10 @@ def run_jax(spec, *, batch, steps, repeats, smoke) -> dict:
         import wgmma_wgrad
 
         wgmma_wgrad.patch_fused_block()
+    if spec.get("c64") == "wgmma":  # the prototype 64-channel block kernels of benchmarks/wgmma_block64.py
+        import wgmma_block64
+
+        wgmma_block64.patch_models()
 
     config, model, state = _model_and_state(spec, smoke)
     x, y = _batch(batch)
