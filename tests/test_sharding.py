@@ -220,3 +220,42 @@ def test_sweep_spreads_seeds_over_devices():
     assert result["param_rel_diff"] < 1e-4, result
     for a, b in zip(*result["test"]):
         assert a == pytest.approx(b, abs=0.02)  # one example of 64
+
+
+HOPPER_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    import ml_collections
+    import naisnet_jax.block_vjp
+    from experiments.configs import digits_tiny
+    from naisnet_jax import fused_block, hopper_block, train
+
+    assert jax.device_count() == 2, jax.devices()
+    config = digits_tiny.get_config()
+    config.model = "naisnet_conv_tiny"
+    config.model_kwargs = ml_collections.ConfigDict({"steps": 2, "filters": (16, 32), "block_vjp": "fused"})
+    model = train.build_model(config, 10)
+    state = train.create_train_state(config, model, (8, 8, 1), steps_per_epoch=10)
+    # as on a Hopper GPU: the fused blocks take the wgmma kernels
+    naisnet_jax.block_vjp._gpu_backend = lambda: True
+    fused_block.gpu_kernels_available = lambda x0: True
+    hopper_block.hopper_available = lambda: True
+    mesh = train.make_mesh(2)
+    x = jnp.zeros((8, 8, 8, 1), jnp.float32)
+    y = jnp.zeros((8,), jnp.int32)
+    step = jax.jit(lambda s, x, y: train.data_parallel_step(s, (x, y), mesh))
+    text = step.trace(state, x, y).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu_v2" in line]
+    print(json.dumps({"calls": len(calls), "local": sum("tensor<4x" in c for c in calls),
+                      "global": sum("tensor<8x" in c for c in calls)}))
+    """
+)
+
+
+def test_data_parallel_step_lowers_with_wgmma_kernels_per_device():
+    """On two GPUs each device runs the wgmma block kernels on its own half of the batch: the
+    sharded step lowers for CUDA with every Mosaic kernel at the per-device batch (4 of 8)."""
+    result = _run_on_two_cpu_devices(HOPPER_SCRIPT)
+    assert result["calls"] >= 4, result  # forward and backward kernels of both stages
+    assert result["local"] == result["calls"] and result["global"] == 0, result
