@@ -74,8 +74,18 @@ def main(argv=None):
     parser.add_argument(
         "--warpgroups", default="1,2,3,4,5,6", help="warpgroups a pattern's program has (those dividing its tiles)"
     )
+    parser.add_argument(
+        "--dump",
+        default=None,
+        help="write Mosaic's PTX, SASS and ptxas report (its warnings say whether wgmma is serialized) under DIR",
+    )
     parser.add_argument("--smoke", action="store_true", help="lower the kernels for CUDA only (any machine)")
     args = parser.parse_args(argv)
+    if args.dump:  # read by Mosaic GPU's compiler when it builds each kernel
+        os.makedirs(args.dump, exist_ok=True)
+        os.environ.update(
+            MOSAIC_GPU_DUMP_TO=args.dump, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTXAS="1"
+        )
     _common.importable()
     import fused_block as bench  # benchmarks/fused_block.py: inputs, timing, errors
     import jax
