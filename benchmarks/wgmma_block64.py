@@ -64,7 +64,8 @@ def forward_kernel(
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from naisnet_jax.hopper_block import M, _act, _chunks, _conv_tile, _inside, _load, _team, tiles_of
+    from naisnet_jax.fused_block import _act
+    from naisnet_jax.hopper_block import M, _chunks, _conv_tile, _inside, _load, _team, tiles_of
 
     n = jax.lax.axis_index("n")
     wg, lead_only, everyone = _team(nw)
@@ -162,7 +163,7 @@ def backward_kernel(
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from naisnet_jax.hopper_block import M, _chunks, _conv_tile, _inside, _load, _team, tiles_of
+    from naisnet_jax.hopper_block import M, _chunks, _conv_tile, _inside, _load, _slope_tile, _team, tiles_of
 
     n = jax.lax.axis_index("n")
     wg, lead_only, everyone = _team(nw)
@@ -180,12 +181,7 @@ def backward_kernel(
     def slope_tile(j, g):
         plgpu.barrier_wait(zbar.at[slots * wg + j % slots])
         z = _load(zbuf, wg, j % slots, slice(None), slice(None))
-        inside = _inside(layout, first[j], C)
-        if activation == "relu":
-            out = jnp.where(inside & (z > 0), h * g, jnp.zeros_like(g))
-        else:
-            t = jnp.tanh(z)
-            out = jnp.where(inside, h * g * (1.0 - t) * (1.0 + t), jnp.zeros_like(g))
+        out = _slope_tile(layout, first[j], activation, h, z, g)
         plgpu.commit_smem()  # every thread has read the slot before it is refilled
         return out
 
@@ -248,32 +244,6 @@ def backward_kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def _call(body, layout, taps, out_type, barriers, nw):
-    import jax.numpy as jnp
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from naisnet_jax.hopper_block import M, _slots, _swizzled, split_bf16
-
-    C = taps.shape[-1]
-    call = plgpu.kernel(
-        body,
-        out_type=out_type,
-        scratch_types=[
-            plgpu.SMEM((1, layout.rows, C), jnp.float32),  # the one state buffer
-            plgpu.SMEM((nw, _slots(layout, nw), M, C), jnp.float32),
-            plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=_swizzled(C)),
-            plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=_swizzled(C)),
-            *barriers,
-            plgpu.Barrier(num_arrivals=nw),
-        ],
-        grid=(out_type[0].shape[-3],),
-        grid_names=("n",),
-        **(dict(num_threads=nw, thread_name="wg") if nw > 1 else {}),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )
-    return lambda *buffers: call(*buffers, *split_bf16(taps.astype(jnp.float32)))
-
-
 @functools.cache
 def forward(layout, steps, h, activation, nw):
     """``(x0b, db, taps) -> (xs, zs)`` on buffers, jitted (one kernel per shape)."""
@@ -281,7 +251,7 @@ def forward(layout, steps, h, activation, nw):
     import jax.numpy as jnp
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from naisnet_jax.hopper_block import _chunks
+    from naisnet_jax.hopper_block import _chunks, _mosaic_call
 
     def run(x0b, db, taps):
         N, _, C = x0b.shape
@@ -292,7 +262,7 @@ def forward(layout, steps, h, activation, nw):
         chunks = len(_chunks(0, layout.rows))
         barriers = [plgpu.Barrier(num_arrivals=2 + chunks), plgpu.Barrier(num_arrivals=chunks)]
         body = functools.partial(forward_kernel, layout, layout.offsets(3, 3), steps, h, activation, nw)
-        return _call(body, layout, taps, out_type, barriers, nw)(x0b, db)
+        return _mosaic_call(body, layout, taps, out_type, barriers, nw, buffers=1)(x0b, db)
 
     return jax.jit(run)
 
@@ -304,7 +274,7 @@ def backward(layout, steps, h, activation, nw):
     import jax.numpy as jnp
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from naisnet_jax.hopper_block import _chunks, _slots
+    from naisnet_jax.hopper_block import _chunks, _mosaic_call, _slots
 
     def run(gb, zs, taps):
         N, _, C = gb.shape
@@ -318,7 +288,7 @@ def backward(layout, steps, h, activation, nw):
         ]
         mirrored = [-off for off in layout.offsets(3, 3)]
         body = functools.partial(backward_kernel, layout, mirrored, steps, h, activation, nw)
-        return _call(body, layout, jnp.swapaxes(taps, 1, 2), out_type, barriers, nw)(gb, zs)
+        return _mosaic_call(body, layout, jnp.swapaxes(taps, 1, 2), out_type, barriers, nw, buffers=1)(gb, zs)
 
     return jax.jit(run)
 

@@ -187,8 +187,12 @@ def _team(nw):
     return wg, pl.when(wg == 0), everyone
 
 
-def _act(activation, z):
-    return jnp.maximum(z, 0.0) if activation == "relu" else jnp.tanh(z)
+def _slope_tile(layout, q0, activation, h, z, g):
+    """``h act'(z) g`` for a tile's rows from ``q0``, zero outside the image (the kernels'
+    activation rules are ``fused_block``'s, imported here: it imports this module)."""
+    from naisnet_jax.fused_block import _scaled_slope
+
+    return jnp.where(_inside(layout, q0, g.shape[-1]), _scaled_slope(activation, h, z, g), jnp.zeros_like(g))
 
 
 def _forward_kernel(
@@ -210,6 +214,8 @@ def _forward_kernel(
     then warpgroup 0 sends the new state out (every state if ``save``, else the last)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from naisnet_jax.fused_block import _act  # fused_block imports this module
 
     zs_ref, (state, zstage, w_hi_ref, w_lo_ref, bar, sync) = (rest[0], rest[1:]) if save else (None, rest)
     n = jax.lax.axis_index("n")
@@ -328,11 +334,7 @@ def _backward_kernel(
     def slope_tile(j, g):  # h act'(z) g for the tile whose z is in its slot, masked
         plgpu.barrier_wait(zbar.at[slots * wg + j % slots])
         z = _load(zbuf, wg, j % slots, slice(None), slice(None))
-        inside = _inside(layout, first[j], C)
-        if activation == "relu":
-            return jnp.where(inside & (z > 0), h * g, jnp.zeros_like(g))
-        t = jnp.tanh(z)
-        return jnp.where(inside, h * g * (1.0 - t) * (1.0 + t), jnp.zeros_like(g))
+        return _slope_tile(layout, first[j], activation, h, z, g)
 
     def send(buf, out):  # warpgroup 0: a whole buffer out
         @lead_only
@@ -403,9 +405,10 @@ def _swizzled(C: int):
     return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
-def _mosaic_call(body, layout, taps, out_type, barriers, nw):
+def _mosaic_call(body, layout, taps, out_type, barriers, nw, buffers=2):
     """``body`` as a Mosaic GPU kernel, one program of ``nw`` warpgroups per pattern, with the
-    scratch both kernels use: the double buffer (``(2, rows, C)``), two ``(M, C)`` staging slots
+    scratch both kernels use: the state buffers (``(buffers, rows, C)``: double-buffered, or one
+    where the new tiles wait in registers), two ``(M, C)`` staging slots
     per warpgroup, the split taps ``(9, C, C)`` in swizzled shared memory, then ``barriers`` and a
     barrier for the warpgroups to meet at. Returns ``f(*buffers)``; the split taps are passed
     after the buffers."""
@@ -417,7 +420,7 @@ def _mosaic_call(body, layout, taps, out_type, barriers, nw):
         body,
         out_type=out_type,
         scratch_types=[
-            plgpu.SMEM((2, layout.rows, C), jnp.float32),
+            plgpu.SMEM((buffers, layout.rows, C), jnp.float32),
             plgpu.SMEM((nw, _slots(layout, nw), M, C), jnp.float32),
             plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
