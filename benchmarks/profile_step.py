@@ -78,6 +78,7 @@ def device_events(trace: dict) -> tuple[list[dict], dict]:
         if on_host and (not track.startswith("tf_XLA") or re.match(r"ThunkExecutor|while|call", e.get("name", ""))):
             continue  # the host's wrappers around the ops
         tracks[track] += 1
+        e["_track"] = track
         # XLA's "XLA Ops" / "XLA Modules" / "Steps" tracks summarise the stream tracks
         if re.search(r"xla ops|xla modules|steps|framework|source", track.lower()):
             continue
@@ -144,6 +145,73 @@ def summarise(events: list[dict], steps: int, top: int = 25) -> dict:
     }
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(x, y) -> float:
+    """Total length of the intersection of two sorted disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        total += max(0.0, b - a)
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def streams(events: list[dict], steps: int, top: int = 12) -> dict:
+    """The streams' timeline: each stream's busy time a step (the union of its kernels), the
+    time both the main stream (the busiest) and another run, the main stream's idle time between
+    its first and last kernel, and which kernels the main stream waited longest before (the
+    gap before each launch, summed by kernel name: a wait on the other stream or the host)."""
+    by_track = collections.defaultdict(list)
+    for e in events:
+        t0 = float(e.get("ts", 0.0))
+        by_track[e.get("_track", "?")].append((t0, t0 + float(e.get("dur", 0.0)), e.get("name", "?")))
+    if not by_track:
+        return {}
+    busy = {t: _union([(a, b) for a, b, _ in v]) for t, v in by_track.items()}
+    main = max(busy, key=lambda t: _length(busy[t]))
+    others = _union([iv for t, v in busy.items() if t != main for iv in v])
+    span_a = min(a for v in busy.values() for a, _ in v)
+    span_b = max(b for v in busy.values() for _, b in v)
+    launches = sorted(by_track[main])
+    waits = collections.defaultdict(lambda: [0, 0.0])
+    end = launches[0][1]
+    for a, b, name in launches[1:]:
+        if a > end:
+            waits[name][0] += 1
+            waits[name][1] += a - end
+        end = max(end, b)
+    main_busy = _length(busy[main])
+    return {
+        "main_stream": main,
+        "span_ms_per_step": (span_b - span_a) / steps / 1e3,
+        "busy_ms_per_step": {t: _length(v) / steps / 1e3 for t, v in busy.items()},
+        "main_idle_ms_per_step": ((span_b - span_a) - main_busy) / steps / 1e3,
+        "overlap_ms_per_step": _intersect(busy[main], others) / steps / 1e3,
+        "other_streams_ms_per_step": _length(others) / steps / 1e3,
+        "main_waits": [
+            {"kernel": k, "gaps_per_step": v[0] / steps, "ms_per_step": v[1] / steps / 1e3}
+            for k, v in sorted(waits.items(), key=lambda kv: -kv[1][1])[:top]
+        ],
+    }
+
+
 def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) -> dict:
     import jax
     import train_step as ts
@@ -153,6 +221,7 @@ def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) 
         raise SystemExit(f"--variant={variant} is a PyTorch row; profile a JAX variant")
     if spec.get("precision"):
         jax.config.update("jax_default_matmul_precision", spec["precision"])
+    ts.apply_spec(spec)
     _, _, state = ts._model_and_state(spec, smoke)
     x, y = ts._batch(batch)
 
@@ -170,6 +239,9 @@ def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) 
         jax.block_until_ready(loss)
     events, info = device_events(read_trace(log_dir))
     out = summarise(events, steps)
+    out["streams"] = streams(events, steps)
+    for e in events:
+        e.pop("_track", None)
     out.update(info)
     out.update(
         variant=variant,
@@ -220,8 +292,26 @@ def render(res: dict) -> tuple[str, str]:
             ("ms_per_step", "ms/step", ".3f"),
         ],
     )
-    text = "\n".join([head, "", g_text, "", s_text, "", k_text])
-    md = "\n".join([f"{head}\n", g_md, "", s_md, "", k_md])
+    st = res.get("streams") or {}
+    t_text = t_md = ""
+    if st:
+        busy = ", ".join(f"{t} {v:.2f}" for t, v in sorted(st["busy_ms_per_step"].items(), key=lambda kv: -kv[1]))
+        t_text = (
+            f"streams, ms a step: span {st['span_ms_per_step']:.2f}; busy {busy}; main stream ({st['main_stream']}) "
+            f"idle {st['main_idle_ms_per_step']:.2f}; other streams {st['other_streams_ms_per_step']:.2f}, "
+            f"of which beside the main stream {st['overlap_ms_per_step']:.2f}"
+        )
+        w_text, w_md = _common.table(
+            [dict(r, kernel=r["kernel"][:70]) for r in st["main_waits"]],
+            [
+                ("kernel", "main stream waited before", ""),
+                ("gaps_per_step", "gaps/step", ".1f"),
+                ("ms_per_step", "ms/step", ".3f"),
+            ],
+        )
+        t_text, t_md = f"{t_text}\n\n{w_text}", f"{t_text}\n\n{w_md}"
+    text = "\n".join([head, "", g_text, "", s_text, "", k_text, "", t_text])
+    md = "\n".join([f"{head}\n", g_md, "", s_md, "", k_md, "", t_md])
     return text, md
 
 

@@ -80,6 +80,13 @@ VARIANTS = {
     "nais10_fused_unroll10_wgmma_all": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma", c64="wgmma"
     ),
+    "nais10_fused_unroll10_relu_z": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), relu_sign=False),
+    "nais10_fused_unroll10_no_conv_fusion": dict(  # without XLA's cuDNN convolution fusions (train.GPU_STEP_OPTIONS)
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), conv_fusion=False
+    ),
+    "nais10_fused_unroll10_one_stream": dict(
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), side_stream=False
+    ),
     "nais10_fused_unroll10_nhwc": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), xla_flags="--xla_gpu_force_conv_nhwc"
     ),
@@ -202,15 +209,12 @@ def training_chunk(steps: int):
         state, losses = jax.lax.scan(body, state, None, length=steps)
         return state, losses[-1]
 
-    return jax.jit(chunk, donate_argnums=(0,))
+    return jax.jit(chunk, donate_argnums=(0,), compiler_options=train.step_compiler_options())
 
 
-def run_jax(spec, *, batch, steps, repeats, smoke) -> dict:
-    import jax
-    import numpy as np
-
-    if spec.get("precision"):
-        jax.config.update("jax_default_matmul_precision", spec["precision"])
+def apply_spec(spec) -> None:
+    """The spec's switches that patch the package before its model is built: the fused conv
+    blocks' engine, the prototype kernels, the weight gradients' second stream."""
     if spec.get("engine"):  # the fused conv blocks' GPU kernels: "wgmma" or "triton" (default: by card)
         import functools
 
@@ -225,7 +229,27 @@ def run_jax(spec, *, batch, steps, repeats, smoke) -> dict:
         import wgmma_block64
 
         wgmma_block64.patch_models()
+    if spec.get("relu_sign") is False:  # the wgmma forward saves ReLU's z_k in float32, not its sign
+        from naisnet_jax import hopper_block
 
+        hopper_block.SAVE_RELU_SIGN = False
+    if spec.get("conv_fusion") is False:  # the step compiled without XLA's cuDNN convolution fusions
+        from naisnet_jax import train
+
+        train.GPU_STEP_OPTIONS = {}
+    if spec.get("side_stream") is False:  # every weight gradient on the main stream
+        from naisnet_jax import block_vjp
+
+        block_vjp.SIDE_STREAM = False
+
+
+def run_jax(spec, *, batch, steps, repeats, smoke) -> dict:
+    import jax
+    import numpy as np
+
+    if spec.get("precision"):
+        jax.config.update("jax_default_matmul_precision", spec["precision"])
+    apply_spec(spec)
     config, model, state = _model_and_state(spec, smoke)
     x, y = _batch(batch)
     counted = step_flops(_countable(config, state), x, y)  # tracing only: no compile, no device work

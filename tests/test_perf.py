@@ -500,3 +500,46 @@ def test_bad_adaptive_arguments_are_refused():
         M.NaisNetFC(adaptive_tol=0.1, check_every=0)
     with pytest.raises(ValueError, match="stream_slots=0"):
         M.NaisNetFC(adaptive_tol=0.1, stream_slots=0)
+
+
+# ------------------------------------------------------------------ the step's XLA options
+
+
+def test_step_compiler_options_by_backend(monkeypatch):
+    """The training step compiles with XLA's cuDNN convolution fusions on a GPU only; an empty
+    ``GPU_STEP_OPTIONS`` turns them off; ``make_train_chunk`` passes them to ``jax.jit``."""
+    from naisnet_jax import train
+
+    assert train.step_compiler_options() is None  # this CPU
+    monkeypatch.setattr(train.jax, "default_backend", lambda: "gpu")
+    assert train.step_compiler_options() == {"xla_gpu_experimental_enable_conv_fusion": True}
+    seen = []
+    real_jit = jax.jit
+
+    def spy(f, **kwargs):
+        seen.append(kwargs.get("compiler_options"))
+        return real_jit(f, **kwargs)
+
+    monkeypatch.setattr(train.jax, "jit", spy)
+    train.make_train_chunk(np.zeros(1), np.ones(1), augment=False)
+    assert seen == [{"xla_gpu_experimental_enable_conv_fusion": True}]
+    monkeypatch.setattr(train, "GPU_STEP_OPTIONS", {})
+    assert train.step_compiler_options() is None
+
+
+def test_step_compiler_options_are_known_to_this_xla():
+    """Every option in ``GPU_STEP_OPTIONS`` is one this jaxlib's XLA knows (an unknown one fails
+    the compile, on any backend); on the CPU it changes nothing."""
+    from naisnet_jax import train
+
+    x = jnp.arange(12.0).reshape(1, 2, 2, 3)
+    w = jnp.ones((3, 3, 3, 4)) / 9
+
+    def f(x):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.maximum(y + 1.0, 0.0)
+
+    got = jax.jit(f, compiler_options=train.GPU_STEP_OPTIONS).lower(x).compile()(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(x)))
+    with pytest.raises(Exception, match="no_such_option"):
+        jax.jit(f, compiler_options={"xla_gpu_no_such_option": True}).lower(x).compile()

@@ -58,6 +58,15 @@ def _chunks(start: int, stop: int, size: int = TMA_ROWS) -> list[tuple[int, int]
     return [(s, min(size, stop - s)) for s in range(start, stop, size)]
 
 
+def _out_rows(layout, C: int) -> list[tuple[int, int]]:
+    """The TMA chunks that send a state out: its tiled rows only, from the last 128-byte boundary
+    at or before the first (a box starts aligned in shared memory). The slack rows around them,
+    which only feed windows, are not written: the kernels that read these outputs mask them
+    (``fused_block``'s weight-gradient kernel) or take the image (``Layout.interior``)."""
+    per = max(1, 128 // (4 * C))  # rows in 128 bytes
+    return _chunks(layout.slack // per * per, layout.slack + tiles_of(layout) * M)
+
+
 def _slots(layout, warpgroups: int) -> int:
     """Staging slots per warpgroup: two (one tile's copy in flight while the next is staged), one
     if the warpgroup has a single tile."""
@@ -125,6 +134,18 @@ def split_bf16(x: Array) -> tuple[Array, Array]:
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
     hi = jax.lax.bitcast_convert_type(bits, jnp.float32)
     return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
+
+
+#: For ReLU the forward kernel saves ``1[z_k > 0]`` in bfloat16 in place of ``z_k`` (``False``:
+#: ``z_k`` in float32, as for tanh; read when a kernel is first built).
+SAVE_RELU_SIGN = True
+
+
+def saves_mask(activation: str) -> bool:
+    """Whether the forward kernel saves ``1[z_k > 0]`` in bfloat16 in place of ``z_k``: ReLU's
+    slope needs only the sign, so the saved pre-activations move half the bytes (exactly the
+    same gradient: the backward kernel tests ``> 0`` on either)."""
+    return SAVE_RELU_SIGN and activation == "relu"
 
 
 def _load(ref, *idx):
@@ -218,15 +239,14 @@ def _forward_kernel(
     from naisnet_jax.fused_block import _act  # fused_block imports this module
 
     zs_ref, (state, zstage, w_hi_ref, w_lo_ref, bar, sync) = (rest[0], rest[1:]) if save else (None, rest)
+    mask = saves_mask(activation)
     n = jax.lax.axis_index("n")
     wg, lead_only, everyone = _team(nw)
     S, C = layout.slack, state.shape[-1]
     per = tiles_of(layout) // nw
     slots = zstage.shape[1]
     centre = offsets.index(0)
-    # whole buffers out, so that every TMA box starts 128-byte aligned in shared memory (the slack
-    # rows go out as they are: zero, from x_0's and the drive's buffers)
-    region = _chunks(0, layout.rows)
+    region, out = _chunks(0, layout.rows), _out_rows(layout, C)
 
     @lead_only
     def _():  # x_0 into buffer 0, the drive into buffer 1 (free until step 0 writes it)
@@ -243,7 +263,7 @@ def _forward_kernel(
 
         @lead_only
         def _():  # xs[0] = x_0
-            for s0, size in region:
+            for s0, size in out:
                 plgpu.copy_smem_to_gmem(state.at[0, pl.ds(s0, size)], xs_ref.at[0, n, pl.ds(s0, size)])
 
     plgpu.commit_smem()
@@ -260,7 +280,8 @@ def _forward_kernel(
             if save:
                 # the slot's last copy has read it (one slot: the last copy of all)
                 plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-                zstage[wg, j % slots] = jnp.where(keep, z, zero)
+                saved = jnp.where(keep, jnp.where(z > 0, jnp.ones_like(z), zero) if mask else z, zero)
+                zstage[wg, j % slots] = saved.astype(zstage.dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(zstage.at[wg, j % slots], zs_ref.at[k, n, rows])
         plgpu.commit_smem()  # this warpgroup's tiles of x_{k+1} are in buffer dst
@@ -272,7 +293,7 @@ def _forward_kernel(
         everyone(sync)  # x_{k+1} complete; nobody reads buffer src any more
 
         def send():
-            for s0, size in region:
+            for s0, size in out:
                 slot = k + 1 if save else 0
                 plgpu.copy_smem_to_gmem(state.at[dst, pl.ds(s0, size)], xs_ref.at[slot, n, pl.ds(s0, size)])
 
@@ -324,7 +345,7 @@ def _backward_kernel(
     per = tiles_of(layout) // nw
     slots = zbuf.shape[1]
     first = [(wg * per + j) * M for j in range(per)]  # this warpgroup's tiles' first rows
-    region = _chunks(0, layout.rows)
+    region, out = _chunks(0, layout.rows), _out_rows(layout, C)
 
     def fetch_z(k, j):  # z_k's tile j (of this warpgroup) into its slot j % slots
         plgpu.copy_gmem_to_smem(
@@ -333,14 +354,14 @@ def _backward_kernel(
 
     def slope_tile(j, g):  # h act'(z) g for the tile whose z is in its slot, masked
         plgpu.barrier_wait(zbar.at[slots * wg + j % slots])
-        z = _load(zbuf, wg, j % slots, slice(None), slice(None))
+        z = _load(zbuf, wg, j % slots, slice(None), slice(None)).astype(g.dtype)  # ReLU: saved 1[z > 0]
         return _slope_tile(layout, first[j], activation, h, z, g)
 
-    def send(buf, out):  # warpgroup 0: a whole buffer out
+    def send(buf, dst):  # warpgroup 0: a buffer's tiled rows out
         @lead_only
         def _():
-            for s0, size in region:
-                plgpu.copy_smem_to_gmem(sbuf.at[buf, pl.ds(s0, size)], out.at[pl.ds(s0, size)])
+            for s0, size in out:
+                plgpu.copy_smem_to_gmem(sbuf.at[buf, pl.ds(s0, size)], dst.at[pl.ds(s0, size)])
 
     @lead_only
     def _():
@@ -405,10 +426,10 @@ def _swizzled(C: int):
     return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
-def _mosaic_call(body, layout, taps, out_type, barriers, nw, buffers=2):
+def _mosaic_call(body, layout, taps, out_type, barriers, nw, buffers=2, staging=jnp.float32):
     """``body`` as a Mosaic GPU kernel, one program of ``nw`` warpgroups per pattern, with the
     scratch both kernels use: the state buffers (``(buffers, rows, C)``: double-buffered, or one
-    where the new tiles wait in registers), two ``(M, C)`` staging slots
+    where the new tiles wait in registers), two ``(M, C)`` staging slots of dtype ``staging``
     per warpgroup, the split taps ``(9, C, C)`` in swizzled shared memory, then ``barriers`` and a
     barrier for the warpgroups to meet at. Returns ``f(*buffers)``; the split taps are passed
     after the buffers."""
@@ -421,7 +442,7 @@ def _mosaic_call(body, layout, taps, out_type, barriers, nw, buffers=2):
         out_type=out_type,
         scratch_types=[
             plgpu.SMEM((buffers, layout.rows, C), jnp.float32),
-            plgpu.SMEM((nw, _slots(layout, nw), M, C), jnp.float32),
+            plgpu.SMEM((nw, _slots(layout, nw), M, C), staging),
             plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
             *barriers,
@@ -477,12 +498,13 @@ def _forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     N, _, C = x0b.shape
+    saved = jnp.bfloat16 if saves_mask(activation) else jnp.float32
     states = jax.ShapeDtypeStruct(((steps + 1) if save else 1, N, layout.rows, C), jnp.float32)
-    out_type = (states, jax.ShapeDtypeStruct((steps, N, layout.rows, C), jnp.float32)) if save else (states,)
+    out_type = (states, jax.ShapeDtypeStruct((steps, N, layout.rows, C), saved)) if save else (states,)
     loads = 2 + 2 * len(_chunks(0, layout.rows))
     body = functools.partial(_forward_kernel, layout, layout.offsets(3, 3), steps, h, activation, save, warpgroups)
     body.__name__ = "hopper_forward_kernel"  # the kernel's name in a profile
-    call = _mosaic_call(body, layout, taps, out_type, [plgpu.Barrier(num_arrivals=loads)], warpgroups)
+    call = _mosaic_call(body, layout, taps, out_type, [plgpu.Barrier(num_arrivals=loads)], warpgroups, staging=saved)
     return call(x0b, db)
 
 
@@ -502,4 +524,4 @@ def _backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups):
     body = functools.partial(_backward_kernel, layout, mirrored, steps, h, activation, warpgroups)
     body.__name__ = "hopper_backward_kernel"
     transposed = jnp.swapaxes(taps, 1, 2)  # tap t's C_out x C_in, as the transposed convolution takes it
-    return _mosaic_call(body, layout, transposed, out_type, barriers, warpgroups)(gb, zs)
+    return _mosaic_call(body, layout, transposed, out_type, barriers, warpgroups, staging=zs.dtype)(gb, zs)
