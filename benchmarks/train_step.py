@@ -81,8 +81,8 @@ VARIANTS = {
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma", c64="wgmma"
     ),
     "nais10_fused_unroll10_relu_z": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), relu_sign=False),
-    "nais10_fused_unroll10_no_conv_fusion": dict(  # without XLA's cuDNN convolution fusions (train.GPU_STEP_OPTIONS)
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), conv_fusion=False
+    "nais10_fused_unroll10_conv_fusion": dict(  # with XLA's cuDNN convolution fusions (train.CONV_FUSION)
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), conv_fusion=True
     ),
     "nais10_fused_unroll10_one_stream": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), side_stream=False
@@ -233,10 +233,10 @@ def apply_spec(spec) -> None:
         from naisnet_jax import hopper_block
 
         hopper_block.SAVE_RELU_SIGN = False
-    if spec.get("conv_fusion") is False:  # the step compiled without XLA's cuDNN convolution fusions
+    if spec.get("conv_fusion"):  # the step compiled with XLA's cuDNN convolution fusions
         from naisnet_jax import train
 
-        train.GPU_STEP_OPTIONS = {}
+        train.GPU_STEP_OPTIONS = train.CONV_FUSION
     if spec.get("side_stream") is False:  # every weight gradient on the main stream
         from naisnet_jax import block_vjp
 

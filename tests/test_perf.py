@@ -506,10 +506,12 @@ def test_bad_adaptive_arguments_are_refused():
 
 
 def test_step_compiler_options_by_backend(monkeypatch):
-    """The training step compiles with XLA's cuDNN convolution fusions on a GPU only; an empty
-    ``GPU_STEP_OPTIONS`` turns them off; ``make_train_chunk`` passes them to ``jax.jit``."""
+    """The training step compiles with ``GPU_STEP_OPTIONS`` (none by default) on a GPU only, and
+    ``make_train_chunk`` passes them to ``jax.jit``."""
     from naisnet_jax import train
 
+    assert train.GPU_STEP_OPTIONS == {} and train.step_compiler_options() is None
+    monkeypatch.setattr(train, "GPU_STEP_OPTIONS", train.CONV_FUSION)
     assert train.step_compiler_options() is None  # this CPU
     monkeypatch.setattr(train.jax, "default_backend", lambda: "gpu")
     assert train.step_compiler_options() == {"xla_gpu_experimental_enable_conv_fusion": True}
@@ -527,9 +529,9 @@ def test_step_compiler_options_by_backend(monkeypatch):
     assert train.step_compiler_options() is None
 
 
-def test_step_compiler_options_are_known_to_this_xla():
-    """Every option in ``GPU_STEP_OPTIONS`` is one this jaxlib's XLA knows (an unknown one fails
-    the compile, on any backend); on the CPU it changes nothing."""
+def test_conv_fusion_option_is_known_to_this_xla():
+    """``CONV_FUSION``'s option is one this jaxlib's XLA knows (an unknown one fails the compile,
+    on any backend); on the CPU it changes nothing."""
     from naisnet_jax import train
 
     x = jnp.arange(12.0).reshape(1, 2, 2, 3)
@@ -539,7 +541,7 @@ def test_step_compiler_options_are_known_to_this_xla():
         y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return jnp.maximum(y + 1.0, 0.0)
 
-    got = jax.jit(f, compiler_options=train.GPU_STEP_OPTIONS).lower(x).compile()(x)
+    got = jax.jit(f, compiler_options=train.CONV_FUSION).lower(x).compile()(x)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(x)))
     with pytest.raises(Exception, match="no_such_option"):
         jax.jit(f, compiler_options={"xla_gpu_no_such_option": True}).lower(x).compile()

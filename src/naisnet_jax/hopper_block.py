@@ -14,8 +14,9 @@ Mosaic GPU backend, where a program holds a pattern's whole state in shared memo
   and held in swizzled shared memory, by three ``wgmma``: ``hi w_hi + lo w_hi + hi w_lo``. The
   products carry about 16 significant bits, more than TF32's 11 (``tests/test_hopper_block.py``);
 - forward: the drive held in registers for all K steps, ``x_0`` and the drive in by TMA, each
-  new state out by TMA after its step and each pre-activation ``z_k`` through a staging buffer
-  per warpgroup (two slots; one where a warpgroup has a single tile);
+  new state out by TMA after its step (its tiled rows: the slack around them only feeds windows)
+  and each pre-activation ``z_k`` through a staging buffer per warpgroup (two slots; one where a
+  warpgroup has a single tile); for ReLU only ``1[z_k > 0]``, in bfloat16 (:func:`saves_mask`);
 - backward: the gradient ``g`` in registers for all K steps, the transposed convolution over
   ``s_k``'s windows (taps mirrored and transposed), each ``z_{k-1}`` tile in by TMA one tile
   ahead, each ``s_k`` out by TMA.

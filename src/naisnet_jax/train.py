@@ -289,11 +289,15 @@ def eval_step(state: TrainState, batch, mask) -> dict:
     return out
 
 
-#: XLA options the training step compiles with on a GPU: XLA's cuDNN convolution fusions, which
-#: fold a convolution's neighbouring elementwise work (the drive's bias, the block's adds) into
-#: cuDNN's kernel. Experimental in XLA; measured on an H200 (``BENCHMARKS.md``): NAIS-Net10's step
-#: 29.3 against 30.4 ms, the same losses to 4e-6. ``{}`` turns it off.
-GPU_STEP_OPTIONS: dict[str, Any] = {"xla_gpu_experimental_enable_conv_fusion": True}
+#: XLA's experimental cuDNN convolution fusions, which fold a convolution's neighbouring
+#: elementwise work (the drive's bias, the blocks' adds) into cuDNN's kernel. NAIS-Net10's step on
+#: an H200 29.3 against 30.4 ms (H100: 30.02 against 30.16), the same losses to 4e-6 after 10 steps
+#: in float32 (``BENCHMARKS.md``); not checked on a GPU in bfloat16 or over several GPUs, so not on
+#: by default: ``train.GPU_STEP_OPTIONS = train.CONV_FUSION`` before training turns it on.
+CONV_FUSION: dict[str, Any] = {"xla_gpu_experimental_enable_conv_fusion": True}
+#: XLA options the training step compiles with where JAX's default backend is a GPU (none by
+#: default; for example :data:`CONV_FUSION`).
+GPU_STEP_OPTIONS: dict[str, Any] = {}
 
 
 def step_compiler_options() -> dict[str, Any] | None:
