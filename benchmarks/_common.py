@@ -361,6 +361,14 @@ def bar_chart(
     plt.close(fig)
 
 
+def mosaic_dump_env(directory: str) -> dict[str, str]:
+    """The environment that makes Mosaic GPU's compiler write each kernel's PTX, SASS and ptxas
+    report (its warnings say whether ``wgmma`` is serialized) under ``directory`` (created) as it
+    builds them: set it before a kernel is first built, remove its keys to stop."""
+    os.makedirs(directory, exist_ok=True)
+    return {f"MOSAIC_GPU_DUMP_{k}": v for k, v in (("TO", directory), ("PTX", "1"), ("SASS", "1"), ("PTXAS", "1"))}
+
+
 def hopper_here(out: str, stem: str) -> bool:
     """Whether JAX's default device is a Hopper GPU (the wgmma kernels' scripts need one); if not,
     says so and writes ``<stem>.md`` saying why, so that ``make bench`` goes on."""

@@ -240,8 +240,6 @@ def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) 
     events, info = device_events(read_trace(log_dir))
     out = summarise(events, steps)
     out["streams"] = streams(events, steps)
-    for e in events:
-        e.pop("_track", None)
     out.update(info)
     out.update(
         variant=variant,

@@ -41,12 +41,12 @@ def compare(variant: str, *, batch: int, steps: int, rounds: int) -> dict:
     ts.apply_spec(spec)
     _, _, state = ts._model_and_state(spec, False)
     x, y = ts._batch(batch)
-    saved = dict(train.CONV_FUSION)
+    saved, previous = dict(train.CONV_FUSION), train.GPU_STEP_OPTIONS
     chunks = {}
     for name, options in (("on", saved), ("off", {})):
-        train.GPU_STEP_OPTIONS = options
+        train.GPU_STEP_OPTIONS = options  # read when the chunk's jax.jit is made
         chunks[name] = ts.training_chunk(steps)
-    train.GPU_STEP_OPTIONS = {}
+    train.GPU_STEP_OPTIONS = previous
     row = dict(model=variant, options=", ".join(f"{k}={v}" for k, v in saved.items()) or "none")
     ends, losses = {}, {}
     for name, f in chunks.items():  # compile, then the same steps from the same state

@@ -129,15 +129,8 @@ def main(argv=None):
             if kind not in VARIANTS:
                 raise SystemExit(f"--variants: {kind!r} is not one of {VARIANTS}")
             row = dict(shape=f"{H}x{W}x{C}", warpgroups=nw, variant=kind)
-            dumping = args.dump and kind == "base"
-            if dumping:  # read by Mosaic GPU's compiler when it builds a kernel
-                os.makedirs(args.dump, exist_ok=True)
-                os.environ.update(
-                    MOSAIC_GPU_DUMP_TO=args.dump,
-                    MOSAIC_GPU_DUMP_PTX="1",
-                    MOSAIC_GPU_DUMP_SASS="1",
-                    MOSAIC_GPU_DUMP_PTXAS="1",
-                )
+            dump = _common.mosaic_dump_env(args.dump) if args.dump and kind == "base" else {}
+            os.environ.update(dump)
             hb._conv_tile = conv_tile(kind)
             hb._forward_call.cache_clear()
             hb._backward_call.cache_clear()
@@ -163,14 +156,8 @@ def main(argv=None):
                 hb._conv_tile = original
                 hb._forward_call.cache_clear()
                 hb._backward_call.cache_clear()
-                if dumping:
-                    for key in (
-                        "MOSAIC_GPU_DUMP_TO",
-                        "MOSAIC_GPU_DUMP_PTX",
-                        "MOSAIC_GPU_DUMP_SASS",
-                        "MOSAIC_GPU_DUMP_PTXAS",
-                    ):
-                        os.environ.pop(key, None)
+                for key in dump:
+                    os.environ.pop(key, None)
             rows.append(row)
             print(row, flush=True)
     if args.smoke:

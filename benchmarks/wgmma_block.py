@@ -82,11 +82,8 @@ def main(argv=None):
     )
     parser.add_argument("--smoke", action="store_true", help="lower the kernels for CUDA only (any machine)")
     args = parser.parse_args(argv)
-    if args.dump:  # read by Mosaic GPU's compiler when it builds each kernel
-        os.makedirs(args.dump, exist_ok=True)
-        os.environ.update(
-            MOSAIC_GPU_DUMP_TO=args.dump, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTXAS="1"
-        )
+    if args.dump:
+        os.environ.update(_common.mosaic_dump_env(args.dump))
     _common.importable()
     import fused_block as bench  # benchmarks/fused_block.py: inputs, timing, errors
     import jax
