@@ -9,7 +9,10 @@ average pooling; a linear classifier; cross-entropy; SGD with momentum and weigh
 decay; then Algorithm 2 on every state kernel. Layout NCHW tensors in channels-last
 memory (cuDNN's fast layout). The one difference: PyTorch pads a stride-2 3x3
 convolution by one pixel on each side, XLA's SAME by one pixel at the end only (same
-shapes and cost, inputs shifted by a pixel).
+shapes and cost, inputs shifted by a pixel). ``first_step=True`` starts each block at
+``X_1 = h relu(drive)`` (exactly the first step from ``X_0 = 0``) and runs the other ``K - 1``
+steps, as ``naisnet_jax``'s tied fast paths do: the same network with one state convolution
+fewer per block.
 """
 
 from __future__ import annotations
@@ -30,10 +33,19 @@ def centre_mask(channels: int, k: int, device=None) -> torch.Tensor:
 
 class NaisConvBlock(tnn.Module):
     def __init__(
-        self, c_in: int, c: int, *, steps: int, stride: int, normalize_drive: bool, h: float = 1.0, k: int = 3
+        self,
+        c_in: int,
+        c: int,
+        *,
+        steps: int,
+        stride: int,
+        normalize_drive: bool,
+        h: float = 1.0,
+        k: int = 3,
+        first_step: bool = False,
     ):
         super().__init__()
-        self.steps, self.h = steps, h
+        self.steps, self.h, self.first_step = steps, h, first_step
         self.input = tnn.Conv2d(c_in, c, k, stride=stride, padding=k // 2, bias=not normalize_drive)
         self.drive_norm = tnn.BatchNorm2d(c, momentum=0.1, eps=1e-5) if normalize_drive else None
         self.state_kernel = tnn.Parameter(torch.randn(c, c, k, k) / (k * k * c) ** 0.5)
@@ -49,6 +61,11 @@ class NaisConvBlock(tnn.Module):
             drive = self.drive_norm(drive)
         kernel = self.kernel()
         pad = kernel.shape[-1] // 2
+        if self.first_step:  # x_1 = h relu(drive) from X_0 = 0, then K - 1 steps (as naisnet_jax's fast paths)
+            x = self.h * F.relu(drive)
+            for _ in range(self.steps - 1):
+                x = x + self.h * F.relu(F.conv2d(x, kernel, padding=pad) + drive)
+            return x
         x = torch.zeros_like(drive)
         for _ in range(self.steps):
             x = x + self.h * F.relu(F.conv2d(x, kernel, padding=pad) + drive)
@@ -56,7 +73,16 @@ class NaisConvBlock(tnn.Module):
 
 
 class NaisNetConv(tnn.Module):
-    def __init__(self, *, num_classes=10, stage_sizes=(18, 18, 18), filters=(16, 32, 64), steps=10, in_channels=3):
+    def __init__(
+        self,
+        *,
+        num_classes=10,
+        stage_sizes=(18, 18, 18),
+        filters=(16, 32, 64),
+        steps=10,
+        in_channels=3,
+        first_step=False,
+    ):
         super().__init__()
         self.stem = tnn.Conv2d(in_channels, filters[0], 3, padding=1, bias=False)
         self.stem_bn = tnn.BatchNorm2d(filters[0], momentum=0.1, eps=1e-5)
@@ -65,7 +91,14 @@ class NaisNetConv(tnn.Module):
             for j in range(size):
                 change = i > 0 and j == 0
                 blocks.append(
-                    NaisConvBlock(c_in, width, steps=steps, stride=2 if change else 1, normalize_drive=change)
+                    NaisConvBlock(
+                        c_in,
+                        width,
+                        steps=steps,
+                        stride=2 if change else 1,
+                        normalize_drive=change,
+                        first_step=first_step,
+                    )
                 )
                 c_in = width
         self.blocks = tnn.ModuleList(blocks)

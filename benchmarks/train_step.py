@@ -32,6 +32,7 @@ Rerunning with the same ``--out`` resumes: finished variants are read back.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -84,6 +85,10 @@ VARIANTS = {
     "nais10_fused_unroll10_conv_fusion": dict(  # with XLA's cuDNN convolution fusions (train.CONV_FUSION)
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), conv_fusion=True
     ),
+    # every block's K steps from x_0 = 0, as before session 24 (not from x_1 = h act(drive))
+    "nais10_fused_unroll10_from_zero": dict(
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), first_step=False
+    ),
     "nais10_fused_unroll10_one_stream": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), side_stream=False
     ),
@@ -99,6 +104,8 @@ VARIANTS = {
     "resnet_bf16": dict(model="resnet_cifar", kwargs=dict(dtype="bfloat16")),
     "torch_eager": dict(kind="torch", mode="eager", precision="tf32"),
     "torch_compile": dict(kind="torch", mode="compile", precision="tf32"),
+    # the same shortcut as our fast paths: each block from x_1 = h relu(drive), K - 1 steps
+    "torch_compile_first_step": dict(kind="torch", mode="compile", precision="tf32", first_step=True),
     # for reference: torch.compile replaying CUDA graphs (mode="reduce-overhead"), no launch cost
     "torch_compile_cudagraphs": dict(kind="torch", mode="reduce-overhead", precision="tf32"),
     "torch_eager_bf16": dict(kind="torch", mode="eager", precision="bf16"),
@@ -216,8 +223,6 @@ def apply_spec(spec) -> None:
     """The spec's switches that patch the package before its model is built: the fused conv
     blocks' engine, the prototype kernels, the weight gradients' second stream."""
     if spec.get("engine"):  # the fused conv blocks' GPU kernels: "wgmma" or "triton" (default: by card)
-        import functools
-
         from naisnet_jax import fused_block, models
 
         models.unroll_tied_conv = functools.partial(fused_block.unroll_tied_conv, engine=spec["engine"])
@@ -237,6 +242,10 @@ def apply_spec(spec) -> None:
         from naisnet_jax import train
 
         train.GPU_STEP_OPTIONS = train.CONV_FUSION
+    if spec.get("first_step") is False:  # tied blocks run K steps from x_0 = 0, not K - 1 from x_1
+        from naisnet_jax import models
+
+        models._from_first_step = lambda tied_run, drive, h, activation, steps: functools.partial(tied_run, steps=steps)
     if spec.get("side_stream") is False:  # every weight gradient on the main stream
         from naisnet_jax import block_vjp
 
@@ -311,7 +320,9 @@ def run_torch(spec, *, batch, steps, repeats, smoke) -> dict:
     torch.backends.cudnn.benchmark = True  # pick conv algorithms by timing, as XLA's autotuner does
     torch.manual_seed(0)
     sizes = dict(stage_sizes=(1, 1), filters=(4, 8), steps=2) if smoke else {}
-    model = tn.NaisNetConv(**sizes).to(device, memory_format=torch.channels_last)
+    model = tn.NaisNetConv(**sizes, first_step=bool(spec.get("first_step"))).to(
+        device, memory_format=torch.channels_last
+    )
     tn.project_state_kernels(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=2e-4)
     rng = np.random.default_rng(0)

@@ -243,6 +243,50 @@ def test_fast_paths_every_model(options, case):
     _check_fast_path(options, case)
 
 
+@pytest.mark.filterwarnings("ignore::naisnet_jax.models.StateUnusedWarning")  # steps=1, on purpose
+@pytest.mark.parametrize("steps", [1, 2, 4])
+@pytest.mark.parametrize("block_vjp", ["stacked", "fused"])
+def test_fast_paths_from_zero_start_at_the_first_step(monkeypatch, steps, block_vjp):
+    """From the paper's ``x_0 = 0`` a tied fast path runs ``K - 1`` steps from ``x_1 = h act(drive)``
+    (``models._from_first_step``), with the plain scan's values and gradients (float64); with
+    one step the state kernel never acts and its gradient is exactly zero. From ``x_0 = u`` it
+    runs all K steps from ``u``."""
+    x = jnp.asarray(_X_CONV[..., :1].repeat(4, -1))  # 4 channels: x_0 = u fits the state
+    calls = []
+    original = M.unroll_tied
+
+    def spy(op, x0, *, steps, **kw):
+        calls.append((steps, x0))
+        return original(op, x0, steps=steps, **kw)
+
+    monkeypatch.setattr(M, "unroll_tied", spy)
+    if block_vjp == "fused":  # on a CPU the fused conv entry point falls back to the stacked VJP
+        monkeypatch.setattr(
+            M,
+            "unroll_tied_conv",
+            lambda x0, *, drive, kernel, **kw: spy(nj.block_vjp.conv_op, x0, drive=drive, W=kernel, **kw),
+        )
+    for start in ("zero", "input"):
+        ctor = functools.partial(M.NaisConvBlock, 4, steps=steps, h=0.7, learn_delta=True, initial_state=start)
+        variables = _init(ctor(), x)
+        ref = _value_and_grad(ctor(), variables, x)
+        calls.clear()
+        out = _value_and_grad(ctor(block_vjp=block_vjp), variables, x)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12), out, ref)
+        if start == "input":
+            assert [k for k, _ in calls] == [steps]
+            continue
+        assert [k for k, _ in calls] == ([steps - 1] if steps > 1 else [])
+        if steps == 1:
+            assert not np.any(out[1]["state_kernel"]), "one step from zero: the kernel never acts"
+            continue
+        calls.clear()
+        ctor(block_vjp=block_vjp).apply(variables, x)  # eagerly: the first state the spy sees
+        D, E = variables["params"]["input"]["kernel"], variables["params"]["input"]["bias"]
+        drive = jax.lax.conv_general_dilated(x, D, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")) + E
+        np.testing.assert_allclose(calls[0][1], 0.7 * np.maximum(np.asarray(drive), 0), rtol=1e-13, atol=1e-15)
+
+
 def test_default_model_keeps_forward_mode_and_the_hand_written_vjp_has_none():
     """Why the default stays ``block_vjp="autodiff"``: ``jax.jvp`` through the default dense
     net equals a central difference (float64), while a custom VJP has no forward rule."""

@@ -284,7 +284,7 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
 
     @nn.nowrap
     def _unroll(self, step, x0, *, steps, xs, train, trajectory, tied):
-        """:func:`_unroll_block` with this block's depth and performance options."""
+        """:func:`_unroll_block` with this block's depth, start and performance options."""
         return _unroll_block(
             step,
             x0,
@@ -301,6 +301,7 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
             check_every=self.check_every,
             compact=self.compact,
             stream_slots=self.stream_slots,
+            zero_start=self.initial_state == "zero",
         )
 
     @nn.nowrap
@@ -442,6 +443,7 @@ def _unroll_block(
     check_every=1,
     compact=False,
     stream_slots=None,
+    zero_start=False,
 ):
     """Fixed or adaptive unroll; returns ``(x_K, depth, states or None)``.
 
@@ -450,41 +452,39 @@ def _unroll_block(
     values and depths are those of the ``while_loop``. ``tied = (op, drive, W,
     h, activation)`` lets a tied block of fixed depth use :func:`unroll_tied`
     (``block_vjp``); ``remat`` wraps the whole unroll (``"block"``) or each
-    step (``"step"``) in ``jax.checkpoint``.
+    step (``"step"``) in ``jax.checkpoint``. ``zero_start``: ``x0`` is zero (the paper's
+    ``x_0 = 0``), so a tied fast path starts at ``x_1`` (:func:`_from_first_step`).
     """
     batch = x0.shape[0]
     if remat == "step":
         step = jax.checkpoint(step, prevent_cse=False)  # inside a scan: no CSE to prevent
     if adaptive_tol is None:
-        if block_vjp == "fused" and not trajectory and tied[0] is conv_op:
+        tied_run = None  # steps -> the tied fast path's unroll of that many steps, if one applies
+        if block_vjp != "autodiff" and not trajectory:
             op, drive, W, h, activation = tied
-            run = functools.partial(
-                unroll_tied_conv,
-                drive=drive,
-                kernel=W,
-                steps=steps,
-                h=h,
-                activation=activation,
-                scan_unroll=scan_unroll,
-            )
-        elif block_vjp == "fused" and not trajectory and tied[0] is dense_op:
-            op, drive, W, h, activation = tied
-            run = functools.partial(
-                unroll_tied_dense, drive=drive, A=W, steps=steps, h=h, activation=activation, scan_unroll=scan_unroll
-            )
-        elif block_vjp != "autodiff" and not trajectory:
-            op, drive, W, h, activation = tied
-            run = functools.partial(
-                unroll_tied,
-                op,
-                drive=drive,
-                W=W,
-                steps=steps,
-                h=h,
-                activation=activation,
-                residuals=BLOCK_VJP[block_vjp],
-                scan_unroll=scan_unroll,
-            )
+            if block_vjp == "fused" and op is conv_op:
+                tied_run = functools.partial(
+                    unroll_tied_conv, drive=drive, kernel=W, h=h, activation=activation, scan_unroll=scan_unroll
+                )
+            elif block_vjp == "fused" and op is dense_op:
+                tied_run = functools.partial(
+                    unroll_tied_dense, drive=drive, A=W, h=h, activation=activation, scan_unroll=scan_unroll
+                )
+            else:
+                tied_run = functools.partial(
+                    unroll_tied,
+                    op,
+                    drive=drive,
+                    W=W,
+                    h=h,
+                    activation=activation,
+                    residuals=BLOCK_VJP[block_vjp],
+                    scan_unroll=scan_unroll,
+                )
+        if tied_run is not None and zero_start:
+            run = _from_first_step(tied_run, drive, h, activation, steps)
+        elif tied_run is not None:
+            run = functools.partial(tied_run, steps=steps)
         else:
             run = functools.partial(unroll, step, steps=steps, trajectory=trajectory, xs=xs, scan_unroll=scan_unroll)
         out = jax.checkpoint(run)(x0) if remat == "block" else run(x0)
@@ -518,6 +518,23 @@ def _unroll_block(
     else:
         x, depth = unroll_adaptive(driven, x0, inputs=drives, compact=compact, **common)
     return x, depth, None
+
+
+def _from_first_step(tied_run: Callable, drive, h: float, activation: str, steps: int) -> Callable:
+    """``x0 -> x_K`` of a tied block started at ``x_0 = 0``, as ``tied_run(x_1, steps=K - 1)``.
+
+    From zero the state term vanishes: ``x_1 = 0 + h act(A 0 + drive) = h act(drive)``, the
+    same value bit for bit. So the fast path runs the other ``K - 1`` steps from ``x_1``: one
+    step of state products fewer forward and backward, a state fewer saved, and no weight
+    gradient term ``x_0^T s_0``, which is zero. Autodiff carries the gradient through
+    ``x_1`` to the drive. ``x0`` gives only the shape and dtype.
+    """
+
+    def run(x0):
+        x1 = jnp.broadcast_to(h * ACTIVATIONS[activation](drive), x0.shape).astype(x0.dtype)
+        return tied_run(x1, steps=steps - 1) if steps > 1 else x1
+
+    return run
 
 
 def _untied_step(step: Callable) -> Callable:
