@@ -89,6 +89,10 @@ VARIANTS = {
     "nais10_fused_unroll10_from_zero": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), first_step=False
     ),
+    # the drive convolutions' kernel gradients by cuDNN, as before session 24 (not the fused kernel)
+    "nais10_fused_unroll10_xla_drive_wgrad": dict(
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), drive_wgrad="xla"
+    ),
     "nais10_fused_unroll10_one_stream": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), side_stream=False
     ),
@@ -246,6 +250,10 @@ def apply_spec(spec) -> None:
         from naisnet_jax import models
 
         models._from_first_step = lambda tied_run, drive, h, activation, steps: functools.partial(tied_run, steps=steps)
+    if spec.get("drive_wgrad") == "xla":  # drive kernel gradients by XLA (cuDNN), not the fused kernel
+        from naisnet_jax import fused_block
+
+        fused_block.same_conv_weight_grad = lambda *args: None
     if spec.get("side_stream") is False:  # every weight gradient on the main stream
         from naisnet_jax import block_vjp
 

@@ -247,3 +247,72 @@ def test_kernels_under_vmap_as_in_a_sweep(C):
     kspec = jax.ShapeDtypeStruct((2, 3, 3, C, C), jnp.float32)
     lowered = jax.jit(jax.vmap(jax.grad(loss(gpu), argnums=(0, 1, 2)))).trace(spec, spec, kspec)
     assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text().lower()
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 8, 16), (1, 6, 5, 32), (3, 32, 32, 16)])
+def test_conv_weight_grad_matches_the_transposed_convolution(shape):
+    """:func:`fb.conv_weight_grad` (the weight-gradient kernel over one step, each pattern split
+    into runs of rows) against XLA's kernel gradient of ``conv_same``, float64 in the interpreter;
+    at 32x32x16 ten programs a pattern share its 40 runs of 32 rows."""
+    rng = np.random.default_rng(7)
+    lhs, g = (jnp.asarray(rng.standard_normal(shape)) for _ in range(2))
+    kshape = (3, 3, shape[-1], shape[-1])
+    (want,) = jax.linear_transpose(lambda k: conv_same(lhs, k), jnp.zeros(kshape))(g)
+    config = fb.Config(interpret=True, tile_rows=fb.default_tiling(shape[-1])[0])
+    got = fb.conv_weight_grad(lhs, g, kshape, config=config)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+    layout = fb.Layout.of(*shape[1:3], 3, 3, config.tile_rows)
+    runs = layout.tiles * layout.tile_rows // fb._wgrad_rows(layout, shape[-1])[0]
+    assert runs % fb._chunks_of(runs) == 0
+    if shape[1:] == (32, 32, 16):
+        assert (runs, fb._chunks_of(runs)) == (40, 10)
+    gpu = functools.partial(
+        fb.conv_weight_grad, kernel_shape=kshape, config=fb.GPU._replace(tile_rows=config.tile_rows)
+    )
+    spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+    assert "triton" in jax.jit(gpu).trace(spec, spec).lower(lowering_platforms=("cuda",)).as_text().lower()
+
+
+def test_drive_convolution_kernel_gradient_by_the_fused_kernel(monkeypatch):
+    """``block_vjp.side_stream_conv`` takes the fused weight-gradient kernel for the convolutions it
+    fits (3x3 SAME, stride 1, C -> C, 16 or 32 channels, default precision), inside
+    :func:`fb.interpreted` here (on a CUDA GPU: always): same values and float64 gradients as
+    ``lax.conv_general_dilated``; any other convolution keeps XLA's kernel gradient."""
+    rng = np.random.default_rng(12)
+    dn = ("NHWC", "HWIO", "NHWC")
+    lhs = jnp.asarray(rng.standard_normal((2, 6, 6, 16)))
+    rhs = jnp.asarray(0.2 * rng.standard_normal((3, 3, 16, 16)))
+    side, plain = naisnet_jax.block_vjp.side_stream_conv, jax.lax.conv_general_dilated
+    taken = dict(args=((1, 1), "SAME"), kwargs=dict(dimension_numbers=dn))
+    refused = [  # (lhs, rhs, args, kwargs)
+        (lhs, rhs, ((2, 2), "SAME"), dict(dimension_numbers=dn)),  # stride 2
+        (lhs, rhs[..., :8], ((1, 1), "SAME"), dict(dimension_numbers=dn)),  # 16 -> 8 channels
+        (lhs, rhs, ((1, 1), "VALID"), dict(dimension_numbers=dn)),
+        (lhs, rhs, ((1, 1), "SAME"), dict(dimension_numbers=dn, precision=jax.lax.Precision.HIGHEST)),
+        (lhs, rhs, ((1, 1), "SAME"), dict(dimension_numbers=dn, rhs_dilation=(2, 2))),
+        (lhs[..., :3], rhs[:, :, :3, :3], ((1, 1), "SAME"), dict(dimension_numbers=dn)),  # 3 channels
+    ]
+
+    def loss(conv, args, kwargs):
+        return lambda a, b: jnp.sum(jnp.sin(conv(a, b, *args, **kwargs)))
+
+    def pallas_calls(fn, *a):
+        return str(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(*a)).count("pallas_call")
+
+    assert pallas_calls(loss(side, **taken), lhs, rhs) == 0  # a CPU, outside the interpreter
+    with fb.interpreted():
+        assert fb.same_conv_weight_grad(lhs, rhs, taken["args"], taken["kwargs"]) is not None
+        assert fb.same_conv_weight_grad(lhs, rhs, ((1, 1), [(1, 1), (1, 1)]), dict(dimension_numbers=dn))
+        assert pallas_calls(loss(side, **taken), lhs, rhs) == 1
+        got = jax.value_and_grad(loss(side, **taken), argnums=(0, 1))(lhs, rhs)
+        want = jax.value_and_grad(loss(plain, **taken), argnums=(0, 1))(lhs, rhs)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11), got, want)
+        for a, b, args, kwargs in refused:
+            assert fb.same_conv_weight_grad(a, b, args, kwargs) is None, (args, kwargs)
+            assert pallas_calls(loss(side, args, kwargs), a, b) == 0
+        # a conv block on a fast path: the drive's kernel gradient too (its state kernel's: one more)
+        x = jnp.asarray(rng.standard_normal((1, 5, 5, 16)))
+        block = M.NaisConvBlock(16, steps=3, block_vjp="fused")
+        variables = block.init(jax.random.key(0), x)
+        text = str(jax.make_jaxpr(jax.grad(lambda v: jnp.sum(block.apply(v, x))))(variables))
+        assert text.count("pallas_call") == 4  # forward, backward, state and drive weight gradients

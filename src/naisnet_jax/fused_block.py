@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 from typing import NamedTuple
 
 import jax
@@ -307,9 +308,10 @@ def _backward_kernel(layout, offsets, steps, h, activation, config, gk_ref, zs_r
     lax.fori_loop(0, steps, step, 0)
 
 
-def _weight_grad_kernel(layout, offsets, batch, rows, xs_ref, s_ref, dw_ref):
-    """Program ``p`` sums step ``k = p // N``'s, pattern ``n = p % N``'s share of the weight
-    gradient: ``dW_t^T += s_k^T @ x_k(window t)`` over tiles of ``rows`` rows, tap by tap.
+def _weight_grad_kernel(layout, offsets, batch, rows, chunks, xs_ref, s_ref, dw_ref):
+    """Program ``p = (k N + n) chunks + c`` sums step ``k``'s, pattern ``n``'s share of the
+    weight gradient over the ``c``-th of ``chunks`` equal runs of the state's tiles of ``rows``
+    rows: ``dW_t^T += s_k^T @ x_k(window t)``, tap by tap.
 
     One warp per program: the products have a ``(C, C)`` output and a long reduction over
     rows, which a wider program would give every warp whole (each warp holding both
@@ -319,12 +321,13 @@ def _weight_grad_kernel(layout, offsets, batch, rows, xs_ref, s_ref, dw_ref):
     from jax.experimental import pallas as pl
 
     p = _index(pl.program_id(0))
-    k, n = p // batch, p % batch
+    k, n, c = p // (batch * chunks), p // chunks % batch, p % chunks
     S, C = layout.slack, dw_ref.shape[-1]
     end = S + layout.tiles * layout.tile_rows
+    count = layout.tiles * layout.tile_rows // rows // chunks  # tiles a program sums
 
     def tile(i, acc):
-        q = S + _index(i) * rows
+        q = S + (c * count + _index(i)) * rows
         sT = s_ref[k, n, pl.ds(q, rows)].T
         out = []
         for acc_t, off in zip(acc, offsets):
@@ -335,7 +338,7 @@ def _weight_grad_kernel(layout, offsets, batch, rows, xs_ref, s_ref, dw_ref):
         return tuple(out)
 
     zero = jnp.zeros((C, C), dw_ref.dtype)
-    acc = lax.fori_loop(0, layout.tiles * layout.tile_rows // rows, tile, tuple(zero for _ in offsets))
+    acc = lax.fori_loop(0, count, tile, tuple(zero for _ in offsets))
     for t, acc_t in enumerate(acc):
         dw_ref[p, t] = acc_t
 
@@ -458,15 +461,21 @@ WGRAD_WARPS = 1
 WGRAD_TILINGS = {32: (64, 2), 64: (32, 4), 128: (32, 4)}
 
 
-def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU):
-    """``dW`` (HWIO) from the saved states ``xs`` and the backward kernel's ``ss`` (buffers)."""
+def _wgrad_rows(layout, C: int) -> tuple[int, int]:
+    """``(rows, warps)`` of a weight-gradient program for ``C`` channels on ``layout``."""
+    rows, warps = WGRAD_TILINGS.get(C, (WGRAD_ROWS, WGRAD_WARPS))
+    return min(rows, layout.tile_rows), warps
+
+
+def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU, chunks=1):
+    """``dW`` (HWIO) from the saved states ``xs`` and the backward kernel's ``ss`` (buffers),
+    each pattern's step summed by ``chunks`` programs (a divisor of its tiles of rows)."""
     steps, N, _, C = ss.shape
     kh, kw = kernel_shape[:2]
-    rows, warps = WGRAD_TILINGS.get(C, (WGRAD_ROWS, WGRAD_WARPS))
-    rows = min(rows, layout.tile_rows)
-    body = functools.partial(_weight_grad_kernel, layout, layout.offsets(kh, kw), N, rows)
-    out_shape = jax.ShapeDtypeStruct((steps * N, kh * kw, C, C), ss.dtype)
-    parts = _pallas(body, out_shape, steps * N, config, num_warps=warps)(xs, ss)
+    rows, warps = _wgrad_rows(layout, C)
+    body = functools.partial(_weight_grad_kernel, layout, layout.offsets(kh, kw), N, rows, chunks)
+    out_shape = jax.ShapeDtypeStruct((steps * N * chunks, kh * kw, C, C), ss.dtype)
+    parts = _pallas(body, out_shape, steps * N * chunks, config, num_warps=warps)(xs, ss)
     dWt = jnp.sum(parts, axis=0)  # (taps, C_out, C_in): each tap's transpose
     return jnp.swapaxes(dWt, 1, 2).reshape(kernel_shape)
 
@@ -493,6 +502,66 @@ def _fused_bwd(steps, h, activation, config, res, g):
     s_img = layout.interior(ss)
     d_drive = _sum_to_shape(jnp.sum(s_img, axis=0), drive.shape).astype(drive.dtype)
     return layout.interior(g0), d_drive, dW
+
+
+def _chunks_of(count: int, most: int = 10) -> int:
+    """The largest divisor of ``count`` up to ``most``."""
+    return max(d for d in range(1, min(count, most) + 1) if count % d == 0)
+
+
+def conv_weight_grad(lhs: Array, g: Array, kernel_shape: tuple, *, config: Config | None = None) -> Array:
+    """The kernel gradient ``dK`` (HWIO ``kernel_shape``) of ``conv_same(lhs, K)`` at output
+    gradient ``g``, by the weight-gradient kernel: ``lhs`` and ``g`` ``(N, H, W, C)``, a square
+    odd kernel mapping ``C`` channels to ``C``, stride 1 and zero padding (SAME). Each pattern
+    is summed by up to ten programs over runs of its rows (one step has ten times fewer
+    programs than a block's K). On a GPU it costs about half of cuDNN's TF32 weight-gradient
+    convolution at these shapes (``BENCHMARKS.md``); the drive convolutions of the fast paths
+    take it (:func:`naisnet_jax.block_vjp.side_stream_conv`). ``config``: :data:`GPU` at the
+    default tiling by channels, or the interpreter inside :func:`interpreted`."""
+    C = lhs.shape[-1]
+    if config is None:
+        config = Config(interpret=_INTERPRET.get(), tile_rows=default_tiling(C)[0])
+    layout = Layout.of(lhs.shape[1], lhs.shape[2], kernel_shape[0], kernel_shape[1], config.tile_rows)
+    rows, _ = _wgrad_rows(layout, C)
+    chunks = _chunks_of(layout.tiles * layout.tile_rows // rows)
+    xs, ss = layout.to_buffer(lhs)[None], layout.to_buffer(g)[None]
+    return fused_weight_grad(layout, xs, ss, kernel_shape, config, chunks=chunks)
+
+
+def same_conv_weight_grad(lhs: Array, rhs: Array, args: tuple, kwargs: dict):
+    """:func:`conv_weight_grad` as ``(lhs, g, rhs) -> dK`` for the convolution
+    ``lax.conv_general_dilated(lhs, rhs, *args, **kwargs)`` if it is one the kernel takes and runs
+    here (as :func:`unroll_tied_conv` chooses: a float32 NHWC input, an HWIO kernel mapping ``C``
+    channels to ``C`` that :func:`kernel_supported` takes, ``C`` at most :data:`AUTO_MAX_CHANNELS`,
+    stride 1, SAME zero padding, no dilation or groups, the default precision; a CUDA GPU, or the
+    interpreter inside :func:`interpreted`), else ``None``."""
+    try:
+        bound = inspect.signature(lax.conv_general_dilated).bind(lhs, rhs, *args, **kwargs).arguments
+    except TypeError:
+        return None
+    kh, kw = rhs.shape[:2] if rhs.ndim == 4 else (0, 0)
+    nhwc = lax.conv_dimension_numbers(lhs.shape, rhs.shape, ("NHWC", "HWIO", "NHWC"))
+    given = bound.get("dimension_numbers")
+    plain = (
+        lhs.ndim == 4
+        and given is not None
+        and lax.conv_dimension_numbers(lhs.shape, rhs.shape, given) == nhwc
+        and tuple(bound["window_strides"]) == (1, 1)
+        and bound["padding"]
+        in ("SAME", ((kh // 2, kh // 2), (kw // 2, kw // 2)), [(kh // 2, kh // 2), (kw // 2, kw // 2)])
+        and all(bound.get(d) is None or tuple(bound[d]) == (1, 1) for d in ("lhs_dilation", "rhs_dilation"))
+        and bound.get("feature_group_count", 1) == 1
+        and bound.get("batch_group_count", 1) == 1
+        and bound.get("precision") is None
+        and bound.get("preferred_element_type") is None
+    )
+    why = kernel_supported(lhs, rhs) if plain else "not a plain SAME convolution"
+    runs_here = gpu_kernels_available(lhs) and lhs.shape[-1] <= AUTO_MAX_CHANNELS
+    mode = kernel_mode("same_conv_weight_grad", None, why, runs_here)
+    if mode is None:
+        return None
+    config = Config(interpret=mode, tile_rows=default_tiling(lhs.shape[-1])[0])
+    return lambda lhs, g, rhs: conv_weight_grad(lhs, g, rhs.shape, config=config).astype(rhs.dtype)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
