@@ -104,7 +104,9 @@ def side_stream_conv(lhs: Array, rhs: Array, *args, **kwargs) -> Array:
     def f_bwd(res, g):
         lhs, rhs = res
         (d_lhs,) = jax.linear_transpose(lambda a: conv(a, rhs), lhs)(g)
-        return d_lhs, on_side_stream(weight_grad or _weight_grad(conv), side)(lhs, g, rhs)
+        if weight_grad is not None:  # the fused kernel: its inputs into buffers first, on the main stream
+            return d_lhs, weight_grad(lhs, g, rhs, side)
+        return d_lhs, on_side_stream(_weight_grad(conv), side)(lhs, g, rhs)
 
     f.defvjp(f_fwd, f_bwd)
     return f(lhs, rhs)

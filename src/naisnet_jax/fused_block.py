@@ -509,7 +509,9 @@ def _chunks_of(count: int, most: int = 10) -> int:
     return max(d for d in range(1, min(count, most) + 1) if count % d == 0)
 
 
-def conv_weight_grad(lhs: Array, g: Array, kernel_shape: tuple, *, config: Config | None = None) -> Array:
+def conv_weight_grad(
+    lhs: Array, g: Array, kernel_shape: tuple, *, config: Config | None = None, side_stream: bool = False
+) -> Array:
     """The kernel gradient ``dK`` (HWIO ``kernel_shape``) of ``conv_same(lhs, K)`` at output
     gradient ``g``, by the weight-gradient kernel: ``lhs`` and ``g`` ``(N, H, W, C)``, a square
     odd kernel mapping ``C`` channels to ``C``, stride 1 and zero padding (SAME). Each pattern
@@ -517,7 +519,10 @@ def conv_weight_grad(lhs: Array, g: Array, kernel_shape: tuple, *, config: Confi
     programs than a block's K). On a GPU it costs about half of cuDNN's TF32 weight-gradient
     convolution at these shapes (``BENCHMARKS.md``); the drive convolutions of the fast paths
     take it (:func:`naisnet_jax.block_vjp.side_stream_conv`). ``config``: :data:`GPU` at the
-    default tiling by channels, or the interpreter inside :func:`interpreted`."""
+    default tiling by channels, or the interpreter inside :func:`interpreted`. ``side_stream``:
+    the kernel and its sum on the second stream (:func:`naisnet_jax.block_vjp.on_side_stream`),
+    the inputs moved into buffers before, on the main stream (XLA assigns no stream to a copy
+    inside such a region)."""
     C = lhs.shape[-1]
     if config is None:
         config = Config(interpret=_INTERPRET.get(), tile_rows=default_tiling(C)[0])
@@ -525,11 +530,12 @@ def conv_weight_grad(lhs: Array, g: Array, kernel_shape: tuple, *, config: Confi
     rows, _ = _wgrad_rows(layout, C)
     chunks = _chunks_of(layout.tiles * layout.tile_rows // rows)
     xs, ss = layout.to_buffer(lhs)[None], layout.to_buffer(g)[None]
-    return fused_weight_grad(layout, xs, ss, kernel_shape, config, chunks=chunks)
+    weight_grad = functools.partial(fused_weight_grad, layout, kernel_shape=kernel_shape, config=config, chunks=chunks)
+    return on_side_stream(weight_grad, side_stream and not config.interpret)(xs, ss)
 
 
 def same_conv_weight_grad(lhs: Array, rhs: Array, args: tuple, kwargs: dict):
-    """:func:`conv_weight_grad` as ``(lhs, g, rhs) -> dK`` for the convolution
+    """:func:`conv_weight_grad` as ``(lhs, g, rhs, side_stream) -> dK`` for the convolution
     ``lax.conv_general_dilated(lhs, rhs, *args, **kwargs)`` if it is one the kernel takes and runs
     here (as :func:`unroll_tied_conv` chooses: a float32 NHWC input, an HWIO kernel mapping ``C``
     channels to ``C`` that :func:`kernel_supported` takes, ``C`` at most :data:`AUTO_MAX_CHANNELS`,
@@ -561,7 +567,11 @@ def same_conv_weight_grad(lhs: Array, rhs: Array, args: tuple, kwargs: dict):
     if mode is None:
         return None
     config = Config(interpret=mode, tile_rows=default_tiling(lhs.shape[-1])[0])
-    return lambda lhs, g, rhs: conv_weight_grad(lhs, g, rhs.shape, config=config).astype(rhs.dtype)
+
+    def weight_grad(lhs, g, rhs, side_stream):
+        return conv_weight_grad(lhs, g, rhs.shape, config=config, side_stream=side_stream).astype(rhs.dtype)
+
+    return weight_grad
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
