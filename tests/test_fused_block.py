@@ -316,3 +316,12 @@ def test_drive_convolution_kernel_gradient_by_the_fused_kernel(monkeypatch):
         variables = block.init(jax.random.key(0), x)
         text = str(jax.make_jaxpr(jax.grad(lambda v: jnp.sum(block.apply(v, x))))(variables))
         assert text.count("pallas_call") == 4  # forward, backward, state and drive weight gradients
+    # on a GPU with the second stream: only the kernel and its sum inside the annotated region (XLA
+    # assigns no stream to the copies into buffers there), the copies before it
+    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
+    gpu = functools.partial(fb.conv_weight_grad, kernel_shape=rhs.shape, config=fb.GPU, side_stream=True)
+    spec = jax.ShapeDtypeStruct(lhs.shape, jnp.float32)
+    text = jax.jit(gpu).trace(spec, spec).lower(lowering_platforms=("cuda",)).as_text()
+    region = text[text.index("func.func private @compute_on") :].split("\n  }")[0]
+    assert "triton" in region.lower() and "pad" not in region
+    assert '_xla_stream_annotation = "1"' in text
