@@ -290,10 +290,12 @@ def eval_step(state: TrainState, batch, mask) -> dict:
 
 
 #: XLA's experimental cuDNN convolution fusions, which fold a convolution's neighbouring
-#: elementwise work (the drive's bias, the blocks' adds) into cuDNN's kernel. NAIS-Net10's step on
-#: an H200 29.3 against 30.4 ms (H100: 30.02 against 30.16), the same losses to 4e-6 after 10 steps
-#: in float32 (``BENCHMARKS.md``); not checked on a GPU in bfloat16 or over several GPUs, so not on
-#: by default: ``train.GPU_STEP_OPTIONS = train.CONV_FUSION`` before training turns it on.
+#: elementwise work (the drive's bias, the blocks' adds) into cuDNN's kernel. Not on by default:
+#: once NAIS-Net10's tied blocks started from ``x_1`` they made its step slower on an H200 (median
+#: 30.8 against 28.6 ms in float32, 31.0 against 28.4 in bfloat16), and its parameters after 10
+#: steps differed from those without them by up to 1.5 and 2.0 relative (the losses by 1e-5;
+#: ``benchmarks/step_options.py``, ``BENCHMARKS.md``). ``train.GPU_STEP_OPTIONS =
+#: train.CONV_FUSION`` before training turns it on.
 CONV_FUSION: dict[str, Any] = {"xla_gpu_experimental_enable_conv_fusion": True}
 #: XLA options the training step compiles with where JAX's default backend is a GPU (none by
 #: default; for example :data:`CONV_FUSION`).
