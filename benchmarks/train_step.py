@@ -93,6 +93,11 @@ VARIANTS = {
     "nais10_fused_unroll10_xla_drive_wgrad": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), drive_wgrad="xla"
     ),
+    # the weight-gradient kernel's chunks and stages from benchmarks/wgrad_tiling.py --best=FILE
+    # (read from the environment's WGRAD_BEST=FILE)
+    "nais10_fused_unroll10_wgrad_best": dict(
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad_tiling="WGRAD_BEST"
+    ),
     "nais10_fused_unroll10_one_stream": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), side_stream=False
     ),
@@ -254,6 +259,13 @@ def apply_spec(spec) -> None:
         from naisnet_jax import fused_block
 
         fused_block.same_conv_weight_grad = lambda *args: None
+    if spec.get("wgrad_tiling"):  # the weight-gradient kernel's knobs from wgrad_tiling.py's JSON
+        import json
+
+        import wgrad_tiling
+
+        with open(os.environ[spec["wgrad_tiling"]]) as f:
+            wgrad_tiling.apply(json.load(f))
     if spec.get("side_stream") is False:  # every weight gradient on the main stream
         from naisnet_jax import block_vjp
 

@@ -325,3 +325,27 @@ def test_drive_convolution_kernel_gradient_by_the_fused_kernel(monkeypatch):
     region = text[text.index("func.func private @compute_on") :].split("\n  }")[0]
     assert "triton" in region.lower() and "pad" not in region
     assert '_xla_stream_annotation = "1"' in text
+
+
+@pytest.mark.parametrize("C, chunks", [(16, 4), (32, 2)])
+def test_weight_gradient_split_between_programs(monkeypatch, C, chunks):
+    """``fused_block.WGRAD_CHUNKS``: a block's weight gradient summed by several programs a step and
+    pattern gives the plain loop's kernel gradient (float64, interpreter), and lowers to Triton
+    with pipelined loops (``WGRAD_STAGES``)."""
+    monkeypatch.setattr(fb, "WGRAD_CHUNKS", {C: chunks})
+    monkeypatch.setattr(fb, "WGRAD_STAGES", 2)
+    x0, drive, kernel, cot = _case((2, 8, 8, C), 3, seed=4)
+    fused = functools.partial(fb.unroll_tied_conv, steps=3, h=0.5, interpret=True, tile_rows=32)
+    loop = functools.partial(_loop, steps=3, h=0.5, activation="relu")
+    got = _value_and_grads(fused, x0, drive, kernel, cot)
+    want = _value_and_grads(loop, x0, drive, kernel, cot)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), got, want)
+    layout = fb.Layout.of(8, 8, 3, 3, 32)
+    runs = layout.tiles * layout.tile_rows // fb._wgrad_rows(layout, C)[0]
+    assert runs % chunks == 0 and fb._chunks_of(runs, chunks) == chunks  # really split
+    xs = jax.ShapeDtypeStruct((3, 2, layout.rows, C), jnp.float32)
+    gpu = functools.partial(
+        fb.fused_weight_grad, layout, kernel_shape=kernel.shape, config=fb.GPU._replace(tile_rows=32)
+    )
+    lowered = jax.jit(gpu).trace(xs, xs).lower(lowering_platforms=("cuda",)).as_text()
+    assert 'name = "_weight_grad_kernel", num_stages = 2' in lowered

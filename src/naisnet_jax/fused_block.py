@@ -373,9 +373,10 @@ def interpreted():
         _INTERPRET.reset(token)
 
 
-def _pallas(kernel, out_shape, programs: int, config, num_warps=None):
+def _pallas(kernel, out_shape, programs: int, config, num_warps=None, num_stages=1):
     """``pallas_call`` of ``kernel`` over ``programs`` programs, as ``config`` says (any config with
-    ``interpret`` and ``num_warps``, this module's or :mod:`naisnet_jax.fused_dense`'s)."""
+    ``interpret`` and ``num_warps``, this module's or :mod:`naisnet_jax.fused_dense`'s);
+    ``num_stages``: Triton's software pipelining of the kernel's loops."""
     from jax.experimental import pallas as pl
 
     params = {}
@@ -383,7 +384,7 @@ def _pallas(kernel, out_shape, programs: int, config, num_warps=None):
         from jax.experimental.pallas import triton as plgpu
 
         warps = num_warps or config.num_warps
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=1)
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=num_stages)
     return pl.pallas_call(kernel, out_shape=out_shape, grid=(programs,), interpret=config.interpret, **params)
 
 
@@ -459,6 +460,10 @@ WGRAD_WARPS = 1
 #: four warps take 435 us (cuDNN ~90: 64 channels stay on XLA). 128 channels (only when forced)
 #: take 64's tiling, not measured.
 WGRAD_TILINGS = {32: (64, 2), 64: (32, 4), 128: (32, 4)}
+#: Programs a pattern's step is split between (at most; a divisor of its runs of rows), by channels.
+WGRAD_CHUNKS = {16: 1, 32: 1}
+#: Triton's pipelining stages of the weight-gradient kernel's loop over rows.
+WGRAD_STAGES = 1
 
 
 def _wgrad_rows(layout, C: int) -> tuple[int, int]:
@@ -467,15 +472,19 @@ def _wgrad_rows(layout, C: int) -> tuple[int, int]:
     return min(rows, layout.tile_rows), warps
 
 
-def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU, chunks=1):
+def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU, chunks=None):
     """``dW`` (HWIO) from the saved states ``xs`` and the backward kernel's ``ss`` (buffers),
-    each pattern's step summed by ``chunks`` programs (a divisor of its tiles of rows)."""
+    each pattern's step summed by ``chunks`` programs (a divisor of its tiles of rows; default
+    the largest up to :data:`WGRAD_CHUNKS` for ``C``)."""
     steps, N, _, C = ss.shape
     kh, kw = kernel_shape[:2]
     rows, warps = _wgrad_rows(layout, C)
+    if chunks is None:
+        chunks = _chunks_of(layout.tiles * layout.tile_rows // rows, WGRAD_CHUNKS.get(C, 1))
     body = functools.partial(_weight_grad_kernel, layout, layout.offsets(kh, kw), N, rows, chunks)
     out_shape = jax.ShapeDtypeStruct((steps * N * chunks, kh * kw, C, C), ss.dtype)
-    parts = _pallas(body, out_shape, steps * N * chunks, config, num_warps=warps)(xs, ss)
+    call = _pallas(body, out_shape, steps * N * chunks, config, num_warps=warps, num_stages=WGRAD_STAGES)
+    parts = call(xs, ss)
     dWt = jnp.sum(parts, axis=0)  # (taps, C_out, C_in): each tap's transpose
     return jnp.swapaxes(dWt, 1, 2).reshape(kernel_shape)
 
