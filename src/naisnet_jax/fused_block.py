@@ -460,10 +460,13 @@ WGRAD_WARPS = 1
 #: four warps take 435 us (cuDNN ~90: 64 channels stay on XLA). 128 channels (only when forced)
 #: take 64's tiling, not measured.
 WGRAD_TILINGS = {32: (64, 2), 64: (32, 4), 128: (32, 4)}
-#: Programs a pattern's step is split between (at most; a divisor of its runs of rows), by channels.
-WGRAD_CHUNKS = {16: 1, 32: 1}
-#: Triton's pipelining stages of the weight-gradient kernel's loop over rows.
-WGRAD_STAGES = 1
+#: Programs a pattern's step is split between (at most; a divisor of its runs of rows), by channels,
+#: and Triton's pipelining stages of the kernel's loop over rows. On an H200 (batch 128, 9 steps;
+#: ``benchmarks/wgrad_tiling.py``): at 32x32x16 four programs and two stages take 0.201 ms against
+#: 0.207 for one and one (best 0.196: four and one); at 16x16x32 one program and two stages 0.195
+#: against 0.209. NAIS-Net10's step with these: 27.72 against 28.20 ms (``BENCHMARKS.md``).
+WGRAD_CHUNKS = {16: 4, 32: 1}
+WGRAD_STAGES = 2
 
 
 def _wgrad_rows(layout, C: int) -> tuple[int, int]:
