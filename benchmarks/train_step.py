@@ -264,7 +264,13 @@ def apply_spec(spec) -> None:
 
         import wgrad_tiling
 
-        with open(os.environ[spec["wgrad_tiling"]]) as f:
+        path = os.environ.get(spec["wgrad_tiling"])
+        if not path:
+            raise ValueError(
+                f"this variant reads the weight-gradient setting from ${spec['wgrad_tiling']}: set it to the "
+                "file that benchmarks/wgrad_tiling.py --best=FILE wrote"
+            )
+        with open(path) as f:
             wgrad_tiling.apply(json.load(f))
     if spec.get("side_stream") is False:  # every weight gradient on the main stream
         from naisnet_jax import block_vjp
