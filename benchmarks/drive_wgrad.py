@@ -64,7 +64,7 @@ def main(argv=None):
 
         def one_chunk(lhs, g):
             xs, ss = layout.to_buffer(lhs)[None], layout.to_buffer(g)[None]
-            return fb.fused_weight_grad(layout, xs, ss, kshape, config)
+            return fb.fused_weight_grad(layout, xs, ss, kshape, config, chunks=1)
 
         variants = {
             "xla": jax.jit(xla),
@@ -72,7 +72,7 @@ def main(argv=None):
             "fused_1chunk": jax.jit(one_chunk),
         }
         ref = jax.jit(functools.partial(xla, precision="highest"))(lhs, g)
-        runs = layout.tiles * layout.tile_rows // fb._wgrad_rows(layout, C)[0]
+        runs = fb._wgrad_runs(layout, C)
         for name, fn in variants.items():
             row = dict(shape=f"{H}x{W}x{C}", variant=name, batch=batch)
             row["programs_a_pattern"] = dict(fused=fb._chunks_of(runs), fused_1chunk=1).get(name, "")

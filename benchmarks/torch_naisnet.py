@@ -62,12 +62,10 @@ class NaisConvBlock(tnn.Module):
         kernel = self.kernel()
         pad = kernel.shape[-1] // 2
         if self.first_step:  # x_1 = h relu(drive) from X_0 = 0, then K - 1 steps (as naisnet_jax's fast paths)
-            x = self.h * F.relu(drive)
-            for _ in range(self.steps - 1):
-                x = x + self.h * F.relu(F.conv2d(x, kernel, padding=pad) + drive)
-            return x
-        x = torch.zeros_like(drive)
-        for _ in range(self.steps):
+            x, steps = self.h * F.relu(drive), self.steps - 1
+        else:
+            x, steps = torch.zeros_like(drive), self.steps
+        for _ in range(steps):
             x = x + self.h * F.relu(F.conv2d(x, kernel, padding=pad) + drive)
         return x
 

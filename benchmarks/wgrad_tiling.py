@@ -9,8 +9,8 @@ steps at batch 128, about nine warps an SM, each loop iteration waiting on its l
 - ``stages``: Triton's software pipelining of the loop over rows (``fused_block.WGRAD_STAGES``).
 
 For NAIS-Net10's two fused shapes, every combination's time (best of ``--repeats`` runs of
-``--iters`` calls) and its largest difference from the current setting (the same sums in
-another order). ``--best=FILE`` writes the fastest setting per width as JSON, which
+``--iters`` calls) and its largest difference from one program and one stage (the setting
+before session 24: the same sums in another order). ``--best=FILE`` writes the fastest setting per width as JSON, which
 ``train_step.py``'s variant ``nais10_fused_unroll10_wgrad_best`` reads (``WGRAD_BEST=FILE``).
 
     python benchmarks/wgrad_tiling.py --out=$OUT/wgrad_tiling --best=$OUT/wgrad_best.json
@@ -69,9 +69,9 @@ def main(argv=None):
         xs, ss = (
             layout.to_buffer(jnp.asarray(rng.standard_normal((steps, batch, H, W, C)), jnp.float32)) for _ in range(2)
         )
-        runs = layout.tiles * layout.tile_rows // fb._wgrad_rows(layout, C)[0]
+        runs = fb._wgrad_runs(layout, C)
         kshape = (3, 3, C, C)
-        ref = None
+        ref, default_stages = None, fb.WGRAD_STAGES
         for stages in STAGES:
             for chunks in [c for c in CHUNKS if runs % c == 0]:
                 fb.WGRAD_STAGES = stages
@@ -79,7 +79,7 @@ def main(argv=None):
                 row = dict(shape=f"{H}x{W}x{C}", chunks=chunks, stages=stages, programs=steps * batch * chunks)
                 try:
                     out = fn(xs, ss)
-                    ref = out if ref is None else ref  # the first: chunks 1, stages 1 (the setting so far)
+                    ref = out if ref is None else ref  # the first: chunks 1, stages 1
                     row["diff_vs_first"] = bench._rel(out, ref)
                     row["ms"] = 1e3 * bench._time(fn, (xs, ss), iters, repeats)
                 except Exception as e:  # noqa: BLE001 - a setting that fails is reported, not fatal
@@ -88,7 +88,7 @@ def main(argv=None):
                 timed = row.get("ms")
                 if timed is not None and (str(C) not in best or timed < best[str(C)]["ms"]):
                     best[str(C)] = dict(chunks=chunks, stages=stages, ms=timed)
-        fb.WGRAD_STAGES = 1
+        fb.WGRAD_STAGES = default_stages
     columns = [
         ("shape", "shape", ""),
         ("chunks", "chunks", ""),

@@ -262,7 +262,7 @@ def test_conv_weight_grad_matches_the_transposed_convolution(shape):
     got = fb.conv_weight_grad(lhs, g, kshape, config=config)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
     layout = fb.Layout.of(*shape[1:3], 3, 3, config.tile_rows)
-    runs = layout.tiles * layout.tile_rows // fb._wgrad_rows(layout, shape[-1])[0]
+    runs = fb._wgrad_runs(layout, shape[-1])
     assert runs % fb._chunks_of(runs) == 0
     if shape[1:] == (32, 32, 16):
         assert (runs, fb._chunks_of(runs)) == (40, 10)
@@ -341,7 +341,7 @@ def test_weight_gradient_split_between_programs(monkeypatch, C, chunks):
     want = _value_and_grads(loop, x0, drive, kernel, cot)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), got, want)
     layout = fb.Layout.of(8, 8, 3, 3, 32)
-    runs = layout.tiles * layout.tile_rows // fb._wgrad_rows(layout, C)[0]
+    runs = fb._wgrad_runs(layout, C)
     assert runs % chunks == 0 and fb._chunks_of(runs, chunks) == chunks  # really split
     xs = jax.ShapeDtypeStruct((3, 2, layout.rows, C), jnp.float32)
     gpu = functools.partial(

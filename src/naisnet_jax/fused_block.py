@@ -475,6 +475,11 @@ def _wgrad_rows(layout, C: int) -> tuple[int, int]:
     return min(rows, layout.tile_rows), warps
 
 
+def _wgrad_runs(layout, C: int) -> int:
+    """Runs of rows a weight-gradient program sums over a whole state (``chunks`` divide them)."""
+    return layout.tiles * layout.tile_rows // _wgrad_rows(layout, C)[0]
+
+
 def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU, chunks=None):
     """``dW`` (HWIO) from the saved states ``xs`` and the backward kernel's ``ss`` (buffers),
     each pattern's step summed by ``chunks`` programs (a divisor of its tiles of rows; default
@@ -483,7 +488,7 @@ def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU, chunks=None):
     kh, kw = kernel_shape[:2]
     rows, warps = _wgrad_rows(layout, C)
     if chunks is None:
-        chunks = _chunks_of(layout.tiles * layout.tile_rows // rows, WGRAD_CHUNKS.get(C, 1))
+        chunks = _chunks_of(_wgrad_runs(layout, C), WGRAD_CHUNKS.get(C, 1))
     body = functools.partial(_weight_grad_kernel, layout, layout.offsets(kh, kw), N, rows, chunks)
     out_shape = jax.ShapeDtypeStruct((steps * N * chunks, kh * kw, C, C), ss.dtype)
     call = _pallas(body, out_shape, steps * N * chunks, config, num_warps=warps, num_stages=WGRAD_STAGES)
@@ -540,8 +545,7 @@ def conv_weight_grad(
     if config is None:
         config = Config(interpret=_INTERPRET.get(), tile_rows=default_tiling(C)[0])
     layout = Layout.of(lhs.shape[1], lhs.shape[2], kernel_shape[0], kernel_shape[1], config.tile_rows)
-    rows, _ = _wgrad_rows(layout, C)
-    chunks = _chunks_of(layout.tiles * layout.tile_rows // rows)
+    chunks = _chunks_of(_wgrad_runs(layout, C))
     xs, ss = layout.to_buffer(lhs)[None], layout.to_buffer(g)[None]
     weight_grad = functools.partial(fused_weight_grad, layout, kernel_shape=kernel_shape, config=config, chunks=chunks)
     return on_side_stream(weight_grad, side_stream and not config.interpret)(xs, ss)
