@@ -78,6 +78,8 @@ VARIANTS = {
     "nais10_fused_unroll10_wgmma_wgrad": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma"),
     # the 64-channel blocks on wgmma too (prototype, benchmarks/wgmma_block64.py; Hopper only)
     "nais10_fused_unroll10_wgmma_c64": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="wgmma"),
+    # the 64-channel blocks' per-step convolutions as im2col matrix products (benchmarks/conv64_dot.py)
+    "nais10_fused_unroll10_c64_dot": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="dot"),
     "nais10_fused_unroll10_wgmma_all": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma", c64="wgmma"
     ),
@@ -97,6 +99,11 @@ VARIANTS = {
     # (read from the environment's WGRAD_BEST=FILE)
     "nais10_fused_unroll10_wgrad_best": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad_tiling="WGRAD_BEST"
+    ),
+    # the drive's gradient as XLA's sum over the saved s_k beside the per-step weight-gradient kernel
+    # on the second stream, as before session 25 (not summed by the weight-gradient kernel)
+    "nais10_fused_unroll10_wgrad_per_step": dict(
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad_sums_steps=False
     ),
     "nais10_fused_unroll10_one_stream": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), side_stream=False
@@ -243,6 +250,10 @@ def apply_spec(spec) -> None:
         import wgmma_block64
 
         wgmma_block64.patch_models()
+    if spec.get("c64") == "dot":  # the 64-channel blocks' convolutions as im2col products
+        import conv64_dot
+
+        conv64_dot.patch()
     if spec.get("relu_sign") is False:  # the wgmma forward saves ReLU's z_k in float32, not its sign
         from naisnet_jax import hopper_block
 
@@ -272,6 +283,10 @@ def apply_spec(spec) -> None:
             )
         with open(path) as f:
             wgrad_tiling.apply(json.load(f))
+    if spec.get("wgrad_sums_steps") is False:  # the drive's gradient by XLA, the kernel per step
+        from naisnet_jax import fused_block
+
+        fused_block.WGRAD_SUMS_STEPS = False
     if spec.get("side_stream") is False:  # every weight gradient on the main stream
         from naisnet_jax import block_vjp
 

@@ -13,6 +13,12 @@ For NAIS-Net10's two fused shapes, every combination's time (best of ``--repeats
 before session 24: the same sums in another order). ``--best=FILE`` writes the fastest setting per width as JSON, which
 ``train_step.py``'s variant ``nais10_fused_unroll10_wgrad_best`` reads (``WGRAD_BEST=FILE``).
 
+Session 25: the kernel can also sum the drive's gradient ``sum_k s_k`` while it reads the
+``s_k`` (``fused_weight_grad(..., sum_steps=True)``: a program takes a run of a pattern's rows
+over every step; ``fused_block.WGRAD_SUM_CHUNKS``). Its rows (``mode`` "summed") are timed against
+what they replace: the per-step kernel at its default setting plus XLA's sum of the ``s_k``
+over the steps ("per step + XLA sum"). ``--sum-only`` times only these.
+
     python benchmarks/wgrad_tiling.py --out=$OUT/wgrad_tiling --best=$OUT/wgrad_best.json
     python benchmarks/wgrad_tiling.py --out=/tmp/smoke --smoke     # interpreter, CPU, tiny
 """
@@ -36,9 +42,16 @@ def apply(best: dict) -> None:
     """Sets ``fused_block``'s weight-gradient knobs from :func:`main`'s ``--best`` JSON."""
     from naisnet_jax import fused_block
 
-    fused_block.WGRAD_CHUNKS = {int(c): v["chunks"] for c, v in best.items()}
-    stages = {v["stages"] for v in best.values()}
-    fused_block.WGRAD_STAGES = max(stages)  # one setting for every width: the larger if they differ
+    per_step = {c: v for c, v in best.items() if c != "summed"}
+    if per_step:
+        fused_block.WGRAD_CHUNKS = {int(c): v["chunks"] for c, v in per_step.items()}
+    summed = best.get("summed", {})
+    if summed:
+        fused_block.WGRAD_SUM_CHUNKS = {int(c): v["chunks"] for c, v in summed.items()}
+    # one stage setting for every width and both kernels: the larger if they differ (the blocks
+    # run only the summing kernel when fused_block.WGRAD_SUMS_STEPS is set)
+    stages = {v["stages"] for v in (summed if summed and fused_block.WGRAD_SUMS_STEPS else per_step).values()}
+    fused_block.WGRAD_STAGES = max(stages)
 
 
 def main(argv=None):
@@ -50,6 +63,7 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="batch 2, two steps, the interpreter: a CPU check")
+    parser.add_argument("--sum-only", action="store_true", help="only the summing kernel and what it replaces")
     args = parser.parse_args(argv)
     _common.importable()
     import fused_block as bench  # benchmarks/fused_block.py: timing, errors
@@ -71,31 +85,62 @@ def main(argv=None):
         )
         runs = fb._wgrad_runs(layout, C)
         kshape = (3, 3, C, C)
-        ref, default_stages = None, fb.WGRAD_STAGES
+        shape = f"{H}x{W}x{C}"
+        default_stages = fb.WGRAD_STAGES
+
+        def measure(fn, row, ref, key, best):
+            try:
+                out = fn(xs, ss)
+                row["diff_vs_first"] = bench._rel(out[0], ref[0]) if ref is not None else 0.0
+                if len(out) > 1 and ref is not None:
+                    row["sum_diff"] = bench._rel(out[1], ref[1])
+                row["ms"] = 1e3 * bench._time(fn, (xs, ss), iters, repeats)
+            except Exception as e:  # noqa: BLE001 - a setting that fails is reported, not fatal
+                _common.error_row(row, e)
+                out = None
+            rows.append(row)
+            timed = row.get("ms")
+            if timed is not None and key is not None and (key not in best or timed < best[key]["ms"]):
+                best[key] = dict(chunks=row["chunks"], stages=row["stages"], ms=timed)
+            return out
+
+        ref = None
+        for stages in [] if args.sum_only else STAGES:
+            for chunks in [c for c in CHUNKS if runs % c == 0]:
+                fb.WGRAD_STAGES = stages
+                fn = jax.jit(lambda a, b, chunks=chunks: (fb.fused_weight_grad(layout, a, b, kshape, config, chunks),))
+                row = dict(shape=shape, mode="per step", chunks=chunks, stages=stages, programs=steps * batch * chunks)
+                out = measure(fn, row, ref, str(C), best)
+                ref = out if ref is None else ref  # the first: chunks 1, stages 1
+        fb.WGRAD_STAGES = default_stages
+
+        def with_sum(a, b):  # what the summing kernel replaces: the default kernel, XLA's sum over steps
+            return fb.fused_weight_grad(layout, a, b, kshape, config), jnp.sum(layout.interior(b), axis=0)
+
+        chunks = fb._chunks_of(runs, fb.WGRAD_CHUNKS.get(C, 1))
+        row = dict(shape=shape, mode="per step + XLA sum", chunks=chunks, stages=default_stages)
+        row["programs"] = steps * batch * chunks
+        ref = measure(jax.jit(with_sum), row, None, None, best)
         for stages in STAGES:
             for chunks in [c for c in CHUNKS if runs % c == 0]:
                 fb.WGRAD_STAGES = stages
-                fn = jax.jit(lambda a, b, chunks=chunks: fb.fused_weight_grad(layout, a, b, kshape, config, chunks))
-                row = dict(shape=f"{H}x{W}x{C}", chunks=chunks, stages=stages, programs=steps * batch * chunks)
-                try:
-                    out = fn(xs, ss)
-                    ref = out if ref is None else ref  # the first: chunks 1, stages 1
-                    row["diff_vs_first"] = bench._rel(out, ref)
-                    row["ms"] = 1e3 * bench._time(fn, (xs, ss), iters, repeats)
-                except Exception as e:  # noqa: BLE001 - a setting that fails is reported, not fatal
-                    _common.error_row(row, e)
-                rows.append(row)
-                timed = row.get("ms")
-                if timed is not None and (str(C) not in best or timed < best[str(C)]["ms"]):
-                    best[str(C)] = dict(chunks=chunks, stages=stages, ms=timed)
+
+                def summed(a, b, chunks=chunks):
+                    dW, total = fb.fused_weight_grad(layout, a, b, kshape, config, chunks, sum_steps=True)
+                    return dW, layout.interior(total)
+
+                row = dict(shape=shape, mode="summed", chunks=chunks, stages=stages, programs=batch * chunks)
+                measure(jax.jit(summed), row, ref, str(C), best.setdefault("summed", {}))
         fb.WGRAD_STAGES = default_stages
     columns = [
         ("shape", "shape", ""),
+        ("mode", "mode", ""),
         ("chunks", "chunks", ""),
         ("stages", "stages", ""),
         ("programs", "programs", ""),
         ("ms", "ms", ".4f"),
-        ("diff_vs_first", "diff vs chunks 1 stages 1", ".1e"),
+        ("diff_vs_first", "dW diff vs reference", ".1e"),
+        ("sum_diff", "sum diff", ".1e"),
     ]
     header = f"Weight-gradient kernel on {{device}}, batch {batch}, {steps} steps"
     _common.report(args.out, "wgrad_tiling", header, rows, columns)

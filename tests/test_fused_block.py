@@ -207,12 +207,16 @@ def test_automatic_choice_by_channels(monkeypatch):
     assert fb.WGRAD_TILINGS[32] == (64, 2) and 16 not in fb.WGRAD_TILINGS  # 16: one warp, 32 rows
 
 
+@pytest.mark.parametrize("sums_steps", [True, False])
 @pytest.mark.parametrize("activation, C", [("relu", 16), ("tanh", 16), ("relu", 32)])
-def test_kernels_lower_to_triton(activation, C, monkeypatch):
-    """The GPU build: forward and backward kernels lower for CUDA (Triton) on this CPU, the
-    weight-gradient kernel inside a computation annotated for a second stream (32 channels:
-    their own tilings, two warps for the weight gradient)."""
+def test_kernels_lower_to_triton(activation, C, sums_steps, monkeypatch):
+    """The GPU build: forward and backward kernels lower for CUDA (Triton) on this CPU (32
+    channels: their own tilings, two warps for the weight gradient). The weight-gradient kernel
+    that also sums the drive's gradient stays on the main stream (the chain needs that sum); the
+    per-step one (``WGRAD_SUMS_STEPS = False``) runs inside a computation annotated for a second
+    stream."""
     monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)  # as on a GPU
+    monkeypatch.setattr(fb, "WGRAD_SUMS_STEPS", sums_steps)
     x = jax.ShapeDtypeStruct((4, 16, 16, C), jnp.float32)
     w = jax.ShapeDtypeStruct((3, 3, C, C), jnp.float32)
 
@@ -222,7 +226,10 @@ def test_kernels_lower_to_triton(activation, C, monkeypatch):
     for fn, side_stream in ((loss, False), (jax.grad(loss, argnums=(0, 1, 2)), True)):
         text = jax.jit(fn).trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
         assert "triton" in text.lower() or "__gpu$xla.gpu.triton" in text
-        assert ('_xla_stream_annotation = "1"' in text) == side_stream
+        assert ('_xla_stream_annotation = "1"' in text) == (side_stream and not sums_steps)
+        if side_stream:
+            kernel = "_weight_grad_sum_kernel" if sums_steps else "_weight_grad_kernel"
+            assert f'"{kernel}"' in text
 
 
 @pytest.mark.parametrize("C", [16, 32])
@@ -334,6 +341,7 @@ def test_weight_gradient_split_between_programs(monkeypatch, C, chunks):
     with pipelined loops (``WGRAD_STAGES``)."""
     monkeypatch.setattr(fb, "WGRAD_CHUNKS", {C: chunks})
     monkeypatch.setattr(fb, "WGRAD_STAGES", 2)
+    monkeypatch.setattr(fb, "WGRAD_SUMS_STEPS", False)  # the blocks on the per-step kernel
     x0, drive, kernel, cot = _case((2, 8, 8, C), 3, seed=4)
     fused = functools.partial(fb.unroll_tied_conv, steps=3, h=0.5, interpret=True, tile_rows=32)
     loop = functools.partial(_loop, steps=3, h=0.5, activation="relu")
@@ -349,3 +357,42 @@ def test_weight_gradient_split_between_programs(monkeypatch, C, chunks):
     )
     lowered = jax.jit(gpu).trace(xs, xs).lower(lowering_platforms=("cuda",)).as_text()
     assert 'name = "_weight_grad_kernel", num_stages = 2' in lowered
+
+
+@pytest.mark.parametrize("C, chunks, shape", [(16, 4, (2, 8, 8)), (16, 1, (3, 6, 5)), (32, 2, (2, 8, 8))])
+def test_weight_gradient_kernel_sums_the_drive_gradient(monkeypatch, C, chunks, shape):
+    """``fused_block.WGRAD_SUMS_STEPS``: the weight-gradient kernel, one program a run of a pattern's
+    rows over every step, also returns ``sum_k s_k``, the drive's gradient. A block's value and
+    gradients then equal the plain loop's (float64, interpreter), the kernel's two outputs equal
+    the per-step kernel's ``dW`` and a plain sum of the ``s_k`` over the steps, and the block's
+    backward pass lowers to the summing kernel."""
+    monkeypatch.setattr(fb, "WGRAD_SUMS_STEPS", True)
+    monkeypatch.setattr(fb, "WGRAD_SUM_CHUNKS", {C: chunks})
+    x0, drive, kernel, cot = _case((shape[0], shape[1], shape[2], C), 3, seed=5)
+    fused = functools.partial(fb.unroll_tied_conv, steps=4, h=0.5, interpret=True, tile_rows=32)
+    loop = functools.partial(_loop, steps=4, h=0.5, activation="relu")
+    got = _value_and_grads(fused, x0, drive, kernel, cot)
+    want = _value_and_grads(loop, x0, drive, kernel, cot)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), got, want)
+
+    layout = fb.Layout.of(shape[1], shape[2], 3, 3, 32)
+    runs = fb._wgrad_runs(layout, C)
+    assert runs % chunks == 0 and fb._chunks_of(runs, chunks) == chunks  # really split
+    rng = np.random.default_rng(6)
+    xs = layout.to_buffer(jnp.asarray(rng.standard_normal((5, shape[0], *shape[1:], C))))
+    ss = layout.to_buffer(jnp.asarray(rng.standard_normal((4, shape[0], *shape[1:], C))))
+    config = fb.GPU._replace(interpret=True, tile_rows=32)
+    dW, total = fb.fused_weight_grad(layout, xs, ss, kernel.shape, config, sum_steps=True)
+    np.testing.assert_allclose(dW, fb.fused_weight_grad(layout, xs, ss, kernel.shape, config), rtol=1e-12, atol=1e-12)
+    want_sum = np.asarray(layout.interior(ss)).sum(axis=0)
+    np.testing.assert_allclose(layout.interior(total), want_sum, rtol=1e-12, atol=1e-12)
+
+    spec = jax.ShapeDtypeStruct((shape[0], *shape[1:], C), jnp.float32)
+    kspec = jax.ShapeDtypeStruct(kernel.shape, jnp.float32)
+
+    def loss(x0, drive, kernel):
+        return fb.unroll_tied_conv(x0, drive, kernel, steps=4, h=0.5, interpret=False, tile_rows=32).sum()
+
+    grad = jax.jit(jax.grad(loss, argnums=(1, 2)))
+    lowered = grad.trace(spec, spec, kspec).lower(lowering_platforms=("cuda",)).as_text()
+    assert '"_weight_grad_sum_kernel"' in lowered and '"_weight_grad_kernel"' not in lowered

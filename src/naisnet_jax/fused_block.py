@@ -32,9 +32,10 @@ channel matrices transposed), and writes every ``s_k``. A third kernel sums the
 weight gradient, tap ``t``'s ``sum_k sum_p x_k(p + offset_t)^T s_k(p)``, one
 program (one warp) per step and pattern over tiles of rows: cuDNN's weight-gradient
 convolution over the stacked, zero-padded states cost more than the two block
-kernels together at 16 channels (``BENCHMARKS.md``). It runs on a second stream, beside
-the backward chain (:func:`naisnet_jax.block_vjp.on_side_stream`). The drive's gradient is the
-sum of the ``s_k``.
+kernels together at 16 channels (``BENCHMARKS.md``). The drive's gradient is the sum of the
+``s_k``, which that kernel adds up as it reads them (:data:`WGRAD_SUMS_STEPS`; without it, the
+kernel runs per step on a second stream beside the backward chain,
+:func:`naisnet_jax.block_vjp.on_side_stream`, and XLA sums the ``s_k``).
 
 On Hopper GPUs the forward and backward kernels have a second implementation,
 :mod:`naisnet_jax.hopper_block` (Pallas' Mosaic GPU backend: the pattern held in shared
@@ -343,6 +344,47 @@ def _weight_grad_kernel(layout, offsets, batch, rows, chunks, xs_ref, s_ref, dw_
         dw_ref[p, t] = acc_t
 
 
+def _weight_grad_sum_kernel(layout, offsets, steps, rows, chunks, xs_ref, s_ref, dw_ref, sum_ref):
+    """Program ``p = n chunks + c`` sums pattern ``n``'s share of the weight gradient over the
+    ``c``-th of ``chunks`` equal runs of its rows, every step in turn for each tile of ``rows``
+    rows, and writes the tile's ``sum_k s_k`` (the drive's gradient) on the way: the ``s_k`` it
+    loads for the products anyway, so no second pass over them. Otherwise as
+    :func:`_weight_grad_kernel` (the slack rows of ``sum_ref`` are not written)."""
+    from jax.experimental import pallas as pl
+
+    p = _index(pl.program_id(0))
+    n, c = p // chunks, p % chunks
+    S, C = layout.slack, dw_ref.shape[-1]
+    end = S + layout.tiles * layout.tile_rows
+    count = layout.tiles * layout.tile_rows // rows // chunks  # tiles a program sums
+
+    def tile(i, acc):
+        q = S + (c * count + _index(i)) * rows
+        r = q + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+        inside = [(r + off >= S) & (r + off < end) for off in offsets]
+
+        def step(k, carry):
+            acc, total = carry
+            k = _index(k)
+            s = s_ref[k, n, pl.ds(q, rows)]
+            sT = s.T
+            out = []
+            for acc_t, off, ok in zip(acc, offsets, inside):
+                x = xs_ref[k, n, pl.ds(q + off, rows)]
+                x = jnp.where(ok, x, jnp.zeros_like(x))
+                out.append(acc_t + jnp.dot(sT, x, preferred_element_type=x.dtype))
+            return tuple(out), total + s
+
+        acc, total = lax.fori_loop(0, steps, step, (acc, jnp.zeros((rows, C), sum_ref.dtype)))
+        sum_ref[n, pl.ds(q, rows)] = total
+        return acc
+
+    zero = jnp.zeros((C, C), dw_ref.dtype)
+    acc = lax.fori_loop(0, count, tile, tuple(zero for _ in offsets))
+    for t, acc_t in enumerate(acc):
+        dw_ref[p, t] = acc_t
+
+
 class Config(NamedTuple):
     """How the kernels run: in Pallas' interpreter or on the GPU, and their tiling."""
 
@@ -467,6 +509,16 @@ WGRAD_TILINGS = {32: (64, 2), 64: (32, 4), 128: (32, 4)}
 #: against 0.209. NAIS-Net10's step with these: 27.72 against 28.20 ms (``BENCHMARKS.md``).
 WGRAD_CHUNKS = {16: 4, 32: 1}
 WGRAD_STAGES = 2
+#: The fused path's backward pass takes the drive's gradient ``sum_k s_k`` from the weight-gradient
+#: kernel (:func:`fused_weight_grad` with ``sum_steps=True``: one program a run of rows over every
+#: step, on the main stream) instead of a separate sum over the saved ``s_k`` (XLA, a second read
+#: of all of them) beside the per-step kernel on the second stream. On an H200 (batch 128, 9 steps)
+#: the kernel with the sum takes 0.198 ms against 0.215 for the two at 32x32x16 and 0.185 against
+#: 0.198 at 16x16x32; NAIS-Net10's step 26.96 against 27.91 ms (``BENCHMARKS.md``).
+WGRAD_SUMS_STEPS = True
+#: Programs a pattern is split between in that mode (at most; a divisor of its runs of rows), by
+#: channels: the fastest of ``benchmarks/wgrad_tiling.py``'s sweep on an H200.
+WGRAD_SUM_CHUNKS = {16: 8, 32: 2}
 
 
 def _wgrad_rows(layout, C: int) -> tuple[int, int]:
@@ -480,21 +532,33 @@ def _wgrad_runs(layout, C: int) -> int:
     return layout.tiles * layout.tile_rows // _wgrad_rows(layout, C)[0]
 
 
-def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU, chunks=None):
+def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU, chunks=None, sum_steps=False):
     """``dW`` (HWIO) from the saved states ``xs`` and the backward kernel's ``ss`` (buffers),
-    each pattern's step summed by ``chunks`` programs (a divisor of its tiles of rows; default
-    the largest up to :data:`WGRAD_CHUNKS` for ``C``)."""
+    each pattern's step summed by ``chunks`` programs (a divisor of its runs of rows; default
+    the largest up to :data:`WGRAD_CHUNKS` for ``C``).
+
+    ``sum_steps=True`` returns ``(dW, sum_k s_k)``, the sum a buffer ``(N, rows, C)`` (its slack
+    rows undefined; ``layout.interior`` gives the image): each program then takes a run of a
+    pattern's rows over every step (``chunks`` default: up to :data:`WGRAD_SUM_CHUNKS`)."""
     steps, N, _, C = ss.shape
     kh, kw = kernel_shape[:2]
     rows, warps = _wgrad_rows(layout, C)
-    if chunks is None:
-        chunks = _chunks_of(_wgrad_runs(layout, C), WGRAD_CHUNKS.get(C, 1))
-    body = functools.partial(_weight_grad_kernel, layout, layout.offsets(kh, kw), N, rows, chunks)
-    out_shape = jax.ShapeDtypeStruct((steps * N * chunks, kh * kw, C, C), ss.dtype)
-    call = _pallas(body, out_shape, steps * N * chunks, config, num_warps=warps, num_stages=WGRAD_STAGES)
-    parts = call(xs, ss)
+    most = (WGRAD_SUM_CHUNKS if sum_steps else WGRAD_CHUNKS).get(C, 1)
+    chunks = _chunks_of(_wgrad_runs(layout, C), most) if chunks is None else chunks
+    offsets = layout.offsets(kh, kw)
+    programs = (1 if sum_steps else steps) * N * chunks
+    parts_shape = jax.ShapeDtypeStruct((programs, kh * kw, C, C), ss.dtype)
+    if sum_steps:
+        body = functools.partial(_weight_grad_sum_kernel, layout, offsets, steps, rows, chunks)
+        out_shape = (parts_shape, jax.ShapeDtypeStruct(ss.shape[1:], ss.dtype))
+    else:
+        body = functools.partial(_weight_grad_kernel, layout, offsets, N, rows, chunks)
+        out_shape = parts_shape
+    out = _pallas(body, out_shape, programs, config, num_warps=warps, num_stages=WGRAD_STAGES)(xs, ss)
+    parts = out[0] if sum_steps else out
     dWt = jnp.sum(parts, axis=0)  # (taps, C_out, C_in): each tap's transpose
-    return jnp.swapaxes(dWt, 1, 2).reshape(kernel_shape)
+    dW = jnp.swapaxes(dWt, 1, 2).reshape(kernel_shape)
+    return (dW, out[1]) if sum_steps else dW
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -515,10 +579,14 @@ def _fused_bwd(steps, h, activation, config, res, g):
     layout = Layout.of(H, W, kernel.shape[0], kernel.shape[1], config.tile_rows)
     g0, ss = fused_backward(layout, g, zs, kernel, steps=steps, h=h, activation=activation, config=config)
     weight_grad = functools.partial(fused_weight_grad, layout, kernel_shape=kernel.shape, config=config)
-    dW = on_side_stream(weight_grad, False if config.interpret else None)(xs, ss).astype(kernel.dtype)
-    s_img = layout.interior(ss)
-    d_drive = _sum_to_shape(jnp.sum(s_img, axis=0), drive.shape).astype(drive.dtype)
-    return layout.interior(g0), d_drive, dW
+    if WGRAD_SUMS_STEPS:  # the drive's gradient from the same kernel, which the chain then waits for
+        dW, s_sum = weight_grad(xs, ss, sum_steps=True)
+        s_sum = layout.interior(s_sum)
+    else:
+        dW = on_side_stream(weight_grad, False if config.interpret else None)(xs, ss)
+        s_sum = jnp.sum(layout.interior(ss), axis=0)
+    d_drive = _sum_to_shape(s_sum, drive.shape).astype(drive.dtype)
+    return layout.interior(g0), d_drive, dW.astype(kernel.dtype)
 
 
 def _chunks_of(count: int, most: int = 10) -> int:
