@@ -78,8 +78,6 @@ VARIANTS = {
     "nais10_fused_unroll10_wgmma_wgrad": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma"),
     # the 64-channel blocks on wgmma too (prototype, benchmarks/wgmma_block64.py; Hopper only)
     "nais10_fused_unroll10_wgmma_c64": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="wgmma"),
-    # the 64-channel blocks' per-step convolutions as im2col matrix products (benchmarks/conv64_dot.py)
-    "nais10_fused_unroll10_c64_dot": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="dot"),
     "nais10_fused_unroll10_wgmma_all": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma", c64="wgmma"
     ),
@@ -107,6 +105,12 @@ VARIANTS = {
     ),
     "nais10_fused_unroll10_one_stream": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), side_stream=False
+    ),
+    # cuDNN's convolutions captured into XLA's command buffers (CUDA graphs) with the fusions around them
+    "nais10_fused_unroll10_conv_cmdbuf": dict(
+        model=N10,
+        kwargs=dict(block_vjp="fused", scan_unroll=10),
+        xla_flags="--xla_gpu_enable_command_buffer=+CONVOLUTION",
     ),
     "nais10_fused_unroll10_nhwc": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), xla_flags="--xla_gpu_force_conv_nhwc"
@@ -250,10 +254,6 @@ def apply_spec(spec) -> None:
         import wgmma_block64
 
         wgmma_block64.patch_models()
-    if spec.get("c64") == "dot":  # the 64-channel blocks' convolutions as im2col products
-        import conv64_dot
-
-        conv64_dot.patch()
     if spec.get("relu_sign") is False:  # the wgmma forward saves ReLU's z_k in float32, not its sign
         from naisnet_jax import hopper_block
 

@@ -185,10 +185,7 @@ def _tied_bwd(op, steps, h, activation, residuals, scan_unroll, res, g):
         (x0, drive, W), g = lax.optimization_barrier(((x0, drive, W), g))
         saved = _forward(op, x0, drive, W, steps, h, activation, scan_unroll, save=True)[1]
     xs, rs = saved
-    if hasattr(op, "transpose"):  # an op that says how to run its own input transpose
-        op_x_t = lambda s: (op.transpose(s, W),)  # noqa: E731
-    else:
-        op_x_t = jax.linear_transpose(lambda x: op(x, W), x0)
+    op_x_t = jax.linear_transpose(lambda x: op(x, W), x0)
 
     def body(carry, r):
         """Plain meaning: for k = K-1 .. 0: s_k = h act'(z_k) g; g += op_x^T(s_k)."""
@@ -200,7 +197,7 @@ def _tied_bwd(op, steps, h, activation, residuals, scan_unroll, res, g):
     (g0, d_drive), ss = lax.scan(body, (g, jnp.zeros_like(g)), rs, reverse=True, unroll=scan_unroll)
     stacked_x = xs.reshape((-1,) + xs.shape[2:])  # (K * batch, ...)
     stacked_s = ss.reshape((-1,) + ss.shape[2:])
-    dW = on_side_stream(_weight_grad(getattr(op, "weight_op", op)))(stacked_x, stacked_s, W)
+    dW = on_side_stream(_weight_grad(op))(stacked_x, stacked_s, W)
     return g0, _sum_to_shape(d_drive, drive.shape).astype(drive.dtype), dW
 
 
@@ -229,10 +226,7 @@ def unroll_tied(
         return x
 
     ``op(x, W)`` must be linear in ``x`` and in ``W`` and act on every pattern
-    (leading axis) on its own: :func:`dense_op` or :func:`conv_op`. An op may carry
-    ``transpose(s, W)`` (its transpose in ``x``, run in the backward loop instead of
-    ``jax.linear_transpose``) and ``weight_op`` (the same map in another form, whose transpose in
-    ``W`` gives the weight gradient over the stacked steps). ``h`` and
+    (leading axis) on its own: :func:`dense_op` or :func:`conv_op`. ``h`` and
     ``activation`` are static. ``residuals="store"`` keeps the K states and the
     activation residuals from the forward pass; ``"recompute"`` keeps
     ``(x0, drive, W)`` only and reruns the forward scan in the backward pass.
