@@ -36,6 +36,8 @@ import _common  # noqa: E402
 SHAPES = [(32, 32, 16), (16, 16, 32)]
 CHUNKS = [1, 2, 3, 4, 5, 6, 8, 10]
 STAGES = [1, 2, 3]
+#: ``(rows, warps)`` of the summing kernel's programs tried with ``--sum-tilings``.
+SUM_TILINGS = [(32, 1), (64, 1), (32, 2), (64, 2), (128, 4)]
 
 
 def apply(best: dict) -> None:
@@ -48,6 +50,7 @@ def apply(best: dict) -> None:
     summed = best.get("summed", {})
     if summed:
         fused_block.WGRAD_SUM_CHUNKS = {int(c): v["chunks"] for c, v in summed.items()}
+        fused_block.WGRAD_SUM_TILINGS = {int(c): (v["rows"], v["warps"]) for c, v in summed.items() if "rows" in v}
     # one stage setting for every width and both kernels: the larger if they differ (the blocks
     # run only the summing kernel when fused_block.WGRAD_SUMS_STEPS is set)
     stages = {v["stages"] for v in (summed if summed and fused_block.WGRAD_SUMS_STEPS else per_step).values()}
@@ -64,6 +67,11 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="batch 2, two steps, the interpreter: a CPU check")
     parser.add_argument("--sum-only", action="store_true", help="only the summing kernel and what it replaces")
+    parser.add_argument(
+        "--sum-tilings",
+        action="store_true",
+        help="the summing kernel over (rows, warps) tilings too, two stages, chunks 1, 2, 4, 8",
+    )
     args = parser.parse_args(argv)
     _common.importable()
     import fused_block as bench  # benchmarks/fused_block.py: timing, errors
@@ -76,6 +84,13 @@ def main(argv=None):
     batch, steps = (2, 2) if args.smoke else (args.batch, args.steps)
     iters, repeats = (1, 1) if args.smoke else (args.iters, args.repeats)
     rows, best = [], {}
+
+    def save_best():
+        if args.best:
+            os.makedirs(os.path.dirname(os.path.abspath(args.best)), exist_ok=True)
+            with open(args.best, "w") as f:
+                json.dump(best, f)
+
     for H, W, C in SHAPES:
         config = fb.Config(interpret=args.smoke, tile_rows=fb.default_tiling(C)[0])
         layout = fb.Layout.of(H, W, 3, 3, config.tile_rows)
@@ -102,6 +117,9 @@ def main(argv=None):
             timed = row.get("ms")
             if timed is not None and key is not None and (key not in best or timed < best[key]["ms"]):
                 best[key] = dict(chunks=row["chunks"], stages=row["stages"], ms=timed)
+                if "rows" in row:
+                    best[key].update(rows=row["rows"], warps=row["warps"])
+                save_best()  # as it goes: a sweep cut short still leaves its best so far
             return out
 
         ref = None
@@ -121,23 +139,33 @@ def main(argv=None):
         row = dict(shape=shape, mode="per step + XLA sum", chunks=chunks, stages=default_stages)
         row["programs"] = steps * batch * chunks
         ref = measure(jax.jit(with_sum), row, None, None, best)
-        for stages in STAGES:
-            for chunks in [c for c in CHUNKS if runs % c == 0]:
-                fb.WGRAD_STAGES = stages
+        default_tilings = dict(fb.WGRAD_SUM_TILINGS)
+        tilings = SUM_TILINGS if args.sum_tilings else [fb._wgrad_rows(layout, C, sum_steps=True)]
+        for tiling in tilings:
+            fb.WGRAD_SUM_TILINGS = {**default_tilings, C: tiling}
+            tiling = fb._wgrad_rows(layout, C, sum_steps=True)  # rows capped at the layout's tile
+            sum_runs = fb._wgrad_runs(layout, C, sum_steps=True)
+            for stages in [2] if args.sum_tilings else STAGES:
+                for chunks in [c for c in ([1, 2, 4, 8] if args.sum_tilings else CHUNKS) if sum_runs % c == 0]:
+                    fb.WGRAD_STAGES = stages
 
-                def summed(a, b, chunks=chunks):
-                    dW, total = fb.fused_weight_grad(layout, a, b, kshape, config, chunks, sum_steps=True)
-                    return dW, layout.interior(total)
+                    def summed(a, b, chunks=chunks):
+                        dW, total = fb.fused_weight_grad(layout, a, b, kshape, config, chunks, sum_steps=True)
+                        return dW, layout.interior(total)
 
-                row = dict(shape=shape, mode="summed", chunks=chunks, stages=stages, programs=batch * chunks)
-                measure(jax.jit(summed), row, ref, str(C), best.setdefault("summed", {}))
+                    row = dict(shape=shape, mode="summed", chunks=chunks, stages=stages, programs=batch * chunks)
+                    row.update(rows=tiling[0], warps=tiling[1])
+                    measure(jax.jit(summed), row, ref, str(C), best.setdefault("summed", {}))
         fb.WGRAD_STAGES = default_stages
+        fb.WGRAD_SUM_TILINGS = default_tilings
     columns = [
         ("shape", "shape", ""),
         ("mode", "mode", ""),
         ("chunks", "chunks", ""),
         ("stages", "stages", ""),
         ("programs", "programs", ""),
+        ("rows", "rows", ""),
+        ("warps", "warps", ""),
         ("ms", "ms", ".4f"),
         ("diff_vs_first", "dW diff vs reference", ".1e"),
         ("sum_diff", "sum diff", ".1e"),
@@ -145,9 +173,7 @@ def main(argv=None):
     header = f"Weight-gradient kernel on {{device}}, batch {batch}, {steps} steps"
     _common.report(args.out, "wgrad_tiling", header, rows, columns)
     print("best:", json.dumps(best))
-    if args.best:
-        with open(args.best, "w") as f:
-            json.dump(best, f)
+    save_best()
 
 
 if __name__ == "__main__":

@@ -396,3 +396,34 @@ def test_weight_gradient_kernel_sums_the_drive_gradient(monkeypatch, C, chunks, 
     grad = jax.jit(jax.grad(loss, argnums=(1, 2)))
     lowered = grad.trace(spec, spec, kspec).lower(lowering_platforms=("cuda",)).as_text()
     assert '"_weight_grad_sum_kernel"' in lowered and '"_weight_grad_kernel"' not in lowered
+
+
+def test_summing_kernel_takes_its_own_tiling():
+    """``WGRAD_SUM_TILINGS``: at 32 channels the summing kernel runs 32-row tiles on two warps, split
+    between ``WGRAD_SUM_CHUNKS[32]`` programs a pattern (the grid), while the per-step kernel keeps
+    ``WGRAD_TILINGS``' 64 rows; both give the same ``dW`` (float64, interpreter)."""
+    layout = fb.Layout.of(16, 16, 3, 3, 128)
+    assert fb._wgrad_rows(layout, 32, sum_steps=True) == (32, 2) and fb._wgrad_rows(layout, 32) == (64, 2)
+    runs = fb._wgrad_runs(layout, 32, sum_steps=True)
+    chunks = fb._chunks_of(runs, fb.WGRAD_SUM_CHUNKS[32])
+    assert runs == 12 and chunks == 4
+    xs = jax.ShapeDtypeStruct((4, 2, layout.rows, 32), jnp.float32)
+    ss = jax.ShapeDtypeStruct((3, 2, layout.rows, 32), jnp.float32)
+    gpu = functools.partial(fb.fused_weight_grad, layout, kernel_shape=(3, 3, 32, 32), sum_steps=True)
+    text = jax.jit(gpu).trace(xs, ss).lower(lowering_platforms=("cuda",)).as_text()
+    assert 'name = "_weight_grad_sum_kernel", num_stages = 2 : i32, num_warps = 2 : i32' in text
+    assert f"grid_x = {2 * chunks} : i32" in text  # two patterns, each split between `chunks` programs
+
+    small = fb.Layout.of(5, 6, 3, 3, 32)
+    rng = np.random.default_rng(7)
+    xb = small.to_buffer(jnp.asarray(rng.standard_normal((4, 2, 5, 6, 32))))
+    sb = small.to_buffer(jnp.asarray(rng.standard_normal((3, 2, 5, 6, 32))))
+    config = fb.GPU._replace(interpret=True, tile_rows=32)
+    dW, total = fb.fused_weight_grad(small, xb, sb, (3, 3, 32, 32), config, sum_steps=True)
+    want = np.einsum(
+        "kpi,kpo->io",
+        np.asarray(small.padded(xb[:3])).reshape(3, -1, 32),
+        np.asarray(small.padded(sb)).reshape(3, -1, 32),
+    )
+    assert np.allclose(dW[1, 1], want, rtol=1e-12, atol=1e-10)  # the centre tap against numpy
+    np.testing.assert_allclose(small.interior(total), np.asarray(small.interior(sb)).sum(0), rtol=1e-12)

@@ -513,23 +513,33 @@ WGRAD_STAGES = 2
 #: kernel (:func:`fused_weight_grad` with ``sum_steps=True``: one program a run of rows over every
 #: step, on the main stream) instead of a separate sum over the saved ``s_k`` (XLA, a second read
 #: of all of them) beside the per-step kernel on the second stream. On an H200 (batch 128, 9 steps)
-#: the kernel with the sum takes 0.198 ms against 0.215 for the two at 32x32x16 and 0.185 against
-#: 0.198 at 16x16x32; NAIS-Net10's step 26.96 against 27.91 ms (``BENCHMARKS.md``).
+#: the kernel with the sum takes 0.197 ms against 0.222 for the two at 32x32x16 and 0.154 against
+#: 0.199 at 16x16x32; NAIS-Net10's step 26.96 against 27.91 ms, then 26.37 against 27.21 with the
+#: 32-channel tiling below (``BENCHMARKS.md``).
 WGRAD_SUMS_STEPS = True
 #: Programs a pattern is split between in that mode (at most; a divisor of its runs of rows), by
-#: channels: the fastest of ``benchmarks/wgrad_tiling.py``'s sweep on an H200.
-WGRAD_SUM_CHUNKS = {16: 8, 32: 2}
+#: channels: the fastest of ``benchmarks/wgrad_tiling.py``'s sweeps on an H200.
+WGRAD_SUM_CHUNKS = {16: 8, 32: 4}
 
 
-def _wgrad_rows(layout, C: int) -> tuple[int, int]:
-    """``(rows, warps)`` of a weight-gradient program for ``C`` channels on ``layout``."""
+#: The summing kernel's ``(rows, warps)`` by channels where it differs from :data:`WGRAD_TILINGS`:
+#: at 16x16x32 on an H200, 32 rows and two warps take 0.154 ms (four programs a pattern) against
+#: 0.205 for 64 rows and two warps (two programs).
+WGRAD_SUM_TILINGS: dict[int, tuple[int, int]] = {32: (32, 2)}
+
+
+def _wgrad_rows(layout, C: int, sum_steps: bool = False) -> tuple[int, int]:
+    """``(rows, warps)`` of a weight-gradient program for ``C`` channels on ``layout`` (of the
+    kernel that also sums the steps' ``s_k``, ``sum_steps``)."""
     rows, warps = WGRAD_TILINGS.get(C, (WGRAD_ROWS, WGRAD_WARPS))
+    if sum_steps:
+        rows, warps = WGRAD_SUM_TILINGS.get(C, (rows, warps))
     return min(rows, layout.tile_rows), warps
 
 
-def _wgrad_runs(layout, C: int) -> int:
+def _wgrad_runs(layout, C: int, sum_steps: bool = False) -> int:
     """Runs of rows a weight-gradient program sums over a whole state (``chunks`` divide them)."""
-    return layout.tiles * layout.tile_rows // _wgrad_rows(layout, C)[0]
+    return layout.tiles * layout.tile_rows // _wgrad_rows(layout, C, sum_steps)[0]
 
 
 def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU, chunks=None, sum_steps=False):
@@ -542,9 +552,9 @@ def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU, chunks=None, sum
     pattern's rows over every step (``chunks`` default: up to :data:`WGRAD_SUM_CHUNKS`)."""
     steps, N, _, C = ss.shape
     kh, kw = kernel_shape[:2]
-    rows, warps = _wgrad_rows(layout, C)
+    rows, warps = _wgrad_rows(layout, C, sum_steps)
     most = (WGRAD_SUM_CHUNKS if sum_steps else WGRAD_CHUNKS).get(C, 1)
-    chunks = _chunks_of(_wgrad_runs(layout, C), most) if chunks is None else chunks
+    chunks = _chunks_of(_wgrad_runs(layout, C, sum_steps), most) if chunks is None else chunks
     offsets = layout.offsets(kh, kw)
     programs = (1 if sum_steps else steps) * N * chunks
     parts_shape = jax.ShapeDtypeStruct((programs, kh * kw, C, C), ss.dtype)
