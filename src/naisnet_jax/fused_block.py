@@ -309,6 +309,28 @@ def _backward_kernel(layout, offsets, steps, h, activation, config, gk_ref, zs_r
     lax.fori_loop(0, steps, step, 0)
 
 
+def _rows_in(first, rows, start, end) -> Array:
+    """``(rows, 1)``: which of the rows ``first ..`` lie in the tiled rows ``[start, end)``
+    (outside them is slack, which nothing writes)."""
+    r = first + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    return (r >= start) & (r < end)
+
+
+def _tap_products(acc, s, xs_ref, k, n, q, offsets, inside) -> tuple:
+    """``acc_t + s^T @ x_k(window t)`` for every tap ``t``: one tile of step ``k``, pattern ``n``,
+    the windows masked to zero outside the tiled rows (``inside(offset)``; ``s`` is zero there,
+    but ``0 x NaN`` is not)."""
+    from jax.experimental import pallas as pl
+
+    sT, rows = s.T, s.shape[0]
+    out = []
+    for acc_t, off in zip(acc, offsets):
+        x = xs_ref[k, n, pl.ds(q + off, rows)]
+        x = jnp.where(inside(off), x, jnp.zeros_like(x))
+        out.append(acc_t + jnp.dot(sT, x, preferred_element_type=x.dtype))
+    return tuple(out)
+
+
 def _weight_grad_kernel(layout, offsets, batch, rows, chunks, xs_ref, s_ref, dw_ref):
     """Program ``p = (k N + n) chunks + c`` sums step ``k``'s, pattern ``n``'s share of the
     weight gradient over the ``c``-th of ``chunks`` equal runs of the state's tiles of ``rows``
@@ -329,14 +351,8 @@ def _weight_grad_kernel(layout, offsets, batch, rows, chunks, xs_ref, s_ref, dw_
 
     def tile(i, acc):
         q = S + (c * count + _index(i)) * rows
-        sT = s_ref[k, n, pl.ds(q, rows)].T
-        out = []
-        for acc_t, off in zip(acc, offsets):
-            x = xs_ref[k, n, pl.ds(q + off, rows)]
-            r = q + off + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-            x = jnp.where((r >= S) & (r < end), x, jnp.zeros_like(x))
-            out.append(acc_t + jnp.dot(sT, x, preferred_element_type=x.dtype))
-        return tuple(out)
+        s = s_ref[k, n, pl.ds(q, rows)]
+        return _tap_products(acc, s, xs_ref, k, n, q, offsets, lambda off: _rows_in(q + off, rows, S, end))
 
     zero = jnp.zeros((C, C), dw_ref.dtype)
     acc = lax.fori_loop(0, count, tile, tuple(zero for _ in offsets))
@@ -361,19 +377,13 @@ def _weight_grad_sum_kernel(layout, offsets, steps, rows, chunks, xs_ref, s_ref,
     def tile(i, acc):
         q = S + (c * count + _index(i)) * rows
         r = q + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-        inside = [(r + off >= S) & (r + off < end) for off in offsets]
+        masks = {off: (r + off >= S) & (r + off < end) for off in offsets}  # once a tile, not a step
 
         def step(k, carry):
             acc, total = carry
             k = _index(k)
             s = s_ref[k, n, pl.ds(q, rows)]
-            sT = s.T
-            out = []
-            for acc_t, off, ok in zip(acc, offsets, inside):
-                x = xs_ref[k, n, pl.ds(q + off, rows)]
-                x = jnp.where(ok, x, jnp.zeros_like(x))
-                out.append(acc_t + jnp.dot(sT, x, preferred_element_type=x.dtype))
-            return tuple(out), total + s
+            return _tap_products(acc, s, xs_ref, k, n, q, offsets, masks.__getitem__), total + s
 
         acc, total = lax.fori_loop(0, steps, step, (acc, jnp.zeros((rows, C), sum_ref.dtype)))
         sum_ref[n, pl.ds(q, rows)] = total
@@ -520,8 +530,6 @@ WGRAD_SUMS_STEPS = True
 #: Programs a pattern is split between in that mode (at most; a divisor of its runs of rows), by
 #: channels: the fastest of ``benchmarks/wgrad_tiling.py``'s sweeps on an H200.
 WGRAD_SUM_CHUNKS = {16: 8, 32: 4}
-
-
 #: The summing kernel's ``(rows, warps)`` by channels where it differs from :data:`WGRAD_TILINGS`:
 #: at 16x16x32 on an H200, 32 rows and two warps take 0.154 ms (four programs a pattern) against
 #: 0.205 for 64 rows and two warps (two programs).
