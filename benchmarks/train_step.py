@@ -78,6 +78,8 @@ VARIANTS = {
     "nais10_fused_unroll10_wgmma_wgrad": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma"),
     # the 64-channel blocks on wgmma too (prototype, benchmarks/wgmma_block64.py; Hopper only)
     "nais10_fused_unroll10_wgmma_c64": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="wgmma"),
+    # the 64-channel blocks as one Triton kernel a step (prototype, benchmarks/step_kernels64.py)
+    "nais10_fused_unroll10_c64_steps": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="steps"),
     "nais10_fused_unroll10_wgmma_all": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma", c64="wgmma"
     ),
@@ -254,6 +256,10 @@ def apply_spec(spec) -> None:
         import wgmma_block64
 
         wgmma_block64.patch_models()
+    if spec.get("c64") == "steps":  # the 64-channel blocks as one Triton kernel a step
+        import step_kernels64
+
+        step_kernels64.patch_models()
     if spec.get("relu_sign") is False:  # the wgmma forward saves ReLU's z_k in float32, not its sign
         from naisnet_jax import hopper_block
 
