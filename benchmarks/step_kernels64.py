@@ -42,6 +42,9 @@ import _common  # noqa: E402
 
 TILE_ROWS = 32  # at 8x8: the 100 padded rows in 4 tiles
 WARPS = 4
+#: ``(rows, warps)`` timed on a GPU: every program loads all nine ``(C, C)`` taps (147 KB at 64
+#: channels), so larger tiles move fewer taps through the L2 cache and run fewer programs.
+TILINGS = [(32, 4), (64, 4), (64, 8), (128, 8)]
 
 
 def _tile(layout, tiles):
@@ -99,20 +102,21 @@ def backward_kernel(layout, offsets, h, activation, g_ref, z_ref, wt_ref, gp_ref
     s_ref[n, rows] = jnp.where(inside, _scaled_slope(activation, h, z_ref[n, rows], g), zero)
 
 
-def _call(body, layout, N, C, dtype, interpret, outputs=2):
+def _call(body, layout, N, C, dtype, interpret, warps=WARPS, outputs=2):
     """``pallas_call`` of a per-step kernel: ``outputs`` buffers ``(N, rows, C)``, a program a tile."""
     import jax
 
     from naisnet_jax import fused_block as fb
 
     shape = jax.ShapeDtypeStruct((N, layout.rows, C), dtype)
-    config = fb.Config(interpret=interpret, tile_rows=layout.tile_rows, num_warps=WARPS)
+    config = fb.Config(interpret=interpret, tile_rows=layout.tile_rows, num_warps=warps)
     return fb._pallas(body, (shape,) * outputs, N * layout.tiles, config)
 
 
-def block(steps, h=1.0, activation="relu", interpret=False):
+def block(steps, h=1.0, activation="relu", interpret=False, tile_rows=TILE_ROWS, warps=WARPS):
     """``x_K`` of a tied 3x3 conv block on the per-step kernels, differentiable (the weight gradient
-    by XLA's convolution over the stacked steps, the drive's a sum of the ``s_k``)."""
+    by XLA's convolution over the stacked steps, the drive's a sum of the ``s_k``); programs of
+    ``tile_rows`` rows on ``warps`` warps."""
     import jax
     import jax.numpy as jnp
 
@@ -120,7 +124,7 @@ def block(steps, h=1.0, activation="relu", interpret=False):
     from naisnet_jax.fused_block import Layout, _sum_to_shape
 
     def layout_of(x):
-        return Layout.of(x.shape[1], x.shape[2], 3, 3, TILE_ROWS)
+        return Layout.of(x.shape[1], x.shape[2], 3, 3, tile_rows)
 
     def fwd(x0, drive, kernel):
         layout = layout_of(x0)
@@ -129,7 +133,7 @@ def block(steps, h=1.0, activation="relu", interpret=False):
         db = layout.to_buffer(jnp.broadcast_to(drive, x0.shape).astype(x0.dtype))
         taps = kernel.reshape(9, C, C).astype(x0.dtype)
         call = _call(
-            functools.partial(forward_kernel, layout, offsets, h, activation), layout, N, C, x0.dtype, interpret
+            functools.partial(forward_kernel, layout, offsets, h, activation), layout, N, C, x0.dtype, interpret, warps
         )
         xs, zs = [layout.to_buffer(x0)], []
         for _ in range(steps):
@@ -150,7 +154,7 @@ def block(steps, h=1.0, activation="relu", interpret=False):
         # tap t of the transposed convolution: the kernel's tap t (read at the mirrored offset), C_out x C_in
         taps_t = jnp.swapaxes(kernel.reshape(9, C, C), 1, 2).astype(g.dtype)
         call = _call(
-            functools.partial(backward_kernel, layout, mirrored, h, activation), layout, N, C, g.dtype, interpret
+            functools.partial(backward_kernel, layout, mirrored, h, activation), layout, N, C, g.dtype, interpret, warps
         )
         gb, ss = layout.to_buffer(g), [None] * steps
         for k in reversed(range(steps)):
@@ -170,10 +174,12 @@ CHANNELS = 64
 def patch_models() -> None:
     """The NAIS nets' tied 64-channel conv blocks (3x3, ReLU or tanh) on these kernels where the
     fused kernels run (a float32 state on a CUDA GPU); every other block as before
-    (``train_step.py``'s ``c64="steps"``)."""
+    (``train_step.py``'s ``c64="steps"``), at the tiling ``$STEP64_TILING`` names (``rows,warps``)."""
     from naisnet_jax import fused_block, models
 
     original = models.unroll_tied_conv
+    # $STEP64_TILING="rows,warps" (for example the fastest row of this script's table), else the defaults
+    rows, warps = (int(v) for v in os.environ.get("STEP64_TILING", f"{TILE_ROWS},{WARPS}").split(","))
 
     def unroll_tied_conv(x0, drive, kernel, *, steps, h=1.0, activation="relu", **kw):
         if (
@@ -182,7 +188,7 @@ def patch_models() -> None:
             and activation in ("relu", "tanh")
             and fused_block.gpu_kernels_available(x0)
         ):
-            return block(steps, float(h), activation)(x0, drive, kernel)
+            return block(steps, float(h), activation, tile_rows=rows, warps=warps)(x0, drive, kernel)
         return original(x0, drive, kernel, steps=steps, h=h, activation=activation, **kw)
 
     models.unroll_tied_conv = unroll_tied_conv
@@ -229,18 +235,21 @@ def main(argv=None):
         jax.config.update("jax_enable_x64", False)
         x = jax.ShapeDtypeStruct((args.batch, 8, 8, CHANNELS), jnp.float32)
         w = jax.ShapeDtypeStruct((3, 3, CHANNELS, CHANNELS), jnp.float32)
-        f, g = bench._functions(block(args.steps))
-        for name, fn, a in (("forward", f, (x, x, w)), ("gradient", g, (x, x, w, x))):
-            text = fn.trace(*a).lower(lowering_platforms=("cuda",)).as_text()
-            assert "triton" in text.lower() or "__gpu$xla.gpu.triton" in text, name
-            print(f"8x8x{CHANNELS} {name}: lowered for CUDA, {len(text)} characters")
+        for r, nw in TILINGS:
+            f, g = bench._functions(block(args.steps, tile_rows=r, warps=nw))
+            for name, fn, a in (("forward", f, (x, x, w)), ("gradient", g, (x, x, w, x))):
+                text = fn.trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+                assert "triton" in text.lower() or "__gpu$xla.gpu.triton" in text, name
+                print(f"8x8x{CHANNELS} {name}, {r} rows, {nw} warps: lowered for CUDA, {len(text)} characters")
     else:
         x0, drive, kernel, cot = bench._inputs(args.batch, (8, 8, CHANNELS))
         with jax.default_matmul_precision("highest"):
             ref = bench._functions(functools.partial(unroll_tied, conv_op, steps=K, h=1.0, activation="relu"))
             want_x, want_g = ref[0](x0, drive, kernel), ref[1](x0, drive, kernel, cot)
         stacked = functools.partial(unroll_tied, conv_op, steps=K, h=1.0, activation="relu", scan_unroll=10)
-        for name, run in (("stacked VJP (cuDNN)", stacked), ("a Triton kernel a step", block(K))):
+        paths = [("stacked VJP (cuDNN)", stacked)]
+        paths += [(f"a Triton kernel a step, {r} rows, {w} warps", block(K, tile_rows=r, warps=w)) for r, w in TILINGS]
+        for name, run in paths:
             row = dict(shape=f"8x8x{CHANNELS}", name=name)
             try:
                 f, g = bench._functions(run)
