@@ -17,7 +17,8 @@ Session 25: the kernel can also sum the drive's gradient ``sum_k s_k`` while it 
 ``s_k`` (``fused_weight_grad(..., sum_steps=True)``: a program takes a run of a pattern's rows
 over every step; ``fused_block.WGRAD_SUM_CHUNKS``). Its rows (``mode`` "summed") are timed against
 what they replace: the per-step kernel at its default setting plus XLA's sum of the ``s_k``
-over the steps ("per step + XLA sum"). ``--sum-only`` times only these.
+over the steps ("per step + XLA sum"). ``--sum-only`` times only these; ``--sum-tilings`` also
+tries the summing kernel's ``(rows, warps)`` (``fused_block.WGRAD_SUM_TILINGS``), at two stages.
 
     python benchmarks/wgrad_tiling.py --out=$OUT/wgrad_tiling --best=$OUT/wgrad_best.json
     python benchmarks/wgrad_tiling.py --out=/tmp/smoke --smoke     # interpreter, CPU, tiny
