@@ -336,10 +336,10 @@ def _weight_grad_kernel(layout, offsets, batch, rows, chunks, xs_ref, s_ref, dw_
     weight gradient over the ``c``-th of ``chunks`` equal runs of the state's tiles of ``rows``
     rows: ``dW_t^T += s_k^T @ x_k(window t)``, tap by tap.
 
-    One warp per program: the products have a ``(C, C)`` output and a long reduction over
-    rows, which a wider program would give every warp whole (each warp holding both
-    operands). The windows reach into the slack rows, which nothing writes; they are
-    masked to zero (``s`` is zero there, but ``0 x NaN`` is not).
+    Narrow programs (one warp at 16 channels, two at 32, :data:`WGRAD_TILINGS`): the products
+    have a ``(C, C)`` output and a long reduction over rows, which a wider program would give
+    every warp whole (each warp holding both operands). The windows reach into the slack rows,
+    which nothing writes; they are masked to zero (``s`` is zero there, but ``0 x NaN`` is not).
     """
     from jax.experimental import pallas as pl
 
