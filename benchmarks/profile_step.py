@@ -12,6 +12,12 @@ the main stream the device time exceeds the wall.
 
     python benchmarks/profile_step.py --out=runs/bench/profile --variant=nais10_fused_unroll10
     python benchmarks/profile_step.py --out=/tmp/smoke --smoke      # CPU, tiny: the trace's CPU ops
+
+The host's side is summarised too: each host thread's busy time and the host events that take
+the longest. Where the trace ties the main stream's kernels to their launch calls (CUDA
+correlation ids), each gap before a kernel is attributed either to the host, if it made the call
+only after the stream had run dry, or to the device (a wait on the other stream or an event).
+``--keep-trace`` copies the Perfetto trace next to the results.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -212,6 +219,87 @@ def streams(events: list[dict], steps: int, top: int = 12) -> dict:
     }
 
 
+def _correlation(event: dict):
+    """The CUDA correlation id an event carries in its args (a launch on the host, a kernel on the
+    device), or ``None``."""
+    for key, value in event.get("args", {}).items():
+        if "correlation" in key.lower():
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def host_events(trace: dict, steps: int, top: int = 15) -> dict:
+    """The host's side of the trace: per thread, its busy time a step; the host events that take
+    the most time (count and ms a step; nested events each count, so times overlap); and the CUDA
+    launch calls by their correlation ids (``launches``: id -> (start, end), microseconds)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pnames, tnames = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            pnames[e["pid"]] = e.get("args", {}).get("name", "")
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            tnames[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
+    host = {p for p, n in pnames.items() if "/host:CPU" in n}
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    by_thread = collections.defaultdict(list)
+    launches = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in host:
+            continue
+        t0, dur = float(e.get("ts", 0.0)), float(e.get("dur", 0.0))
+        name = e.get("name", "?")
+        by_name[name][0] += 1
+        by_name[name][1] += dur
+        by_thread[tnames.get((e["pid"], e.get("tid")), str(e.get("tid")))].append((t0, t0 + dur))
+        cid = _correlation(e)
+        if cid is not None:
+            launches[cid] = (t0, t0 + dur)
+    threads = sorted(
+        ({"thread": t, "busy_ms_per_step": _length(_union(v)) / steps / 1e3} for t, v in by_thread.items()),
+        key=lambda r: -r["busy_ms_per_step"],
+    )
+    calls = [
+        {"event": k, "per_step": v[0] / steps, "ms_per_step": v[1] / steps / 1e3, "mean_us": v[1] / v[0]}
+        for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    ]
+    return {"threads": threads[:top], "calls": calls, "launches": launches}
+
+
+def late_launches(events: list[dict], main: str, launches: dict, steps: int) -> dict | None:
+    """For every gap on the main stream before a kernel whose launch call the trace matches (same
+    correlation id): whether the host made that call only after the stream had run dry (the host
+    was late: the gap is the host's) or before (the kernel waited on the device: the other
+    stream, an event). ``None`` where the trace matches no launch."""
+    timeline = sorted(
+        (float(e.get("ts", 0.0)), float(e.get("ts", 0.0)) + float(e.get("dur", 0.0)), _correlation(e))
+        for e in events
+        if e.get("_track") == main
+    )
+    matched = late = 0
+    late_ms = device_ms = 0.0
+    end = timeline[0][1] if timeline else 0.0
+    for a, b, cid in timeline[1:]:
+        if a > end and cid in launches:
+            matched += 1
+            if launches[cid][0] >= end:  # the call began after the stream had run dry
+                late += 1
+                late_ms += a - end
+            else:
+                device_ms += a - end
+        end = max(end, b)
+    if not matched:
+        return None
+    return {
+        "gaps_matched_per_step": matched / steps,
+        "host_late_per_step": late / steps,
+        "host_late_ms_per_step": late_ms / steps / 1e3,
+        "device_wait_ms_per_step": device_ms / steps / 1e3,
+    }
+
+
 def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) -> dict:
     import jax
     import train_step as ts
@@ -237,9 +325,15 @@ def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) 
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         state, loss = f(state, x, y)
         jax.block_until_ready(loss)
-    events, info = device_events(read_trace(log_dir))
+    trace = read_trace(log_dir)
+    events, info = device_events(trace)
     out = summarise(events, steps)
     out["streams"] = streams(events, steps)
+    host = host_events(trace, steps)
+    launches = host.pop("launches")
+    out["host"] = host
+    if out["streams"]:
+        out["streams"]["late_launches"] = late_launches(events, out["streams"]["main_stream"], launches, steps)
     out.update(info)
     out.update(
         variant=variant,
@@ -308,8 +402,35 @@ def render(res: dict) -> tuple[str, str]:
             ],
         )
         t_text, t_md = f"{t_text}\n\n{w_text}", f"{t_text}\n\n{w_md}"
-    text = "\n".join([head, "", g_text, "", s_text, "", k_text, "", t_text])
-    md = "\n".join([f"{head}\n", g_md, "", s_md, "", k_md, "", t_md])
+        late = st.get("late_launches")
+        if late:
+            line = (
+                f"gaps on the main stream whose launch the trace matches: {late['gaps_matched_per_step']:.0f} a step; "
+                f"the host called the launch only after the stream ran dry in {late['host_late_per_step']:.0f} "
+                f"({late['host_late_ms_per_step']:.2f} ms), the kernel waited on the device in the others "
+                f"({late['device_wait_ms_per_step']:.2f} ms)"
+            )
+        else:
+            line = "gaps on the main stream: no launch calls with correlation ids in the trace to tell host from device"
+        t_text, t_md = f"{t_text}\n\n{line}", f"{t_md}\n\n{line}"
+    host = res.get("host") or {}
+    h_text = h_md = ""
+    if host.get("calls"):
+        th_text, th_md = _common.table(
+            host["threads"], [("thread", "host thread", ""), ("busy_ms_per_step", "busy ms/step", ".3f")]
+        )
+        c_text, c_md = _common.table(
+            [dict(r, event=r["event"][:70]) for r in host["calls"]],
+            [
+                ("event", "host event", ""),
+                ("per_step", "count/step", ".0f"),
+                ("mean_us", "mean us", ".1f"),
+                ("ms_per_step", "ms/step", ".3f"),
+            ],
+        )
+        h_text, h_md = f"{th_text}\n\n{c_text}", f"{th_md}\n\n{c_md}"
+    text = "\n".join([head, "", g_text, "", s_text, "", k_text, "", t_text, "", h_text])
+    md = "\n".join([f"{head}\n", g_md, "", s_md, "", k_md, "", t_md, "", h_md])
     return text, md
 
 
@@ -320,6 +441,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="training steps in the traced chunk")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--keep-trace", action="store_true", help="copy the Perfetto trace next to the results")
     args = parser.parse_args(argv)
     _common.importable()
     import train_step as ts
@@ -333,6 +455,10 @@ def main(argv=None):
     )
     text, md = render(res)
     _common.write_results(args.out, f"profile_{args.variant}", res, md)
+    if args.keep_trace:  # next to the results: the profiler's own folder nests too deep for some copiers
+        traces = sorted(glob.glob(os.path.join(args.out, "trace", "**", "perfetto_trace.json.gz"), recursive=True))
+        if traces:
+            shutil.copy(traces[-1], os.path.join(args.out, f"perfetto_{args.variant}.json.gz"))
     print(text)
 
 
