@@ -63,8 +63,8 @@ def read_trace(log_dir: str) -> dict:
         return json.load(f)
 
 
-def device_events(trace: dict) -> tuple[list[dict], dict]:
-    """Complete events on the device's kernel tracks (not its per-op summary tracks)."""
+def _names(trace: dict) -> tuple[list[dict], dict, dict]:
+    """The trace's events, its process names by pid and its thread names by ``(pid, tid)``."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     pnames, tnames = {}, {}
     for e in events:
@@ -72,6 +72,12 @@ def device_events(trace: dict) -> tuple[list[dict], dict]:
             pnames[e["pid"]] = e.get("args", {}).get("name", "")
         if e.get("ph") == "M" and e.get("name") == "thread_name":
             tnames[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
+    return events, pnames, tnames
+
+
+def device_events(trace: dict) -> tuple[list[dict], dict]:
+    """Complete events on the device's kernel tracks (not its per-op summary tracks)."""
+    events, pnames, tnames = _names(trace)
     gpu_pids = {p for p, n in pnames.items() if re.search(r"/device:(GPU|TPU)", n)}
     # on a CPU (the smoke run) XLA's work runs on the host's "tf_XLA..." threads
     on_host = not gpu_pids
@@ -180,32 +186,55 @@ def _intersect(x, y) -> float:
     return total
 
 
-def streams(events: list[dict], steps: int, top: int = 12) -> dict:
+def streams(events: list[dict], steps: int, launches: dict | None = None, top: int = 12) -> dict:
     """The streams' timeline: each stream's busy time a step (the union of its kernels), the
     time both the main stream (the busiest) and another run, the main stream's idle time between
     its first and last kernel, and which kernels the main stream waited longest before (the
-    gap before each launch, summed by kernel name: a wait on the other stream or the host)."""
+    gap before each launch, summed by kernel name: a wait on the other stream or the host).
+
+    ``launches`` (the host's launch calls by CUDA correlation id, :func:`host_events`): for every
+    gap before a kernel whose call it holds, whether the host made that call only after the
+    stream had run dry (the gap is the host's) or before (the kernel waited on the device: the
+    other stream, an event); ``late_launches`` is ``None`` where no gap matches a call."""
     by_track = collections.defaultdict(list)
     for e in events:
         t0 = float(e.get("ts", 0.0))
-        by_track[e.get("_track", "?")].append((t0, t0 + float(e.get("dur", 0.0)), e.get("name", "?")))
+        row = (t0, t0 + float(e.get("dur", 0.0)), e.get("name", "?"), _correlation(e))
+        by_track[e.get("_track", "?")].append(row)
     if not by_track:
         return {}
-    busy = {t: _union([(a, b) for a, b, _ in v]) for t, v in by_track.items()}
+    busy = {t: _union([(a, b) for a, b, *_ in v]) for t, v in by_track.items()}
     main = max(busy, key=lambda t: _length(busy[t]))
     others = _union([iv for t, v in busy.items() if t != main for iv in v])
     span_a = min(a for v in busy.values() for a, _ in v)
     span_b = max(b for v in busy.values() for _, b in v)
-    launches = sorted(by_track[main])
+    timeline = sorted(by_track[main], key=lambda r: r[:3])  # by start, end, name, as before
     waits = collections.defaultdict(lambda: [0, 0.0])
-    end = launches[0][1]
-    for a, b, name in launches[1:]:
+    late = {"matched": 0, "late": 0, "late_us": 0.0, "device_us": 0.0}
+    end = timeline[0][1]
+    for a, b, name, cid in timeline[1:]:
         if a > end:
             waits[name][0] += 1
             waits[name][1] += a - end
+            if launches and cid in launches:
+                late["matched"] += 1
+                if launches[cid][0] >= end:  # the call began after the stream had run dry
+                    late["late"] += 1
+                    late["late_us"] += a - end
+                else:
+                    late["device_us"] += a - end
         end = max(end, b)
     main_busy = _length(busy[main])
+    late_launches = None
+    if late["matched"]:
+        late_launches = {
+            "gaps_matched_per_step": late["matched"] / steps,
+            "host_late_per_step": late["late"] / steps,
+            "host_late_ms_per_step": late["late_us"] / steps / 1e3,
+            "device_wait_ms_per_step": late["device_us"] / steps / 1e3,
+        }
     return {
+        "late_launches": late_launches,
         "main_stream": main,
         "span_ms_per_step": (span_b - span_a) / steps / 1e3,
         "busy_ms_per_step": {t: _length(v) / steps / 1e3 for t, v in busy.items()},
@@ -235,13 +264,7 @@ def host_events(trace: dict, steps: int, top: int = 15) -> dict:
     """The host's side of the trace: per thread, its busy time a step; the host events that take
     the most time (count and ms a step; nested events each count, so times overlap); and the CUDA
     launch calls by their correlation ids (``launches``: id -> (start, end), microseconds)."""
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pnames, tnames = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            pnames[e["pid"]] = e.get("args", {}).get("name", "")
-        if e.get("ph") == "M" and e.get("name") == "thread_name":
-            tnames[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
+    events, pnames, tnames = _names(trace)
     host = {p for p, n in pnames.items() if "/host:CPU" in n}
     by_name = collections.defaultdict(lambda: [0, 0.0])
     by_thread = collections.defaultdict(list)
@@ -266,38 +289,6 @@ def host_events(trace: dict, steps: int, top: int = 15) -> dict:
         for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     ]
     return {"threads": threads[:top], "calls": calls, "launches": launches}
-
-
-def late_launches(events: list[dict], main: str, launches: dict, steps: int) -> dict | None:
-    """For every gap on the main stream before a kernel whose launch call the trace matches (same
-    correlation id): whether the host made that call only after the stream had run dry (the host
-    was late: the gap is the host's) or before (the kernel waited on the device: the other
-    stream, an event). ``None`` where the trace matches no launch."""
-    timeline = sorted(
-        (float(e.get("ts", 0.0)), float(e.get("ts", 0.0)) + float(e.get("dur", 0.0)), _correlation(e))
-        for e in events
-        if e.get("_track") == main
-    )
-    matched = late = 0
-    late_ms = device_ms = 0.0
-    end = timeline[0][1] if timeline else 0.0
-    for a, b, cid in timeline[1:]:
-        if a > end and cid in launches:
-            matched += 1
-            if launches[cid][0] >= end:  # the call began after the stream had run dry
-                late += 1
-                late_ms += a - end
-            else:
-                device_ms += a - end
-        end = max(end, b)
-    if not matched:
-        return None
-    return {
-        "gaps_matched_per_step": matched / steps,
-        "host_late_per_step": late / steps,
-        "host_late_ms_per_step": late_ms / steps / 1e3,
-        "device_wait_ms_per_step": device_ms / steps / 1e3,
-    }
 
 
 def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) -> dict:
@@ -328,12 +319,9 @@ def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) 
     trace = read_trace(log_dir)
     events, info = device_events(trace)
     out = summarise(events, steps)
-    out["streams"] = streams(events, steps)
     host = host_events(trace, steps)
-    launches = host.pop("launches")
+    out["streams"] = streams(events, steps, host.pop("launches"))
     out["host"] = host
-    if out["streams"]:
-        out["streams"]["late_launches"] = late_launches(events, out["streams"]["main_stream"], launches, steps)
     out.update(info)
     out.update(
         variant=variant,

@@ -175,23 +175,12 @@ def patch_models() -> None:
     """The NAIS nets' tied 64-channel conv blocks (3x3, ReLU or tanh) on these kernels where the
     fused kernels run (a float32 state on a CUDA GPU); every other block as before
     (``train_step.py``'s ``c64="steps"``), at the tiling ``$STEP64_TILING`` names (``rows,warps``)."""
-    from naisnet_jax import fused_block, models
+    from naisnet_jax import fused_block
 
-    original = models.unroll_tied_conv
     # $STEP64_TILING="rows,warps" (for example the fastest row of this script's table), else the defaults
     rows, warps = (int(v) for v in os.environ.get("STEP64_TILING", f"{TILE_ROWS},{WARPS}").split(","))
-
-    def unroll_tied_conv(x0, drive, kernel, *, steps, h=1.0, activation="relu", **kw):
-        if (
-            x0.shape[-1] == CHANNELS
-            and kernel.shape[:2] == (3, 3)
-            and activation in ("relu", "tanh")
-            and fused_block.gpu_kernels_available(x0)
-        ):
-            return block(steps, float(h), activation, tile_rows=rows, warps=warps)(x0, drive, kernel)
-        return original(x0, drive, kernel, steps=steps, h=h, activation=activation, **kw)
-
-    models.unroll_tied_conv = unroll_tied_conv
+    block_for = functools.partial(block, tile_rows=rows, warps=warps)
+    _common.patch_c64_blocks(block_for, fused_block.gpu_kernels_available)
 
 
 def main(argv=None):

@@ -339,23 +339,9 @@ def patch_models() -> None:
     block as before."""
     import jax.numpy as jnp
 
-    from naisnet_jax import models
     from naisnet_jax.hopper_block import hopper_available
 
-    original = models.unroll_tied_conv
-
-    def unroll_tied_conv(x0, drive, kernel, *, steps, h=1.0, activation="relu", **kw):
-        if (
-            x0.shape[-1] == 64
-            and x0.dtype == jnp.float32
-            and kernel.shape[:2] == (3, 3)
-            and activation in ("relu", "tanh")
-            and hopper_available()
-        ):
-            return block(steps, float(h), activation)(x0, drive, kernel)
-        return original(x0, drive, kernel, steps=steps, h=h, activation=activation, **kw)
-
-    models.unroll_tied_conv = unroll_tied_conv
+    _common.patch_c64_blocks(block, lambda x0: x0.dtype == jnp.float32 and hopper_available())
 
 
 def main(argv=None):
