@@ -80,6 +80,29 @@ VARIANTS = {
     "nais10_fused_unroll10_wgmma_c64": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="wgmma"),
     # the 64-channel blocks as one Triton kernel a step (prototype, benchmarks/step_kernels64.py)
     "nais10_fused_unroll10_c64_steps": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="steps"),
+    # only their forward pass so; the backward pass the stacked VJP's (cuDNN)
+    "nais10_fused_unroll10_c64_forward": dict(
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="steps_forward"
+    ),
+    # XLA's scheduler: more async computations in flight (the 64-channel blocks' weight gradients on
+    # the second stream ran one after another at the end of session 26's profiled step), and its
+    # analytical cost model for where to start them
+    "nais10_fused_unroll10_async32": dict(
+        model=N10,
+        kwargs=dict(block_vjp="fused", scan_unroll=10),
+        xla_flags="--xla_gpu_experimental_parallel_async_compute_limit=32",
+    ),
+    "nais10_fused_unroll10_lhs_analytical": dict(
+        model=N10,
+        kwargs=dict(block_vjp="fused", scan_unroll=10),
+        xla_flags="--xla_gpu_enable_analytical_latency_estimator=true",
+    ),
+    "nais10_fused_unroll10_async32_analytical": dict(
+        model=N10,
+        kwargs=dict(block_vjp="fused", scan_unroll=10),
+        xla_flags="--xla_gpu_experimental_parallel_async_compute_limit=32"
+        " --xla_gpu_enable_analytical_latency_estimator=true",
+    ),
     "nais10_fused_unroll10_wgmma_all": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma", c64="wgmma"
     ),
@@ -256,10 +279,10 @@ def apply_spec(spec) -> None:
         import wgmma_block64
 
         wgmma_block64.patch_models()
-    if spec.get("c64") == "steps":  # the 64-channel blocks as one Triton kernel a step
+    if spec.get("c64") in ("steps", "steps_forward"):  # the 64-channel blocks as one Triton kernel a step
         import step_kernels64
 
-        step_kernels64.patch_models()
+        step_kernels64.patch_models(backward="xla" if spec["c64"] == "steps_forward" else "kernels")
     if spec.get("relu_sign") is False:  # the wgmma forward saves ReLU's z_k in float32, not its sign
         from naisnet_jax import hopper_block
 

@@ -398,6 +398,46 @@ def test_weight_gradient_kernel_sums_the_drive_gradient(monkeypatch, C, chunks, 
     assert '"_weight_grad_sum_kernel"' in lowered and '"_weight_grad_kernel"' not in lowered
 
 
+@pytest.mark.parametrize("sum_steps", [False, True])
+@pytest.mark.parametrize("C, chunks", [(16, 1), (16, 8), (32, 4)])
+def test_weight_gradient_kernels_ignore_the_slack(sum_steps, C, chunks):
+    """The weight-gradient kernels mask only the windows of a state's first and last tiles, which
+    reach into the slack rows (``fused_block._edge_split``): with NaN in every slack row (the
+    forward kernels leave them unwritten), both kernels give the ``dW`` (and sum) of zeroed slack,
+    which equals a float64 numpy sum over the taps, for programs that take edge tiles only, inner
+    tiles only, or both (interpreter)."""
+    layout = fb.Layout.of(14, 14, 3, 3, 32)  # 8 tiles of 32 rows; windows reach 17 rows either way
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 2, 14, 14, C))
+    s = rng.standard_normal((3, 2, 14, 14, C))
+    xs, ss = layout.to_buffer(jnp.asarray(x)), layout.to_buffer(jnp.asarray(s))
+    end = layout.slack + layout.tiles * layout.tile_rows
+    slack = np.r_[0 : layout.slack, end : layout.rows]
+    xs_nan, ss_nan = xs.at[:, :, slack].set(np.nan), ss.at[:, :, slack].set(np.nan)
+    config = fb.GPU._replace(interpret=True, tile_rows=32)
+    got = fb.fused_weight_grad(layout, xs_nan, ss_nan, (3, 3, C, C), config, chunks=chunks, sum_steps=sum_steps)
+    dW = got[0] if sum_steps else got
+    padded = np.pad(x, [(0, 0), (0, 0), (1, 1), (1, 1), (0, 0)])
+    want = np.zeros((3, 3, C, C))
+    for a in range(3):
+        for b in range(3):
+            want[a, b] = np.einsum("knijc,knijd->cd", padded[:, :, a : a + 14, b : b + 14], s)
+    np.testing.assert_allclose(dW, want, rtol=1e-10, atol=1e-10)
+    if sum_steps:
+        np.testing.assert_allclose(layout.interior(got[1]), s.sum(axis=0), rtol=1e-12, atol=1e-12)
+
+    rows = fb._wgrad_rows(layout, C, sum_steps)[0]
+    count = fb._wgrad_runs(layout, C, sum_steps) // chunks
+    splits = [
+        tuple(int(v) for v in fb._edge_split(layout, layout.offsets(3, 3), rows, c * count, count))
+        for c in range(chunks)
+    ]
+    assert splits[0][0] == 1 and splits[-1][1] == count - 1  # the first and last tiles masked
+    assert sum(b - a for a, b in splits) == 6  # the six inner tiles not
+    if chunks > 1:
+        assert (0, count) in splits  # a program of inner tiles only
+
+
 def test_summing_kernel_takes_its_own_tiling():
     """``WGRAD_SUM_TILINGS``: at 32 channels the summing kernel runs 32-row tiles on two warps, split
     between ``WGRAD_SUM_CHUNKS[32]`` programs a pattern (the grid), while the per-step kernel keeps

@@ -316,19 +316,42 @@ def _rows_in(first, rows, start, end) -> Array:
     return (r >= start) & (r < end)
 
 
-def _tap_products(acc, s, xs_ref, k, n, q, offsets, inside) -> tuple:
+def _tap_products(acc, s, xs_ref, k, n, q, offsets, inside=None) -> tuple:
     """``acc_t + s^T @ x_k(window t)`` for every tap ``t``: one tile of step ``k``, pattern ``n``,
-    the windows masked to zero outside the tiled rows (``inside(offset)``; ``s`` is zero there,
-    but ``0 x NaN`` is not)."""
+    the windows masked to zero outside the tiled rows where ``inside(offset)`` says so (``s`` is
+    zero there, but ``0 x NaN`` is not); ``inside=None``: the tile's windows lie inside them."""
     from jax.experimental import pallas as pl
 
     sT, rows = s.T, s.shape[0]
     out = []
     for acc_t, off in zip(acc, offsets):
         x = xs_ref[k, n, pl.ds(q + off, rows)]
-        x = jnp.where(inside(off), x, jnp.zeros_like(x))
+        if inside is not None:
+            x = jnp.where(inside(off), x, jnp.zeros_like(x))
         out.append(acc_t + jnp.dot(sT, x, preferred_element_type=x.dtype))
     return tuple(out)
+
+
+def _edge_split(layout, offsets, rows, first, count) -> tuple:
+    """``(a, b)``: of a program's ``count`` tiles of ``rows`` rows, from tile ``first`` of the
+    state on, those before ``a`` and from ``b`` on have windows reaching into the slack rows (the
+    first and last few tiles of the state); those in ``[a, b)`` lie wholly inside the tiled rows
+    and need no masks. Masking every window cost a quarter of the kernel's time at 32x32x16 on an
+    H200 (``benchmarks/wgrad_anatomy.py``, session 26)."""
+    total = layout.tiles * layout.tile_rows // rows
+    lo = -(-max(0, -min(offsets)) // rows)  # tiles whose windows start below the tiled rows
+    hi = total - -(-max(0, max(offsets)) // rows)  # from here on, windows end past them
+    a = jnp.clip(lo - first, 0, count)
+    return a, jnp.clip(hi - first, a, count)
+
+
+def _over_tiles_split(layout, offsets, rows, first, count, tile, acc) -> tuple:
+    """``acc`` through ``tile(i, acc, masked)`` for a program's tiles ``i < count`` (from tile
+    ``first`` of the state): the edge tiles with masks, the rest without (:func:`_edge_split`)."""
+    a, b = _edge_split(layout, offsets, rows, first, count)
+    acc = lax.fori_loop(_index(0), _index(a), functools.partial(tile, masked=True), acc)
+    acc = lax.fori_loop(_index(a), _index(b), functools.partial(tile, masked=False), acc)
+    return lax.fori_loop(_index(b), _index(count), functools.partial(tile, masked=True), acc)
 
 
 def _weight_grad_kernel(layout, offsets, batch, rows, chunks, xs_ref, s_ref, dw_ref):
@@ -338,8 +361,9 @@ def _weight_grad_kernel(layout, offsets, batch, rows, chunks, xs_ref, s_ref, dw_
 
     Narrow programs (one warp at 16 channels, two at 32, :data:`WGRAD_TILINGS`): the products
     have a ``(C, C)`` output and a long reduction over rows, which a wider program would give
-    every warp whole (each warp holding both operands). The windows reach into the slack rows,
-    which nothing writes; they are masked to zero (``s`` is zero there, but ``0 x NaN`` is not).
+    every warp whole (each warp holding both operands). The windows of the state's first and last
+    few tiles reach into the slack rows, which nothing writes; those windows are masked to zero
+    (``s`` is zero there, but ``0 x NaN`` is not), the others are not (:func:`_edge_split`).
     """
     from jax.experimental import pallas as pl
 
@@ -349,13 +373,14 @@ def _weight_grad_kernel(layout, offsets, batch, rows, chunks, xs_ref, s_ref, dw_
     end = S + layout.tiles * layout.tile_rows
     count = layout.tiles * layout.tile_rows // rows // chunks  # tiles a program sums
 
-    def tile(i, acc):
+    def tile(i, acc, masked):
         q = S + (c * count + _index(i)) * rows
         s = s_ref[k, n, pl.ds(q, rows)]
-        return _tap_products(acc, s, xs_ref, k, n, q, offsets, lambda off: _rows_in(q + off, rows, S, end))
+        inside = (lambda off: _rows_in(q + off, rows, S, end)) if masked else None
+        return _tap_products(acc, s, xs_ref, k, n, q, offsets, inside)
 
     zero = jnp.zeros((C, C), dw_ref.dtype)
-    acc = lax.fori_loop(0, count, tile, tuple(zero for _ in offsets))
+    acc = _over_tiles_split(layout, offsets, rows, c * count, count, tile, tuple(zero for _ in offsets))
     for t, acc_t in enumerate(acc):
         dw_ref[p, t] = acc_t
 
@@ -374,23 +399,26 @@ def _weight_grad_sum_kernel(layout, offsets, steps, rows, chunks, xs_ref, s_ref,
     end = S + layout.tiles * layout.tile_rows
     count = layout.tiles * layout.tile_rows // rows // chunks  # tiles a program sums
 
-    def tile(i, acc):
+    def tile(i, acc, masked):
         q = S + (c * count + _index(i)) * rows
-        r = q + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-        masks = {off: (r + off >= S) & (r + off < end) for off in offsets}  # once a tile, not a step
+        inside = None
+        if masked:
+            r = q + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+            masks = {off: (r + off >= S) & (r + off < end) for off in offsets}  # once a tile, not a step
+            inside = masks.__getitem__
 
         def step(k, carry):
             acc, total = carry
             k = _index(k)
             s = s_ref[k, n, pl.ds(q, rows)]
-            return _tap_products(acc, s, xs_ref, k, n, q, offsets, masks.__getitem__), total + s
+            return _tap_products(acc, s, xs_ref, k, n, q, offsets, inside), total + s
 
         acc, total = lax.fori_loop(0, steps, step, (acc, jnp.zeros((rows, C), sum_ref.dtype)))
         sum_ref[n, pl.ds(q, rows)] = total
         return acc
 
     zero = jnp.zeros((C, C), dw_ref.dtype)
-    acc = lax.fori_loop(0, count, tile, tuple(zero for _ in offsets))
+    acc = _over_tiles_split(layout, offsets, rows, c * count, count, tile, tuple(zero for _ in offsets))
     for t, acc_t in enumerate(acc):
         dw_ref[p, t] = acc_t
 
@@ -562,7 +590,10 @@ def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU, chunks=None, sum
     kh, kw = kernel_shape[:2]
     rows, warps = _wgrad_rows(layout, C, sum_steps)
     most = (WGRAD_SUM_CHUNKS if sum_steps else WGRAD_CHUNKS).get(C, 1)
-    chunks = _chunks_of(_wgrad_runs(layout, C, sum_steps), most) if chunks is None else chunks
+    runs = _wgrad_runs(layout, C, sum_steps)
+    chunks = _chunks_of(runs, most) if chunks is None else chunks
+    if runs % chunks:
+        raise ValueError(f"chunks={chunks} must divide the {runs} runs of rows of a state's weight gradient.")
     offsets = layout.offsets(kh, kw)
     programs = (1 if sum_steps else steps) * N * chunks
     parts_shape = jax.ShapeDtypeStruct((programs, kh * kw, C, C), ss.dtype)
