@@ -84,24 +84,26 @@ VARIANTS = {
     "nais10_fused_unroll10_c64_forward": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="steps_forward"
     ),
-    # XLA's scheduler: more async computations in flight (the 64-channel blocks' weight gradients on
-    # the second stream ran one after another at the end of session 26's profiled step), and its
-    # analytical cost model for where to start them
+    # XLA's scheduler for the second stream's work. train.ASYNC_SCHEDULING (the default since session
+    # 26: both options below) turned off, then each of its options alone, as XLA_FLAGS
+    "nais10_fused_unroll10_sched_off": dict(
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), async_scheduling=False
+    ),
     "nais10_fused_unroll10_async32": dict(
         model=N10,
         kwargs=dict(block_vjp="fused", scan_unroll=10),
+        async_scheduling=False,
         xla_flags="--xla_gpu_experimental_parallel_async_compute_limit=32",
     ),
     "nais10_fused_unroll10_lhs_analytical": dict(
         model=N10,
         kwargs=dict(block_vjp="fused", scan_unroll=10),
+        async_scheduling=False,
         xla_flags="--xla_gpu_enable_analytical_latency_estimator=true",
     ),
-    "nais10_fused_unroll10_async32_analytical": dict(
-        model=N10,
-        kwargs=dict(block_vjp="fused", scan_unroll=10),
-        xla_flags="--xla_gpu_experimental_parallel_async_compute_limit=32"
-        " --xla_gpu_enable_analytical_latency_estimator=true",
+    # the weight-gradient kernels masking every window, as before session 26 (not the edge tiles' only)
+    "nais10_fused_unroll10_wgrad_masks": dict(
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad_masks="all"
     ),
     "nais10_fused_unroll10_wgmma_all": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma", c64="wgmma"
@@ -287,6 +289,14 @@ def apply_spec(spec) -> None:
         from naisnet_jax import hopper_block
 
         hopper_block.SAVE_RELU_SIGN = False
+    if spec.get("async_scheduling") is False:  # the step compiled without train.ASYNC_SCHEDULING
+        from naisnet_jax import train
+
+        train.ASYNC_SCHEDULING = {}
+    if spec.get("wgrad_masks") == "all":  # every tile of the weight-gradient kernels masked
+        from naisnet_jax import fused_block
+
+        fused_block._edge_split = lambda layout, offsets, rows, first, count: (count, count)
     if spec.get("conv_fusion"):  # the step compiled with XLA's cuDNN convolution fusions
         from naisnet_jax import train
 
