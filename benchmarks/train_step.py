@@ -84,22 +84,21 @@ VARIANTS = {
     "nais10_fused_unroll10_c64_forward": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="steps_forward"
     ),
-    # XLA's scheduler for the second stream's work. train.ASYNC_SCHEDULING (the default since session
-    # 26: both options below) turned off, then each of its options alone, as XLA_FLAGS
-    "nais10_fused_unroll10_sched_off": dict(
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), async_scheduling=False
-    ),
+    # XLA's scheduler for the second stream's work (no gain in session 26: 25.88 and 25.83 ms against
+    # 25.85 for neither, H200): more async computations in flight, and its analytical cost model
     "nais10_fused_unroll10_async32": dict(
         model=N10,
         kwargs=dict(block_vjp="fused", scan_unroll=10),
-        async_scheduling=False,
         xla_flags="--xla_gpu_experimental_parallel_async_compute_limit=32",
     ),
     "nais10_fused_unroll10_lhs_analytical": dict(
         model=N10,
         kwargs=dict(block_vjp="fused", scan_unroll=10),
-        async_scheduling=False,
         xla_flags="--xla_gpu_enable_analytical_latency_estimator=true",
+    ),
+    # the stacked VJP's stacks of x_k and s_k left to XLA's scheduler (block_vjp.STACK_EARLY off)
+    "nais10_fused_unroll10_stack_late": dict(
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), stack_early=False
     ),
     # the weight-gradient kernels masking every window, as before session 26 (not the edge tiles' only)
     "nais10_fused_unroll10_wgrad_masks": dict(
@@ -289,10 +288,10 @@ def apply_spec(spec) -> None:
         from naisnet_jax import hopper_block
 
         hopper_block.SAVE_RELU_SIGN = False
-    if spec.get("async_scheduling") is False:  # the step compiled without train.ASYNC_SCHEDULING
-        from naisnet_jax import train
+    if spec.get("stack_early") is False:  # the stacked VJP's stacks where XLA puts them
+        from naisnet_jax import block_vjp
 
-        train.ASYNC_SCHEDULING = {}
+        block_vjp.STACK_EARLY = False
     if spec.get("wgrad_masks") == "all":  # every tile of the weight-gradient kernels masked
         from naisnet_jax import fused_block
 

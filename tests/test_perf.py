@@ -550,21 +550,15 @@ def test_bad_adaptive_arguments_are_refused():
 
 
 def test_step_compiler_options_by_backend(monkeypatch):
-    """The training step compiles on a GPU only with ``ASYNC_SCHEDULING`` (one device) and
-    ``GPU_STEP_OPTIONS`` (none by default), and ``make_train_chunk`` passes them to ``jax.jit``."""
+    """The training step compiles with ``GPU_STEP_OPTIONS`` (none by default) on a GPU only, and
+    ``make_train_chunk`` passes them to ``jax.jit``."""
     from naisnet_jax import train
 
-    sched = {
-        "xla_gpu_experimental_parallel_async_compute_limit": 32,
-        "xla_gpu_enable_analytical_latency_estimator": True,
-    }
-    assert train.GPU_STEP_OPTIONS == {} and train.ASYNC_SCHEDULING == sched
-    assert train.step_compiler_options() is None  # this CPU
+    assert train.GPU_STEP_OPTIONS == {} and train.step_compiler_options() is None
     monkeypatch.setattr(train, "GPU_STEP_OPTIONS", train.CONV_FUSION)
-    assert train.step_compiler_options() is None
+    assert train.step_compiler_options() is None  # this CPU
     monkeypatch.setattr(train.jax, "default_backend", lambda: "gpu")
-    assert train.step_compiler_options() == {**sched, "xla_gpu_experimental_enable_conv_fusion": True}
-    assert train.step_compiler_options(2) == {"xla_gpu_experimental_enable_conv_fusion": True}
+    assert train.step_compiler_options() == {"xla_gpu_experimental_enable_conv_fusion": True}
     seen = []
     real_jit = jax.jit
 
@@ -574,16 +568,14 @@ def test_step_compiler_options_by_backend(monkeypatch):
 
     monkeypatch.setattr(train.jax, "jit", spy)
     train.make_train_chunk(np.zeros(1), np.ones(1), augment=False)
-    assert seen == [{**sched, "xla_gpu_experimental_enable_conv_fusion": True}]
+    assert seen == [{"xla_gpu_experimental_enable_conv_fusion": True}]
     monkeypatch.setattr(train, "GPU_STEP_OPTIONS", {})
-    assert train.step_compiler_options() == sched and train.step_compiler_options(2) is None
-    monkeypatch.setattr(train, "ASYNC_SCHEDULING", {})
     assert train.step_compiler_options() is None
 
 
 def test_conv_fusion_option_is_known_to_this_xla():
-    """``CONV_FUSION``'s and ``ASYNC_SCHEDULING``'s options are ones this jaxlib's XLA knows (an
-    unknown one fails the compile, on any backend); on the CPU they change nothing."""
+    """``CONV_FUSION``'s option is one this jaxlib's XLA knows (an unknown one fails the compile,
+    on any backend); on the CPU it changes nothing."""
     from naisnet_jax import train
 
     x = jnp.arange(12.0).reshape(1, 2, 2, 3)
@@ -593,8 +585,7 @@ def test_conv_fusion_option_is_known_to_this_xla():
         y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return jnp.maximum(y + 1.0, 0.0)
 
-    for options in (train.CONV_FUSION, train.ASYNC_SCHEDULING):
-        got = jax.jit(f, compiler_options=options).lower(x).compile()(x)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(x)))
+    got = jax.jit(f, compiler_options=train.CONV_FUSION).lower(x).compile()(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(x)))
     with pytest.raises(Exception, match="no_such_option"):
         jax.jit(f, compiler_options={"xla_gpu_no_such_option": True}).lower(x).compile()

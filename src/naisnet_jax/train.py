@@ -300,28 +300,12 @@ CONV_FUSION: dict[str, Any] = {"xla_gpu_experimental_enable_conv_fusion": True}
 #: XLA options the training step compiles with where JAX's default backend is a GPU (none by
 #: default; for example :data:`CONV_FUSION`).
 GPU_STEP_OPTIONS: dict[str, Any] = {}
-#: How XLA's scheduler places the work the fast paths put on the second stream (the weight
-#: gradients): up to 32 such computations in flight, not 2, and an analytical estimate of how
-#: long each takes. Without them the 64-channel blocks' weight gradients started only when the
-#: last stage's backward pass was nearly done and ran one after another, and the main stream
-#: waited ~0.7 ms for them at the end of NAIS-Net10's step on an H200; with them the step took
-#: 25.8 instead of 26.4 ms (``benchmarks/train_step.py``, ``BENCHMARKS.md``, session 26). For
-#: one-device steps on a GPU (the data-parallel step's collectives were not measured with them);
-#: ``train.ASYNC_SCHEDULING = {}`` before training turns them off.
-ASYNC_SCHEDULING: dict[str, Any] = {
-    "xla_gpu_experimental_parallel_async_compute_limit": 32,
-    "xla_gpu_enable_analytical_latency_estimator": True,
-}
 
 
-def step_compiler_options(devices: int = 1) -> dict[str, Any] | None:
-    """The ``compiler_options`` of the jitted training step over ``devices`` devices, where JAX's
-    default backend is a GPU: :data:`ASYNC_SCHEDULING` (one device only), then
-    :data:`GPU_STEP_OPTIONS`. Elsewhere none (XLA's CPU and TPU compilers ignore the GPU's
-    options)."""
-    if jax.default_backend() != "gpu":
-        return None
-    return {**(ASYNC_SCHEDULING if devices == 1 else {}), **GPU_STEP_OPTIONS} or None
+def step_compiler_options() -> dict[str, Any] | None:
+    """The ``compiler_options`` of the jitted training step: :data:`GPU_STEP_OPTIONS` where JAX's
+    default backend is a GPU, else none (XLA's CPU and TPU compilers ignore the GPU's options)."""
+    return dict(GPU_STEP_OPTIONS) or None if jax.default_backend() == "gpu" else None
 
 
 def make_train_chunk(mean, std, augment: bool, mesh: Mesh | None = None) -> Callable:
@@ -344,7 +328,7 @@ def make_train_chunk(mean, std, augment: bool, mesh: Mesh | None = None) -> Call
         state, metrics = jax.lax.scan(body, state, (idx_rows, keys))
         return state, jax.tree.map(jnp.mean, metrics)
 
-    options = step_compiler_options(1 if mesh is None else mesh.devices.size)
+    options = step_compiler_options()
     if mesh is None:
         return jax.jit(train_chunk, donate_argnums=(0,), compiler_options=options)
     replicated = NamedSharding(mesh, PartitionSpec())
