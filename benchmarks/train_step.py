@@ -96,10 +96,6 @@ VARIANTS = {
         kwargs=dict(block_vjp="fused", scan_unroll=10),
         xla_flags="--xla_gpu_enable_analytical_latency_estimator=true",
     ),
-    # the stacked VJP's stacks of x_k and s_k left to XLA's scheduler (block_vjp.STACK_EARLY off)
-    "nais10_fused_unroll10_stack_late": dict(
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), stack_early=False
-    ),
     # the weight-gradient kernels masking every window, as before session 26 (not the edge tiles' only)
     "nais10_fused_unroll10_wgrad_masks": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad_masks="all"
@@ -288,10 +284,6 @@ def apply_spec(spec) -> None:
         from naisnet_jax import hopper_block
 
         hopper_block.SAVE_RELU_SIGN = False
-    if spec.get("stack_early") is False:  # the stacked VJP's stacks where XLA puts them
-        from naisnet_jax import block_vjp
-
-        block_vjp.STACK_EARLY = False
     if spec.get("wgrad_masks") == "all":  # every tile of the weight-gradient kernels masked
         from naisnet_jax import fused_block
 

@@ -150,23 +150,11 @@ def _tied(op, x0, drive, W, steps, h, activation, residuals, scan_unroll):
     return _forward(op, x0, drive, W, steps, h, activation, scan_unroll, save=False)[0]
 
 
-#: Make the stacked states (forward pass) and the stacked ``s_k`` (backward pass) as soon as they
-#: are computed. With the scan unrolled, each is a concatenation of the K steps' values, which
-#: only the weight gradient reads; XLA left all of them to the end of NAIS-Net10's backward pass
-#: on the main stream (72 concatenations, ~0.8 ms on an H200), so the 64-channel blocks' weight
-#: gradients on the second stream could only start then, and the main stream waited ~0.7 ms for
-#: them (``benchmarks/profile_step.py``, session 26). An optimisation barrier ties each stack to
-#: the block's own output (forward) or input gradient (backward).
-STACK_EARLY = True
-
-
 def _tied_fwd(op, x0, drive, W, steps, h, activation, residuals, scan_unroll):
     if residuals == "recompute":
         x = _forward(op, x0, drive, W, steps, h, activation, scan_unroll, save=False)[0]
         return x, (x0, drive, W, None)
     x, saved = _forward(op, x0, drive, W, steps, h, activation, scan_unroll, save=True)
-    if STACK_EARLY:
-        x, saved = lax.optimization_barrier((x, saved))
     return x, (x0, drive, W, saved)
 
 
@@ -209,8 +197,6 @@ def _tied_bwd(op, steps, h, activation, residuals, scan_unroll, res, g):
     (g0, d_drive), ss = lax.scan(body, (g, jnp.zeros_like(g)), rs, reverse=True, unroll=scan_unroll)
     stacked_x = xs.reshape((-1,) + xs.shape[2:])  # (K * batch, ...)
     stacked_s = ss.reshape((-1,) + ss.shape[2:])
-    if STACK_EARLY:
-        g0, stacked_x, stacked_s = lax.optimization_barrier((g0, stacked_x, stacked_s))
     dW = on_side_stream(_weight_grad(op))(stacked_x, stacked_s, W)
     return g0, _sum_to_shape(d_drive, drive.shape).astype(drive.dtype), dW
 
