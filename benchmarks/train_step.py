@@ -96,6 +96,11 @@ VARIANTS = {
         kwargs=dict(block_vjp="fused", scan_unroll=10),
         xla_flags="--xla_gpu_enable_analytical_latency_estimator=true",
     ),
+    # the stacked VJP's stacks of x_k and s_k written in place, not concatenated (prototype,
+    # benchmarks/stacks_in_place.py)
+    "nais10_fused_unroll10_stacks_in_place": dict(
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), stacks="in_place"
+    ),
     # the weight-gradient kernels masking every window, as before session 26 (not the edge tiles' only)
     "nais10_fused_unroll10_wgrad_masks": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad_masks="all"
@@ -284,6 +289,10 @@ def apply_spec(spec) -> None:
         from naisnet_jax import hopper_block
 
         hopper_block.SAVE_RELU_SIGN = False
+    if spec.get("stacks") == "in_place":  # the stacked VJP's stacks written in place
+        import stacks_in_place
+
+        stacks_in_place.patch()
     if spec.get("wgrad_masks") == "all":  # every tile of the weight-gradient kernels masked
         from naisnet_jax import fused_block
 
