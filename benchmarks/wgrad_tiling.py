@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 SHAPES = [(32, 32, 16), (16, 16, 32)]
-CHUNKS = [1, 2, 3, 4, 5, 6, 8, 10, 16, 20]  # those that divide a state's runs of rows
+CHUNKS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20]  # those that divide a state's runs of rows
 STAGES = [1, 2, 3]
 #: ``(rows, warps)`` of the summing kernel's programs tried with ``--sum-tilings``.
 SUM_TILINGS = [(32, 1), (64, 1), (32, 2), (64, 2), (128, 4)]
