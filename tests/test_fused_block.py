@@ -436,6 +436,8 @@ def test_weight_gradient_kernels_ignore_the_slack(sum_steps, C, chunks):
     assert sum(b - a for a, b in splits) == 6  # the six inner tiles not
     if chunks > 1:
         assert (0, count) in splits  # a program of inner tiles only
+    with pytest.raises(ValueError, match="chunks=3 must divide the 8 runs"):
+        fb.fused_weight_grad(layout, xs, ss, (3, 3, C, C), config, chunks=3, sum_steps=sum_steps)
 
 
 def test_summing_kernel_takes_its_own_tiling():
