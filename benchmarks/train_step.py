@@ -96,6 +96,12 @@ VARIANTS = {
         kwargs=dict(block_vjp="fused", scan_unroll=10),
         xla_flags="--xla_gpu_enable_analytical_latency_estimator=true",
     ),
+    # no XLA command buffers (CUDA graphs): each kernel launched on its own. Session 26's profile:
+    # the main stream waited ~6 us before each of the 64-channel stage's cuDNN convolutions,
+    # launched between command buffers, mostly with the launch already issued
+    "nais10_fused_unroll10_cmdbuf_off": dict(
+        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), xla_flags="--xla_gpu_enable_command_buffer="
+    ),
     # the stacked VJP's stacks of x_k and s_k written in place, not concatenated (prototype,
     # benchmarks/stacks_in_place.py)
     "nais10_fused_unroll10_stacks_in_place": dict(
