@@ -84,8 +84,10 @@ VARIANTS = {
     "nais10_fused_unroll10_c64_forward": dict(
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="steps_forward"
     ),
-    # XLA's scheduler for the second stream's work (no gain in session 26: 25.88 and 25.83 ms against
-    # 25.85 for neither, H200): more async computations in flight, and its analytical cost model
+    # XLA's scheduler for the second stream's work: more async computations in flight, and its
+    # analytical cost model. No gain in session 26 (H200): 25.88 and 25.83 ms, where the same code
+    # without them ran 25.85 in another call; both as the step's compiler options, 25.95 against
+    # 25.85 side by side
     "nais10_fused_unroll10_async32": dict(
         model=N10,
         kwargs=dict(block_vjp="fused", scan_unroll=10),
