@@ -47,6 +47,12 @@ CMDBUF_WHILE = (
 )
 N10 = "naisnet_cifar10"
 
+
+def fused10(**spec) -> dict:
+    """A variant of NAIS-Net10 on the fast path (``block_vjp="fused", scan_unroll=10``) with ``spec``."""
+    return dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), **spec)
+
+
 # name -> spec. kind "jax": model name, model kwargs, precision, XLA flags;
 # kind "torch": mode (eager | compile | reduce-overhead) and precision (tf32 | highest | bf16).
 VARIANTS = {
@@ -72,84 +78,56 @@ VARIANTS = {
         model=N10, xla_flags=CMDBUF_WHILE + " --xla_gpu_command_buffer_unroll_loops=true"
     ),
     "nais10_fused": dict(model=N10, kwargs=dict(block_vjp="fused")),
-    "nais10_fused_unroll10": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10)),
-    "nais10_fused_unroll10_triton": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), engine="triton"),
+    "nais10_fused_unroll10": fused10(),
+    "nais10_fused_unroll10_triton": fused10(engine="triton"),
     # the weight gradient on wgmma too (prototype, benchmarks/wgmma_wgrad.py; Hopper only)
-    "nais10_fused_unroll10_wgmma_wgrad": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma"),
+    "nais10_fused_unroll10_wgmma_wgrad": fused10(wgrad="wgmma"),
     # the 64-channel blocks on wgmma too (prototype, benchmarks/wgmma_block64.py; Hopper only)
-    "nais10_fused_unroll10_wgmma_c64": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="wgmma"),
+    "nais10_fused_unroll10_wgmma_c64": fused10(c64="wgmma"),
     # the 64-channel blocks as one Triton kernel a step (prototype, benchmarks/step_kernels64.py)
-    "nais10_fused_unroll10_c64_steps": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="steps"),
+    "nais10_fused_unroll10_c64_steps": fused10(c64="steps"),
     # only their forward pass so; the backward pass the stacked VJP's (cuDNN)
-    "nais10_fused_unroll10_c64_forward": dict(
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), c64="steps_forward"
-    ),
+    "nais10_fused_unroll10_c64_forward": fused10(c64="steps_forward"),
     # XLA's scheduler for the second stream's work: more async computations in flight, and its
     # analytical cost model. No gain in session 26 (H200): 25.88 and 25.83 ms, where the same code
     # without them ran 25.85 in another call; both as the step's compiler options, 25.95 against
     # 25.85 side by side
-    "nais10_fused_unroll10_async32": dict(
-        model=N10,
-        kwargs=dict(block_vjp="fused", scan_unroll=10),
+    "nais10_fused_unroll10_async32": fused10(
         xla_flags="--xla_gpu_experimental_parallel_async_compute_limit=32",
     ),
-    "nais10_fused_unroll10_lhs_analytical": dict(
-        model=N10,
-        kwargs=dict(block_vjp="fused", scan_unroll=10),
+    "nais10_fused_unroll10_lhs_analytical": fused10(
         xla_flags="--xla_gpu_enable_analytical_latency_estimator=true",
     ),
     # no XLA command buffers (CUDA graphs): each kernel launched on its own. Session 26's profile:
     # the main stream waited ~6 us before each of the 64-channel stage's cuDNN convolutions,
     # launched between command buffers, mostly with the launch already issued
-    "nais10_fused_unroll10_cmdbuf_off": dict(
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), xla_flags="--xla_gpu_enable_command_buffer="
-    ),
+    "nais10_fused_unroll10_cmdbuf_off": fused10(xla_flags="--xla_gpu_enable_command_buffer="),
     # the stacked VJP's stacks of x_k and s_k written in place, not concatenated (prototype,
     # benchmarks/stacks_in_place.py)
-    "nais10_fused_unroll10_stacks_in_place": dict(
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), stacks="in_place"
-    ),
+    "nais10_fused_unroll10_stacks_in_place": fused10(stacks="in_place"),
     # the weight-gradient kernels masking every window, as before session 26 (not the edge tiles' only)
-    "nais10_fused_unroll10_wgrad_masks": dict(
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad_masks="all"
-    ),
-    "nais10_fused_unroll10_wgmma_all": dict(
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad="wgmma", c64="wgmma"
-    ),
-    "nais10_fused_unroll10_relu_z": dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), relu_sign=False),
+    "nais10_fused_unroll10_wgrad_masks": fused10(wgrad_masks="all"),
+    "nais10_fused_unroll10_wgmma_all": fused10(wgrad="wgmma", c64="wgmma"),
+    "nais10_fused_unroll10_relu_z": fused10(relu_sign=False),
     "nais10_fused_unroll10_conv_fusion": dict(  # with XLA's cuDNN convolution fusions (train.CONV_FUSION)
         model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), conv_fusion=True
     ),
     # every block's K steps from x_0 = 0, as before session 24 (not from x_1 = h act(drive))
-    "nais10_fused_unroll10_from_zero": dict(
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), first_step=False
-    ),
+    "nais10_fused_unroll10_from_zero": fused10(first_step=False),
     # the drive convolutions' kernel gradients by cuDNN, as before session 24 (not the fused kernel)
-    "nais10_fused_unroll10_xla_drive_wgrad": dict(
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), drive_wgrad="xla"
-    ),
+    "nais10_fused_unroll10_xla_drive_wgrad": fused10(drive_wgrad="xla"),
     # the weight-gradient kernel's chunks and stages from benchmarks/wgrad_tiling.py --best=FILE
     # (read from the environment's WGRAD_BEST=FILE)
-    "nais10_fused_unroll10_wgrad_best": dict(
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad_tiling="WGRAD_BEST"
-    ),
+    "nais10_fused_unroll10_wgrad_best": fused10(wgrad_tiling="WGRAD_BEST"),
     # the drive's gradient as XLA's sum over the saved s_k beside the per-step weight-gradient kernel
     # on the second stream, as before session 25 (not summed by the weight-gradient kernel)
-    "nais10_fused_unroll10_wgrad_per_step": dict(
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), wgrad_sums_steps=False
-    ),
-    "nais10_fused_unroll10_one_stream": dict(
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), side_stream=False
-    ),
+    "nais10_fused_unroll10_wgrad_per_step": fused10(wgrad_sums_steps=False),
+    "nais10_fused_unroll10_one_stream": fused10(side_stream=False),
     # cuDNN's convolutions captured into XLA's command buffers (CUDA graphs) with the fusions around them
-    "nais10_fused_unroll10_conv_cmdbuf": dict(
-        model=N10,
-        kwargs=dict(block_vjp="fused", scan_unroll=10),
+    "nais10_fused_unroll10_conv_cmdbuf": fused10(
         xla_flags="--xla_gpu_enable_command_buffer=+CONVOLUTION",
     ),
-    "nais10_fused_unroll10_nhwc": dict(
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), xla_flags="--xla_gpu_force_conv_nhwc"
-    ),
+    "nais10_fused_unroll10_nhwc": fused10(xla_flags="--xla_gpu_force_conv_nhwc"),
     "nais10_bf16": dict(model=N10, kwargs=dict(dtype="bfloat16")),
     "nais10_bf16_stacked_unroll10": dict(model=N10, kwargs=dict(dtype="bfloat16", block_vjp="stacked", scan_unroll=10)),
     "nais1": dict(model="naisnet_cifar1"),
