@@ -105,6 +105,8 @@ VARIANTS = {
     # the stacked VJP's stacks of x_k and s_k written in place, not concatenated (prototype,
     # benchmarks/stacks_in_place.py)
     "nais10_fused_unroll10_stacks_in_place": fused10(stacks="in_place"),
+    "nais10_fused_unroll10_stacks_in_place_fwd": fused10(stacks="in_place_forward"),  # the x_k's only
+    "nais10_fused_unroll10_stacks_in_place_bwd": fused10(stacks="in_place_backward"),  # the s_k's only
     # the weight-gradient kernels masking every window, as before session 26 (not the edge tiles' only)
     "nais10_fused_unroll10_wgrad_masks": fused10(wgrad_masks="all"),
     "nais10_fused_unroll10_wgmma_all": fused10(wgrad="wgmma", c64="wgmma"),
@@ -275,10 +277,11 @@ def apply_spec(spec) -> None:
         from naisnet_jax import hopper_block
 
         hopper_block.SAVE_RELU_SIGN = False
-    if spec.get("stacks") == "in_place":  # the stacked VJP's stacks written in place
+    if spec.get("stacks", "").startswith("in_place"):  # the stacked VJP's stacks written in place
         import stacks_in_place
 
-        stacks_in_place.patch()
+        which = spec["stacks"]
+        stacks_in_place.patch(forward=which != "in_place_backward", backward=which != "in_place_forward")
     if spec.get("wgrad_masks") == "all":  # every tile of the weight-gradient kernels masked
         from naisnet_jax import fused_block
 
