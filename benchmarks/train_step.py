@@ -104,6 +104,11 @@ VARIANTS = {
     "nais10_fused_unroll10_cmdbuf_off": fused10(xla_flags="--xla_gpu_enable_command_buffer="),
     # the stacked VJP's stacks of x_k and s_k written in place, not concatenated (prototype,
     # benchmarks/stacks_in_place.py)
+    # the 64-channel blocks' stacked weight gradients on the main stream (the drives' stay on the
+    # second): in session 26's trace cuDNN's kernel for them takes 226 KB of shared memory a
+    # program on 126 programs, the whole of each SM's, so the main stream's kernels cannot run
+    # beside it anyway, and the main stream waited 0.72 ms for them at the end of the step
+    "nais10_fused_unroll10_stacked_wgrad_main": fused10(stacked_wgrad="main"),
     "nais10_fused_unroll10_stacks_in_place": fused10(stacks="in_place"),
     "nais10_fused_unroll10_stacks_in_place_fwd": fused10(stacks="in_place_forward"),  # the x_k's only
     "nais10_fused_unroll10_stacks_in_place_bwd": fused10(stacks="in_place_backward"),  # the s_k's only
@@ -277,6 +282,11 @@ def apply_spec(spec) -> None:
         from naisnet_jax import hopper_block
 
         hopper_block.SAVE_RELU_SIGN = False
+    if spec.get("stacked_wgrad") == "main":  # block_vjp's calls that leave the stream to it: main
+        from naisnet_jax import block_vjp
+
+        side = block_vjp.on_side_stream
+        block_vjp.on_side_stream = lambda f, enabled=None: side(f, False if enabled is None else enabled)
     if spec.get("stacks", "").startswith("in_place"):  # the stacked VJP's stacks written in place
         import stacks_in_place
 
