@@ -345,19 +345,40 @@ def _edge_split(layout, offsets, rows, first, count) -> tuple:
     return a, jnp.clip(hi - first, a, count)
 
 
-def _over_tiles_split(layout, offsets, rows, first, count, tile, acc) -> tuple:
-    """``acc`` through ``tile(i, acc, masked)`` for a program's tiles ``i < count`` (from tile
-    ``first`` of the state): the edge tiles with masks, the rest without (:func:`_edge_split`)."""
+def _sum_tiles(layout, offsets, rows, c, chunks, p, dw_ref, tile) -> None:
+    """The skeleton of both weight-gradient kernels: from zero accumulators for every tap, run
+    ``acc = tile(q, acc, inside)`` over the ``c``-th of ``chunks`` equal runs of the state's tiles
+    of ``rows`` rows (``q`` a tile's first row), then write the sums to ``dw_ref[p]``.
+
+    Only the state's first and last few tiles have windows that reach into the slack rows, which
+    nothing writes; for them ``inside(offset)`` says which of a window's rows lie in the tiled rows
+    (masks made once a tile), for the rest it is ``None`` (no masks: :func:`_edge_split`)."""
+    S, C = layout.slack, dw_ref.shape[-1]
+    end = S + layout.tiles * layout.tile_rows
+    count = layout.tiles * layout.tile_rows // rows // chunks  # tiles a program sums
+    first = c * count
+
+    def body(masked):
+        def run(i, acc):
+            q = S + (first + _index(i)) * rows
+            masks = {off: _rows_in(q + off, rows, S, end) for off in offsets} if masked else None
+            return tile(q, acc, None if masks is None else masks.__getitem__)
+
+        return run
+
     a, b = _edge_split(layout, offsets, rows, first, count)
-    acc = lax.fori_loop(_index(0), _index(a), functools.partial(tile, masked=True), acc)
-    acc = lax.fori_loop(_index(a), _index(b), functools.partial(tile, masked=False), acc)
-    return lax.fori_loop(_index(b), _index(count), functools.partial(tile, masked=True), acc)
+    acc = tuple(jnp.zeros((C, C), dw_ref.dtype) for _ in offsets)
+    acc = lax.fori_loop(_index(0), _index(a), body(True), acc)
+    acc = lax.fori_loop(_index(a), _index(b), body(False), acc)
+    acc = lax.fori_loop(_index(b), _index(count), body(True), acc)
+    for t, acc_t in enumerate(acc):
+        dw_ref[p, t] = acc_t
 
 
 def _weight_grad_kernel(layout, offsets, batch, rows, chunks, xs_ref, s_ref, dw_ref):
     """Program ``p = (k N + n) chunks + c`` sums step ``k``'s, pattern ``n``'s share of the
     weight gradient over the ``c``-th of ``chunks`` equal runs of the state's tiles of ``rows``
-    rows: ``dW_t^T += s_k^T @ x_k(window t)``, tap by tap.
+    rows: ``dW_t^T += s_k^T @ x_k(window t)``, tap by tap (:func:`_sum_tiles`).
 
     Narrow programs (one warp at 16 channels, two at 32, :data:`WGRAD_TILINGS`): the products
     have a ``(C, C)`` output and a long reduction over rows, which a wider program would give
@@ -369,20 +390,11 @@ def _weight_grad_kernel(layout, offsets, batch, rows, chunks, xs_ref, s_ref, dw_
 
     p = _index(pl.program_id(0))
     k, n, c = p // (batch * chunks), p // chunks % batch, p % chunks
-    S, C = layout.slack, dw_ref.shape[-1]
-    end = S + layout.tiles * layout.tile_rows
-    count = layout.tiles * layout.tile_rows // rows // chunks  # tiles a program sums
 
-    def tile(i, acc, masked):
-        q = S + (c * count + _index(i)) * rows
-        s = s_ref[k, n, pl.ds(q, rows)]
-        inside = (lambda off: _rows_in(q + off, rows, S, end)) if masked else None
-        return _tap_products(acc, s, xs_ref, k, n, q, offsets, inside)
+    def tile(q, acc, inside):
+        return _tap_products(acc, s_ref[k, n, pl.ds(q, rows)], xs_ref, k, n, q, offsets, inside)
 
-    zero = jnp.zeros((C, C), dw_ref.dtype)
-    acc = _over_tiles_split(layout, offsets, rows, c * count, count, tile, tuple(zero for _ in offsets))
-    for t, acc_t in enumerate(acc):
-        dw_ref[p, t] = acc_t
+    _sum_tiles(layout, offsets, rows, c, chunks, p, dw_ref, tile)
 
 
 def _weight_grad_sum_kernel(layout, offsets, steps, rows, chunks, xs_ref, s_ref, dw_ref, sum_ref):
@@ -395,32 +407,19 @@ def _weight_grad_sum_kernel(layout, offsets, steps, rows, chunks, xs_ref, s_ref,
 
     p = _index(pl.program_id(0))
     n, c = p // chunks, p % chunks
-    S, C = layout.slack, dw_ref.shape[-1]
-    end = S + layout.tiles * layout.tile_rows
-    count = layout.tiles * layout.tile_rows // rows // chunks  # tiles a program sums
 
-    def tile(i, acc, masked):
-        q = S + (c * count + _index(i)) * rows
-        inside = None
-        if masked:
-            r = q + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-            masks = {off: (r + off >= S) & (r + off < end) for off in offsets}  # once a tile, not a step
-            inside = masks.__getitem__
-
+    def tile(q, acc, inside):
         def step(k, carry):
             acc, total = carry
             k = _index(k)
             s = s_ref[k, n, pl.ds(q, rows)]
             return _tap_products(acc, s, xs_ref, k, n, q, offsets, inside), total + s
 
-        acc, total = lax.fori_loop(0, steps, step, (acc, jnp.zeros((rows, C), sum_ref.dtype)))
+        acc, total = lax.fori_loop(0, steps, step, (acc, jnp.zeros((rows, sum_ref.shape[-1]), sum_ref.dtype)))
         sum_ref[n, pl.ds(q, rows)] = total
         return acc
 
-    zero = jnp.zeros((C, C), dw_ref.dtype)
-    acc = _over_tiles_split(layout, offsets, rows, c * count, count, tile, tuple(zero for _ in offsets))
-    for t, acc_t in enumerate(acc):
-        dw_ref[p, t] = acc_t
+    _sum_tiles(layout, offsets, rows, c, chunks, p, dw_ref, tile)
 
 
 class Config(NamedTuple):
