@@ -1,4 +1,9 @@
-"""Benchmark (GPU; prototype, not yet run on a GPU): 64-channel blocks as one Triton kernel a step.
+"""Benchmark (GPU; prototype, lost): 64-channel blocks as one Triton kernel a step.
+
+Session 26 on an H200 (``benchmarks/results/s26/a``): forward + gradient 0.54 to 0.76 ms a block
+against 0.48 for the stacked VJP; only the forward pass won (0.197 against 0.253 ms at 128 rows on
+8 warps). That forward pass with the stacked VJP's backward pass made NAIS-Net10's step slower,
+27.44 against 26.42 ms (variant ``c64_forward``, removed; it is at commit a1bc7d7).
 
 At 8x8x64, NAIS-Net10's blocks run the stacked VJP. Each step forward is one cuDNN
 convolution (~8.3 us on an H200) and one elementwise fusion (~3 us). Each step backward is a
@@ -45,8 +50,6 @@ WARPS = 4
 #: ``(rows, warps)`` timed on a GPU: every program loads all nine ``(C, C)`` taps (147 KB at 64
 #: channels), so larger tiles move fewer taps through the L2 cache and run fewer programs.
 TILINGS = [(32, 4), (64, 4), (64, 8), (128, 8)]
-#: the forward kernel with the stacked VJP's backward pass: session 26's fastest forward tilings
-FORWARD_TILINGS = [(128, 8), (128, 4)]
 
 
 def _tile(layout, tiles):
@@ -115,17 +118,14 @@ def _call(body, layout, N, C, dtype, interpret, warps=WARPS, outputs=2):
     return fb._pallas(body, (shape,) * outputs, N * layout.tiles, config)
 
 
-def block(steps, h=1.0, activation="relu", interpret=False, tile_rows=TILE_ROWS, warps=WARPS, backward="kernels"):
+def block(steps, h=1.0, activation="relu", interpret=False, tile_rows=TILE_ROWS, warps=WARPS):
     """``x_K`` of a tied 3x3 conv block on the per-step kernels, differentiable (the weight gradient
     by XLA's convolution over the stacked steps, the drive's a sum of the ``s_k``); programs of
-    ``tile_rows`` rows on ``warps`` warps. ``backward="xla"``: only the forward pass on the
-    kernels, the backward pass that of the stacked VJP (``block_vjp.unroll_tied``: cuDNN's input
-    gradients, the weight gradient on the second stream), from the kernels' saved ``x_k`` and
-    ``z_k``."""
+    ``tile_rows`` rows on ``warps`` warps."""
     import jax
     import jax.numpy as jnp
 
-    from naisnet_jax.block_vjp import _residual, _slope_times, _weight_grad, conv_op, on_side_stream
+    from naisnet_jax.block_vjp import _weight_grad, conv_op
     from naisnet_jax.fused_block import Layout, _sum_to_shape
 
     def layout_of(x):
@@ -169,39 +169,22 @@ def block(steps, h=1.0, activation="relu", interpret=False, tile_rows=TILE_ROWS,
         dW = _weight_grad(conv_op)(x, s.reshape((-1, H, W, C)), kernel)
         return layout.interior(gb), _sum_to_shape(jnp.sum(s, axis=0), drive.shape).astype(drive.dtype), dW
 
-    def bwd_xla(res, g):
-        xs, zs, drive, kernel = res
-        layout = layout_of(g)
-        op_x_t = jax.linear_transpose(lambda x: conv_op(x, kernel), g)
-        ss = [None] * steps
-        for k in reversed(range(steps)):  # as block_vjp._tied_bwd's scan, unrolled
-            ss[k] = h * _slope_times(activation, _residual(activation, layout.interior(zs[k])), g)
-            g = g + op_x_t(ss[k])[0]
-        x = jnp.stack([layout.interior(x) for x in xs])
-        s = jnp.stack(ss)
-        dW = on_side_stream(_weight_grad(conv_op))(
-            x.reshape((-1,) + g.shape[1:]), s.reshape((-1,) + g.shape[1:]), kernel
-        )
-        return g, _sum_to_shape(jnp.sum(s, axis=0), drive.shape).astype(drive.dtype), dW
-
-    run.defvjp(fwd, bwd_xla if backward == "xla" else bwd)
+    run.defvjp(fwd, bwd)
     return run
 
 
 CHANNELS = 64
 
 
-def patch_models(backward="kernels") -> None:
+def patch_models() -> None:
     """The NAIS nets' tied 64-channel conv blocks (3x3, ReLU or tanh) on these kernels where the
     fused kernels run (a float32 state on a CUDA GPU); every other block as before
-    (``train_step.py``'s ``c64="steps"``, or ``"steps_forward"`` with ``backward="xla"``), at the
-    tiling ``$STEP64_TILING`` names (``rows,warps``; default: the script's own, or 128 rows on 8
-    warps, session 26's fastest forward, for ``backward="xla"``)."""
+    (``train_step.py``'s ``c64="steps"``), at the tiling ``$STEP64_TILING`` names (``rows,warps``)."""
     from naisnet_jax import fused_block
 
-    default = "128,8" if backward == "xla" else f"{TILE_ROWS},{WARPS}"
-    rows, warps = (int(v) for v in os.environ.get("STEP64_TILING", default).split(","))
-    block_for = functools.partial(block, tile_rows=rows, warps=warps, backward=backward)
+    # $STEP64_TILING="rows,warps" (for example the fastest row of this script's table), else the defaults
+    rows, warps = (int(v) for v in os.environ.get("STEP64_TILING", f"{TILE_ROWS},{WARPS}").split(","))
+    block_for = functools.partial(block, tile_rows=rows, warps=warps)
     _common.patch_c64_blocks(block_for, fused_block.gpu_kernels_available)
 
 
@@ -260,13 +243,6 @@ def main(argv=None):
         stacked = functools.partial(unroll_tied, conv_op, steps=K, h=1.0, activation="relu", scan_unroll=10)
         paths = [("stacked VJP (cuDNN)", stacked)]
         paths += [(f"a Triton kernel a step, {r} rows, {w} warps", block(K, tile_rows=r, warps=w)) for r, w in TILINGS]
-        paths += [
-            (
-                f"forward kernels ({r} rows, {w} warps), stacked VJP backward",
-                block(K, tile_rows=r, warps=w, backward="xla"),
-            )
-            for r, w in FORWARD_TILINGS
-        ]
         for name, run in paths:
             row = dict(shape=f"8x8x{CHANNELS}", name=name)
             try:

@@ -86,8 +86,6 @@ VARIANTS = {
     "nais10_fused_unroll10_wgmma_c64": fused10(c64="wgmma"),
     # the 64-channel blocks as one Triton kernel a step (prototype, benchmarks/step_kernels64.py)
     "nais10_fused_unroll10_c64_steps": fused10(c64="steps"),
-    # only their forward pass so; the backward pass the stacked VJP's (cuDNN)
-    "nais10_fused_unroll10_c64_forward": fused10(c64="steps_forward"),
     # XLA's scheduler for the second stream's work: more async computations in flight, and its
     # analytical cost model. No gain in session 26 (H200): 25.88 and 25.83 ms, where the same code
     # without them ran 25.85 in another call; both as the step's compiler options, 25.95 against
@@ -274,10 +272,10 @@ def apply_spec(spec) -> None:
         import wgmma_block64
 
         wgmma_block64.patch_models()
-    if spec.get("c64") in ("steps", "steps_forward"):  # the 64-channel blocks as one Triton kernel a step
+    if spec.get("c64") == "steps":  # the 64-channel blocks as one Triton kernel a step
         import step_kernels64
 
-        step_kernels64.patch_models(backward="xla" if spec["c64"] == "steps_forward" else "kernels")
+        step_kernels64.patch_models()
     if spec.get("relu_sign") is False:  # the wgmma forward saves ReLU's z_k in float32, not its sign
         from naisnet_jax import hopper_block
 

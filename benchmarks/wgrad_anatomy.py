@@ -1,5 +1,10 @@
 """Benchmark (GPU): where the weight-gradient kernel's time goes, by taking parts of it away.
 
+Session 26 (H200, ``benchmarks/results/s26/a``): without masks the kernel took 0.149 against 0.196
+ms at 32x32x16, so the library now masks only the edge tiles' windows
+(``fused_block._edge_split``), and "as is" below is that kernel (0.158 ms in call ``b``). The
+figures that follow are from before.
+
 The blocks' weight gradient (``naisnet_jax.fused_block.fused_weight_grad`` with ``sum_steps=True``,
 the default since session 25) takes 0.197 ms at 32x32x16 and 0.154 ms at 16x16x32 on an H200
 (batch 128, 9 steps): 36 of them are ~6 ms of NAIS-Net10's ~26.4 ms step, on the main stream.
