@@ -100,13 +100,13 @@ VARIANTS = {
     # the main stream waited ~6 us before each of the 64-channel stage's cuDNN convolutions,
     # launched between command buffers, mostly with the launch already issued
     "nais10_fused_unroll10_cmdbuf_off": fused10(xla_flags="--xla_gpu_enable_command_buffer="),
-    # the stacked VJP's stacks of x_k and s_k written in place, not concatenated (prototype,
-    # benchmarks/stacks_in_place.py)
     # the 64-channel blocks' stacked weight gradients on the main stream (the drives' stay on the
     # second): in session 26's trace cuDNN's kernel for them takes 226 KB of shared memory a
     # program on 126 programs, the whole of each SM's, so the main stream's kernels cannot run
     # beside it anyway, and the main stream waited 0.72 ms for them at the end of the step
     "nais10_fused_unroll10_stacked_wgrad_main": fused10(stacked_wgrad="main"),
+    # the stacked VJP's stacks of x_k and s_k written in place, not concatenated (prototype,
+    # benchmarks/stacks_in_place.py)
     "nais10_fused_unroll10_stacks_in_place": fused10(stacks="in_place"),
     "nais10_fused_unroll10_stacks_in_place_fwd": fused10(stacks="in_place_forward"),  # the x_k's only
     "nais10_fused_unroll10_stacks_in_place_bwd": fused10(stacks="in_place_backward"),  # the s_k's only
@@ -114,9 +114,8 @@ VARIANTS = {
     "nais10_fused_unroll10_wgrad_masks": fused10(wgrad_masks="all"),
     "nais10_fused_unroll10_wgmma_all": fused10(wgrad="wgmma", c64="wgmma"),
     "nais10_fused_unroll10_relu_z": fused10(relu_sign=False),
-    "nais10_fused_unroll10_conv_fusion": dict(  # with XLA's cuDNN convolution fusions (train.CONV_FUSION)
-        model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), conv_fusion=True
-    ),
+    # with XLA's cuDNN convolution fusions (train.CONV_FUSION)
+    "nais10_fused_unroll10_conv_fusion": fused10(conv_fusion=True),
     # every block's K steps from x_0 = 0, as before session 24 (not from x_1 = h act(drive))
     "nais10_fused_unroll10_from_zero": fused10(first_step=False),
     # the drive convolutions' kernel gradients by cuDNN, as before session 24 (not the fused kernel)
