@@ -1,0 +1,204 @@
+"""Benchmark (GPU): the weight-gradient kernel's registers, occupancy and loop order.
+
+Session 26's profile (``benchmarks/results/s26/a/profile``, H200) gives the summing
+weight-gradient kernel (``fused_block._weight_grad_sum_kernel``) at 32x32x16 as 254 registers a
+thread, 24 KiB of shared memory and one warp a program: at most 8 programs an SM, 12.5% of the
+SM's warps. Its 1,024 programs (8 a pattern, batch 128) are then one wave of 8 warps an SM, and
+splitting the rows further (more programs a pattern) only adds a second wave. With so few warps
+each one waits on its loads and products in turn: a tile's step takes ~4 us against the memory
+floor's ~1 us.
+
+The registers go to the nine windows of ``x_k`` loaded for a tile's step (16 a thread each at
+32 rows and one warp), the nine ``(C, C)`` accumulators (8 each) and the tile's ``sum_k s_k`` (16).
+This script tries kernels that hold fewer windows at once:
+
+- ``group``: the taps taken ``group`` at a time, each group its own loop over the steps (``9``
+  is the library's order; ``3`` or ``1`` hold three windows or one, and read ``s_k`` again for
+  each group: from the L1 or L2 cache, a tile's ``s_k`` being 2 KiB);
+- ``rows``: 16-row tiles instead of 32, halving every tile-sized register;
+- ``chunks``: programs a pattern, so that the smaller programs fill the SMs (the largest divisor
+  of a state's runs of rows up to it).
+
+Every variant's ``dW`` and ``sum_k s_k`` are checked against the library's kernel (with NaN in
+the slack rows, which the edge tiles' masks must keep out).
+
+    python benchmarks/wgrad_order.py --out=$OUT/wgrad_order
+    python benchmarks/wgrad_order.py --out=/tmp/wgrad_order --smoke     # interpreter, CPU, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+SHAPES = [(32, 32, 16), (16, 16, 32)]
+#: ``(group, rows, warps, chunks)``; ``None``: the library's kernel and tiling.
+VARIANTS = [
+    None,
+    (9, 16, 1, 8),
+    (9, 16, 1, 16),
+    (3, 32, 1, 8),
+    (3, 32, 1, 16),
+    (3, 16, 1, 16),
+    (3, 16, 1, 32),
+    (1, 32, 1, 8),
+    (1, 32, 1, 16),
+    (1, 16, 1, 16),
+    (1, 16, 1, 32),
+    (9, 32, 2, 8),
+    (3, 32, 2, 8),
+    (1, 32, 2, 8),
+    (3, 16, 2, 16),
+]
+
+
+def kernel(layout, offsets, steps, rows, chunks, group, xs_ref, s_ref, dw_ref, sum_ref):
+    """``fused_block._weight_grad_sum_kernel`` with the taps ``group`` at a time, a loop over the
+    steps for each group (the first group also sums ``s_k``)."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+
+    from naisnet_jax.fused_block import _index, _sum_tiles, _tap_products
+
+    p = _index(pl.program_id(0))
+    n, c = p // chunks, p % chunks
+    C = s_ref.shape[-1]
+
+    def tile(q, acc, inside):
+        acc = list(acc)
+        total = jnp.zeros((rows, C), sum_ref.dtype)
+        for g0 in range(0, len(offsets), group):
+            taps = slice(g0, g0 + group)
+            first = g0 == 0
+
+            def step(k, carry, taps=taps, first=first):
+                part, total = carry
+                k = _index(k)
+                s = s_ref[k, n, pl.ds(q, rows)]
+                part = _tap_products(part, s, xs_ref, k, n, q, offsets[taps], inside)
+                return part, (total + s if first else total)
+
+            part, total = lax.fori_loop(0, steps, step, (tuple(acc[taps]), total))
+            acc[taps] = part
+        sum_ref[n, pl.ds(q, rows)] = total
+        return tuple(acc)
+
+    _sum_tiles(layout, offsets, rows, c, chunks, p, dw_ref, tile)
+
+
+def variant(layout, kernel_shape, config, spec):
+    """``(xs, ss) -> (dW, sum_k s_k)`` for ``spec`` (``None``: the library's function)."""
+    import jax
+    import jax.numpy as jnp
+
+    from naisnet_jax import fused_block as fb
+
+    if spec is None:
+
+        def run(xs, ss):
+            dW, total = fb.fused_weight_grad(layout, xs, ss, kernel_shape, config, sum_steps=True)
+            return dW, layout.interior(total)
+
+        return jax.jit(run)
+    group, rows, warps, chunks = spec
+    C = kernel_shape[-1]
+    offsets = layout.offsets(*kernel_shape[:2])
+    chunks = fb._chunks_of(layout.tiles * layout.tile_rows // rows, chunks)  # the largest divisor up to it
+
+    def run(xs, ss):
+        steps, N = ss.shape[:2]
+        P = N * chunks
+        body = functools.partial(kernel, layout, offsets, steps, rows, chunks, group)
+        out_shape = (
+            jax.ShapeDtypeStruct((P, len(offsets), C, C), ss.dtype),
+            jax.ShapeDtypeStruct(ss.shape[1:], ss.dtype),
+        )
+        call = fb._pallas(body, out_shape, P, config, num_warps=warps, num_stages=fb.WGRAD_STAGES)
+        parts, total = call(xs, ss)
+        dW = jnp.swapaxes(jnp.sum(parts, axis=0), 1, 2).reshape(kernel_shape)
+        return dW, layout.interior(total)
+
+    return jax.jit(run)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="batch 2, two steps, the interpreter: a CPU check")
+    args = parser.parse_args(argv)
+    _common.importable()
+    import fused_block as bench  # benchmarks/fused_block.py: timing, errors
+    import jax.numpy as jnp
+    import numpy as np
+
+    from naisnet_jax import fused_block as fb
+
+    batch, steps = (2, 2) if args.smoke else (args.batch, args.steps)
+    iters, repeats = (1, 1) if args.smoke else (args.iters, args.repeats)
+    variants = VARIANTS[:4] if args.smoke else VARIANTS
+    rows = []
+    for H, W, C in SHAPES:
+        config = fb.Config(interpret=args.smoke, tile_rows=fb.default_tiling(C)[0])
+        layout = fb.Layout.of(H, W, 3, 3, config.tile_rows)
+        rng = np.random.default_rng(0)
+        xs, ss = (
+            layout.to_buffer(jnp.asarray(rng.standard_normal((n, batch, H, W, C)), jnp.float32))
+            for n in (steps + 1, steps)
+        )
+        r = jnp.arange(layout.rows)[:, None]
+        xs = jnp.where((r < layout.slack) | (r >= layout.slack + layout.tiles * layout.tile_rows), jnp.nan, xs)
+        ref = None
+        for spec in variants:
+            tiling = fb._wgrad_rows(layout, C, sum_steps=True)
+            chunks = fb._chunks_of(fb._wgrad_runs(layout, C, sum_steps=True), fb.WGRAD_SUM_CHUNKS.get(C, 1))
+            group, rows_, warps, chunks = spec or (9, *tiling, chunks)
+            chunks = fb._chunks_of(layout.tiles * layout.tile_rows // rows_, chunks)
+            if spec is not None and any(r.get("key") == (H, group, rows_, warps, chunks) for r in rows):
+                continue  # the same kernel as a row before (chunks rounded down to a divisor)
+            row = dict(shape=f"{H}x{W}x{C}", kernel="library" if spec is None else "variant")
+            row.update(group=group, rows=rows_, warps=warps, chunks=chunks, key=(H, group, rows_, warps, chunks))
+            try:
+                fn = variant(layout, (3, 3, C, C), config, spec)
+                out = fn(xs, ss)
+                ref = out if ref is None else ref
+                row["dW_diff"] = bench._rel(out[0], ref[0])
+                row["sum_diff"] = bench._rel(out[1], ref[1])
+                row["finite"] = bool(jnp.all(jnp.isfinite(out[0])))
+                row["ms"] = 1e3 * bench._time(fn, (xs, ss), iters, repeats)
+            except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
+                _common.error_row(row, e)
+            rows.append(row)
+            print(row, flush=True)
+    for row in rows:  # the ratio to the same shape's library row
+        first = next(r for r in rows if r["shape"] == row["shape"] and r["kernel"] == "library")
+        if "ms" in row and "ms" in first:
+            row["vs_library"] = row["ms"] / first["ms"]
+    columns = [
+        ("shape", "shape", ""),
+        ("kernel", "kernel", ""),
+        ("group", "taps a loop", ""),
+        ("rows", "rows", ""),
+        ("warps", "warps", ""),
+        ("chunks", "programs a pattern", ""),
+        ("ms", "ms", ".4f"),
+        ("vs_library", "x library", ".2f"),
+        ("dW_diff", "dW diff", ".1e"),
+        ("sum_diff", "sum diff", ".1e"),
+        ("finite", "finite", ""),
+    ]
+    header = f"The weight-gradient kernel by loop order and tiling, batch {batch}, {steps} steps, on {{device}}"
+    _common.report(args.out, "wgrad_order", header, rows, columns)
+
+
+if __name__ == "__main__":
+    main()
