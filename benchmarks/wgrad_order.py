@@ -37,9 +37,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 SHAPES = [(32, 32, 16), (16, 16, 32)]
-#: ``(group, rows, warps, chunks)``; ``None``: the library's kernel and tiling.
+#: ``(group, rows, warps, chunks[, products])``; ``None``: the library's kernel and tiling.
+#: ``products``: ``"tf32"`` (the library's), ``"bf16x3"`` (each operand split into two bfloat16
+#: halves, three products: more accurate than TF32, and 16-bit operands, which the tensor cores'
+#: operand loads can transpose) or ``"bf16"`` (one product of the high halves: less accurate
+#: than TF32, timed only to bound what the operands' type costs).
 VARIANTS = [
     None,
+    (9, 32, 1, 8, "bf16x3"),
+    (9, 32, 1, 8, "bf16"),
+    (9, 32, 2, 8, "bf16x3"),
+    (9, 64, 2, 8, "bf16x3"),
+    (9, 64, 4, 8, "bf16x3"),
     (9, 16, 1, 8),
     (9, 16, 1, 16),
     (3, 32, 1, 8),
@@ -57,14 +66,44 @@ VARIANTS = [
 ]
 
 
-def kernel(layout, offsets, steps, rows, chunks, group, xs_ref, s_ref, dw_ref, sum_ref):
+def _products(acc, s, xs_ref, k, n, q, offsets, inside, products):
+    """``fused_block._tap_products`` with the products in ``products`` precision."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    from naisnet_jax.fused_block import _tap_products
+
+    if products == "tf32":
+        return _tap_products(acc, s, xs_ref, k, n, q, offsets, inside)
+    bf16, f32 = jnp.bfloat16, jnp.float32
+
+    def halves(a):
+        hi = a.astype(bf16)
+        return hi, (a - hi.astype(f32)).astype(bf16)
+
+    (s_hi, s_lo), rows = halves(s.T), s.shape[0]
+    out = []
+    for acc_t, off in zip(acc, offsets):
+        x = xs_ref[k, n, pl.ds(q + off, rows)]
+        if inside is not None:
+            x = jnp.where(inside(off), x, jnp.zeros_like(x))
+        x_hi, x_lo = halves(x)
+        acc_t = acc_t + jnp.dot(s_hi, x_hi, preferred_element_type=f32)
+        if products == "bf16x3":
+            acc_t = acc_t + jnp.dot(s_lo, x_hi, preferred_element_type=f32)
+            acc_t = acc_t + jnp.dot(s_hi, x_lo, preferred_element_type=f32)
+        out.append(acc_t)
+    return tuple(out)
+
+
+def kernel(layout, offsets, steps, rows, chunks, group, products, xs_ref, s_ref, dw_ref, sum_ref):
     """``fused_block._weight_grad_sum_kernel`` with the taps ``group`` at a time, a loop over the
     steps for each group (the first group also sums ``s_k``)."""
     import jax.numpy as jnp
     from jax import lax
     from jax.experimental import pallas as pl
 
-    from naisnet_jax.fused_block import _index, _sum_tiles, _tap_products
+    from naisnet_jax.fused_block import _index, _sum_tiles
 
     p = _index(pl.program_id(0))
     n, c = p // chunks, p % chunks
@@ -81,7 +120,7 @@ def kernel(layout, offsets, steps, rows, chunks, group, xs_ref, s_ref, dw_ref, s
                 part, total = carry
                 k = _index(k)
                 s = s_ref[k, n, pl.ds(q, rows)]
-                part = _tap_products(part, s, xs_ref, k, n, q, offsets[taps], inside)
+                part = _products(part, s, xs_ref, k, n, q, offsets[taps], inside, products)
                 return part, (total + s if first else total)
 
             part, total = lax.fori_loop(0, steps, step, (tuple(acc[taps]), total))
@@ -106,7 +145,8 @@ def variant(layout, kernel_shape, config, spec):
             return dW, layout.interior(total)
 
         return jax.jit(run)
-    group, rows, warps, chunks = spec
+    group, rows, warps, chunks, products = (*spec, "tf32")[:5]
+    rows = min(rows, layout.tile_rows)
     C = kernel_shape[-1]
     offsets = layout.offsets(*kernel_shape[:2])
     chunks = fb._chunks_of(layout.tiles * layout.tile_rows // rows, chunks)  # the largest divisor up to it
@@ -114,7 +154,7 @@ def variant(layout, kernel_shape, config, spec):
     def run(xs, ss):
         steps, N = ss.shape[:2]
         P = N * chunks
-        body = functools.partial(kernel, layout, offsets, steps, rows, chunks, group)
+        body = functools.partial(kernel, layout, offsets, steps, rows, chunks, group, products)
         out_shape = (
             jax.ShapeDtypeStruct((P, len(offsets), C, C), ss.dtype),
             jax.ShapeDtypeStruct(ss.shape[1:], ss.dtype),
@@ -134,6 +174,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--products", default=None, help="only these products' variants (comma list) and the library's")
     parser.add_argument("--smoke", action="store_true", help="batch 2, two steps, the interpreter: a CPU check")
     args = parser.parse_args(argv)
     _common.importable()
@@ -145,7 +186,11 @@ def main(argv=None):
 
     batch, steps = (2, 2) if args.smoke else (args.batch, args.steps)
     iters, repeats = (1, 1) if args.smoke else (args.iters, args.repeats)
-    variants = VARIANTS[:4] if args.smoke else VARIANTS
+    variants = VARIANTS
+    if args.products:
+        keep = args.products.split(",")
+        variants = [v for v in VARIANTS if v is None or (*v, "tf32")[4] in keep]
+    variants = variants[:5] if args.smoke else variants
     rows = []
     for H, W, C in SHAPES:
         config = fb.Config(interpret=args.smoke, tile_rows=fb.default_tiling(C)[0])
@@ -161,12 +206,14 @@ def main(argv=None):
         for spec in variants:
             tiling = fb._wgrad_rows(layout, C, sum_steps=True)
             chunks = fb._chunks_of(fb._wgrad_runs(layout, C, sum_steps=True), fb.WGRAD_SUM_CHUNKS.get(C, 1))
-            group, rows_, warps, chunks = spec or (9, *tiling, chunks)
+            group, rows_, warps, chunks, products = (*(spec or (9, *tiling, chunks)), "tf32")[:5]
+            rows_ = min(rows_, layout.tile_rows)
             chunks = fb._chunks_of(layout.tiles * layout.tile_rows // rows_, chunks)
-            if spec is not None and any(r.get("key") == (H, group, rows_, warps, chunks) for r in rows):
+            key = (H, group, rows_, warps, chunks, products)
+            if spec is not None and any(r.get("key") == key for r in rows):
                 continue  # the same kernel as a row before (chunks rounded down to a divisor)
             row = dict(shape=f"{H}x{W}x{C}", kernel="library" if spec is None else "variant")
-            row.update(group=group, rows=rows_, warps=warps, chunks=chunks, key=(H, group, rows_, warps, chunks))
+            row.update(group=group, rows=rows_, warps=warps, chunks=chunks, products=products, key=key)
             try:
                 fn = variant(layout, (3, 3, C, C), config, spec)
                 out = fn(xs, ss)
@@ -190,6 +237,7 @@ def main(argv=None):
         ("rows", "rows", ""),
         ("warps", "warps", ""),
         ("chunks", "programs a pattern", ""),
+        ("products", "products", ""),
         ("ms", "ms", ".4f"),
         ("vs_library", "x library", ".2f"),
         ("dW_diff", "dW diff", ".1e"),
