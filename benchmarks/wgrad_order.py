@@ -38,13 +38,22 @@ import _common  # noqa: E402
 
 SHAPES = [(32, 32, 16), (16, 16, 32)]
 #: ``(group, rows, warps, chunks[, products])``; ``None``: the library's kernel and tiling;
-#: ``group="steps outer"``: :func:`kernel_steps_outer`.
+#: ``group="steps outer"``: :func:`kernel_steps_outer`; ``group="tap programs"``:
+#: :func:`kernel_tap_programs`, its fifth item ``G`` (programs a tile shares its taps between).
 #: ``products``: ``"tf32"`` (the library's), ``"bf16x3"`` (each operand split into two bfloat16
 #: halves, three products: more accurate than TF32, and 16-bit operands, which the tensor cores'
 #: operand loads can transpose) or ``"bf16"`` (one product of the high halves: less accurate
 #: than TF32, timed only to bound what the operands' type costs).
 VARIANTS = [
     None,
+    ("tap programs", 32, 1, 8, 3),
+    ("tap programs", 32, 1, 4, 3),
+    ("tap programs", 32, 1, 2, 3),
+    ("tap programs", 32, 1, 8, 9),
+    ("tap programs", 32, 1, 4, 9),
+    ("tap programs", 32, 1, 2, 9),
+    ("tap programs", 32, 2, 4, 3),
+    ("tap programs", 64, 2, 4, 3),
     ("steps outer", 32, 1, 8),
     ("steps outer", 32, 1, 16),
     ("steps outer", 32, 2, 8),
@@ -183,6 +192,68 @@ def kernel_steps_outer(layout, offsets, steps, rows, chunks, xs_ref, s_ref, dw_r
         dw_ref[p, t] = acc_t
 
 
+def kernel_tap_programs(layout, offsets, steps, rows, chunks, G, xs_ref, s_ref, dw_ref, sum_ref):
+    """The library's kernel with the taps shared out between programs: program ``(n, c, g)``
+    takes the taps of kernel rows ``g``, ``g + G``, .. (``G`` 3: one kernel row, three taps; ``G``
+    9: one tap), so it holds 9 / G windows and accumulators instead of nine, and the SM can hold
+    more programs (the library's 255 registers a thread allow eight). Each program loads the
+    tile's ``s_k`` (9 / G times as many ``s`` loads in all); the first ``g`` writes
+    ``sum_k s_k``."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+
+    from naisnet_jax.fused_block import _edge_split, _index, _rows_in, _tap_products
+
+    p = _index(pl.program_id(0))
+    pc, g = p // G, p % G
+    n, c = pc // chunks, pc % chunks
+    C = s_ref.shape[-1]
+    width = layout.padded_width
+    if G == 3:  # kernel row g: taps (g - 1) width + (-1, 0, 1)
+        mine = [(g - 1) * width + dx for dx in (-1, 0, 1)]
+    else:  # tap g of nine
+        mine = [(g // 3 - 1) * width + (g % 3 - 1)]
+
+    def tile(q, acc, inside):
+        def step(k, carry):
+            acc, total = carry
+            k = _index(k)
+            s = s_ref[k, n, pl.ds(q, rows)]
+            return _tap_products(acc, s, xs_ref, k, n, q, mine, inside), total + s
+
+        acc, total = lax.fori_loop(0, steps, step, (acc, jnp.zeros((rows, C), sum_ref.dtype)))
+
+        @pl.when(g == 0)
+        def _():
+            sum_ref[n, pl.ds(q, rows)] = total
+
+        return acc
+
+    # fused_block._sum_tiles over the program's own taps (traced offsets): the edge tiles are
+    # those of all nine taps, a superset of its own
+    S = layout.slack
+    end = S + layout.tiles * layout.tile_rows
+    count = layout.tiles * layout.tile_rows // rows // chunks
+    first = c * count
+
+    def body(masked):
+        def run(i, acc):
+            q = S + (first + _index(i)) * rows
+            masks = [_rows_in(q + off, rows, S, end) for off in mine] if masked else None
+            return tile(q, acc, None if masks is None else lambda off: masks[[id(o) for o in mine].index(id(off))])
+
+        return run
+
+    a, b = _edge_split(layout, offsets, rows, first, count)
+    acc = tuple(jnp.zeros((C, C), dw_ref.dtype) for _ in mine)
+    acc = lax.fori_loop(_index(0), _index(a), body(True), acc)
+    acc = lax.fori_loop(_index(a), _index(b), body(False), acc)
+    acc = lax.fori_loop(_index(b), _index(count), body(True), acc)
+    for t, acc_t in enumerate(acc):
+        dw_ref[p, t] = acc_t
+
+
 def variant(layout, kernel_shape, config, spec):
     """``(xs, ss) -> (dW, sum_k s_k)`` for ``spec`` (``None``: the library's function)."""
     import jax
@@ -206,6 +277,18 @@ def variant(layout, kernel_shape, config, spec):
     def run(xs, ss):
         steps, N = ss.shape[:2]
         P = N * chunks
+        if group == "tap programs":
+            G = products  # spec (group, rows, warps, chunks, G)
+            body = functools.partial(kernel_tap_programs, layout, offsets, steps, rows, chunks, G)
+            out_shape = (
+                jax.ShapeDtypeStruct((P * G, 9 // G, C, C), ss.dtype),
+                jax.ShapeDtypeStruct(ss.shape[1:], ss.dtype),
+            )
+            call = fb._pallas(body, out_shape, P * G, config, num_warps=warps, num_stages=fb.WGRAD_STAGES)
+            parts, total = call(xs, ss)
+            parts = jnp.sum(parts.reshape((P, 9) + parts.shape[2:]), axis=0)  # (9, C_out, C_in)
+            dW = jnp.swapaxes(parts, 1, 2).reshape(kernel_shape)
+            return dW, layout.interior(total)
         if group == "steps outer":
             body = functools.partial(kernel_steps_outer, layout, offsets, steps, rows, chunks)
         else:
