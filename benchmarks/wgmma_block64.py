@@ -1,4 +1,4 @@
-"""Benchmark (prototype, not yet run on a GPU): 64-channel blocks on Hopper ``wgmma``, one state buffer.
+"""Benchmark (prototype, lost in the step in sessions 23 and 24): 64-channel blocks on ``wgmma``.
 
 NAIS-Net10's 64-channel stage (8x8x64) runs on XLA and cuDNN: ~6.5 ms of an H100 step, 180
 forward convolutions of ~8.5 us and their gradients (``BENCHMARKS.md``). The Triton kernels lose

@@ -1,4 +1,4 @@
-"""Benchmark (prototype, not yet run on a GPU): a block's weight gradient on Hopper ``wgmma``.
+"""Benchmark (prototype, slower than Triton in session 23): a weight gradient on Hopper ``wgmma``.
 
 The fused path's weight gradient is a Triton kernel (``naisnet_jax.fused_block.fused_weight_grad``:
 one program of one or two warps per step and pattern, ``dW_t^T += s_k^T @ x_k(window t)`` tap by

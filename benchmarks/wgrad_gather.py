@@ -21,6 +21,9 @@ stays on its own. Triton wants power-of-two shapes, so eight taps go together, n
 Each runs over the same tiling (rows, warps, programs) and masks only the edge tiles' windows as
 the library does; their ``dW`` and ``sum_k s_k`` are checked against ``as is``.
 
+Session 27 (H200, ``benchmarks/results/s27/c``): both forms are slower, 0.317 and 0.279 ms against
+0.159 at 32x32x16, 0.268 and 0.242 against 0.125 at 16x16x32. Not landed.
+
     python benchmarks/wgrad_gather.py --out=$OUT/wgrad_gather
     python benchmarks/wgrad_gather.py --out=/tmp/wgrad_gather --smoke     # interpreter, CPU, tiny
 """

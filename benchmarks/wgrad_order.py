@@ -22,6 +22,12 @@ This script tries kernels that hold fewer windows at once:
 Every variant's ``dW`` and ``sum_k s_k`` are checked against the library's kernel (with NaN in
 the slack rows, which the edge tiles' masks must keep out).
 
+Session 27 (H200, ``benchmarks/results/s27/d``, ``e``, ``g``, ``h``): every variant is slower than
+the library's kernel (0.157 to 0.163 ms at 32x32x16, 0.124 to 0.126 at 16x16x32), the closest the
+taps shared between three programs at 16x16x32 (0.146) and 16-row tiles at 32x32x16 (0.176).
+Sharing the taps out took the registers to 168 and 111 a thread and the occupancy to 18.75% and
+25% (Nsight Compute), with no gain: ``BENCHMARKS.md``, "Session 27", says what bounds the kernel.
+
     python benchmarks/wgrad_order.py --out=$OUT/wgrad_order
     python benchmarks/wgrad_order.py --out=/tmp/wgrad_order --smoke     # interpreter, CPU, tiny
 """
