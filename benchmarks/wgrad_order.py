@@ -29,12 +29,16 @@ Sharing the taps out took the registers to 168 and 111 a thread and the occupanc
 25% (Nsight Compute), with no gain: ``BENCHMARKS.md``, "Session 27", says what bounds the kernel.
 
     python benchmarks/wgrad_order.py --out=$OUT/wgrad_order
+    # one kernel three times, nothing timed, for Nsight Compute (``--run=library`` or a spec):
+    ncu -k regex:kernel_tap --launch-skip 1 --launch-count 1 --section Occupancy \
+        python benchmarks/wgrad_order.py --out=/tmp/x --run="32,16,('tap programs', 32, 1, 8, 3)"
     python benchmarks/wgrad_order.py --out=/tmp/wgrad_order --smoke     # interpreter, CPU, tiny
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import os
 import sys
@@ -320,13 +324,31 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--products", default=None, help="only these products' variants (comma list) and the library's")
     parser.add_argument("--smoke", action="store_true", help="batch 2, two steps, the interpreter: a CPU check")
+    parser.add_argument("--run", default=None, help="'H,C,spec': run one kernel three times, untimed (for a profiler)")
     args = parser.parse_args(argv)
     _common.importable()
     import fused_block as bench  # benchmarks/fused_block.py: timing, errors
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
     from naisnet_jax import fused_block as fb
+
+    if args.run:
+        H, C, spec = args.run.split(",", 2)
+        H, C = int(H), int(C)
+        spec = None if spec == "library" else ast.literal_eval(spec)
+        config = fb.Config(interpret=args.smoke, tile_rows=fb.default_tiling(C)[0])
+        layout = fb.Layout.of(H, H, 3, 3, config.tile_rows)
+        rng = np.random.default_rng(0)
+        xs, ss = (
+            layout.to_buffer(jnp.asarray(rng.standard_normal((n, args.batch, H, H, C)), jnp.float32))
+            for n in (args.steps + 1, args.steps)
+        )
+        fn = variant(layout, (3, 3, C, C), config, spec)
+        for _ in range(3):
+            jax.block_until_ready(fn(xs, ss))
+        return
 
     batch, steps = (2, 2) if args.smoke else (args.batch, args.steps)
     iters, repeats = (1, 1) if args.smoke else (args.iters, args.repeats)
