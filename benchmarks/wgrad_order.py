@@ -10,9 +10,9 @@ floor's ~1 us.
 
 The registers go to the nine windows of ``x_k`` loaded for a tile's step (16 a thread each at
 32 rows and one warp), the nine ``(C, C)`` accumulators (8 each) and the tile's ``sum_k s_k`` (16).
-This script tries kernels that hold fewer windows at once:
+This script tries kernels that hold fewer windows at once (:class:`Spec`), and two other orders:
 
-- ``group``: the taps taken ``group`` at a time, each group its own loop over the steps (``9``
+- ``taps``: the taps taken ``taps`` at a time, each group its own loop over the steps (``9``
   is the library's order; ``3`` or ``1`` hold three windows or one, and read ``s_k`` again for
   each group: from the L1 or L2 cache, a tile's ``s_k`` being 2 KiB);
 - ``rows``: 16-row tiles instead of 32, halving every tile-sized register;
@@ -31,7 +31,7 @@ Sharing the taps out took the registers to 168 and 111 a thread and the occupanc
     python benchmarks/wgrad_order.py --out=$OUT/wgrad_order
     # one kernel three times, nothing timed, for Nsight Compute (``--run=library`` or a spec):
     ncu -k regex:kernel_tap --launch-skip 1 --launch-count 1 --section Occupancy \
-        python benchmarks/wgrad_order.py --out=/tmp/x --run="32,16,('tap programs', 32, 1, 8, 3)"
+        python benchmarks/wgrad_order.py --out=/tmp/x --run="32,16,('programs', 32, 1, 8, 3)"
     python benchmarks/wgrad_order.py --out=/tmp/wgrad_order --smoke     # interpreter, CPU, tiny
 """
 
@@ -42,52 +42,56 @@ import ast
 import functools
 import os
 import sys
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 SHAPES = [(32, 32, 16), (16, 16, 32)]
-#: ``(group, rows, warps, chunks[, products])``; ``None``: the library's kernel and tiling;
-#: ``group="steps outer"``: :func:`kernel_steps_outer`; ``group="tap programs"``:
-#: :func:`kernel_tap_programs`, its fifth item ``G`` (programs a tile shares its taps between).
-#: ``products``: ``"tf32"`` (the library's), ``"bf16x3"`` (each operand split into two bfloat16
-#: halves, three products: more accurate than TF32, and 16-bit operands, which the tensor cores'
-#: operand loads can transpose) or ``"bf16"`` (one product of the high halves: less accurate
-#: than TF32, timed only to bound what the operands' type costs).
+
+
+class Spec(NamedTuple):
+    """A kernel to time: ``order`` one of
+
+    - ``"loops"``: :func:`kernel`, the taps ``taps`` at a time, a loop over the steps for each
+      group (``taps=9`` is the library's order);
+    - ``"steps outer"``: :func:`kernel_steps_outer`, the steps outside the tiles;
+    - ``"programs"``: :func:`kernel_tap_programs`, ``9 // taps`` programs a tile, ``taps`` each;
+
+    on ``rows``-row tiles, ``warps`` warps and ``chunks`` programs a pattern (the largest divisor
+    of a state's runs of rows up to it). ``products`` (``"loops"`` only): ``"tf32"`` (the
+    library's), ``"bf16x3"`` (each operand split into two bfloat16 halves, three products: more
+    accurate than TF32, and 16-bit operands, which the tensor cores' operand loads can transpose)
+    or ``"bf16"`` (one product of the high halves: less accurate than TF32, timed only to bound
+    what the operands' type costs)."""
+
+    order: str
+    rows: int
+    warps: int
+    chunks: int
+    taps: int = 9
+    products: str = "tf32"
+
+
+#: ``None``: the library's kernel and tiling.
 VARIANTS = [
     None,
-    ("tap programs", 32, 1, 8, 3),
-    ("tap programs", 32, 1, 4, 3),
-    ("tap programs", 32, 1, 2, 3),
-    ("tap programs", 32, 1, 8, 9),
-    ("tap programs", 32, 1, 4, 9),
-    ("tap programs", 32, 1, 2, 9),
-    ("tap programs", 32, 2, 4, 3),
-    ("tap programs", 64, 2, 4, 3),
-    ("steps outer", 32, 1, 8),
-    ("steps outer", 32, 1, 16),
-    ("steps outer", 32, 2, 8),
-    ("steps outer", 64, 2, 8),
-    ("steps outer", 16, 1, 16),
-    (9, 32, 1, 8, "bf16x3"),
-    (9, 32, 1, 8, "bf16"),
-    (9, 32, 2, 8, "bf16x3"),
-    (9, 64, 2, 8, "bf16x3"),
-    (9, 64, 4, 8, "bf16x3"),
-    (9, 16, 1, 8),
-    (9, 16, 1, 16),
-    (3, 32, 1, 8),
-    (3, 32, 1, 16),
-    (3, 16, 1, 16),
-    (3, 16, 1, 32),
-    (1, 32, 1, 8),
-    (1, 32, 1, 16),
-    (1, 16, 1, 16),
-    (1, 16, 1, 32),
-    (9, 32, 2, 8),
-    (3, 32, 2, 8),
-    (1, 32, 2, 8),
-    (3, 16, 2, 16),
+    *(Spec("programs", 32, 1, chunks, taps) for taps in (3, 1) for chunks in (8, 4, 2)),
+    Spec("programs", 32, 2, 4, 3),
+    Spec("programs", 64, 2, 4, 3),
+    *(Spec("steps outer", *t) for t in ((32, 1, 8), (32, 1, 16), (32, 2, 8), (64, 2, 8), (16, 1, 16))),
+    Spec("loops", 32, 1, 8, products="bf16x3"),
+    Spec("loops", 32, 1, 8, products="bf16"),
+    *(Spec("loops", rows, warps, 8, products="bf16x3") for rows, warps in ((32, 2), (64, 2), (64, 4))),
+    Spec("loops", 16, 1, 8),
+    Spec("loops", 16, 1, 16),
+    *(
+        Spec("loops", rows, 1, chunks, taps)
+        for taps in (3, 1)
+        for rows, chunks in ((32, 8), (32, 16), (16, 16), (16, 32))
+    ),
+    *(Spec("loops", 32, 2, 8, taps) for taps in (9, 3, 1)),
+    Spec("loops", 16, 2, 16, 3),
 ]
 
 
@@ -278,36 +282,35 @@ def variant(layout, kernel_shape, config, spec):
             return dW, layout.interior(total)
 
         return jax.jit(run)
-    group, rows, warps, chunks, products = (*spec, "tf32")[:5]
-    rows = min(rows, layout.tile_rows)
+    rows = min(spec.rows, layout.tile_rows)
     C = kernel_shape[-1]
     offsets = layout.offsets(*kernel_shape[:2])
-    chunks = fb._chunks_of(layout.tiles * layout.tile_rows // rows, chunks)  # the largest divisor up to it
+    chunks = fb._chunks_of(layout.tiles * layout.tile_rows // rows, spec.chunks)  # the largest divisor up to it
 
     def run(xs, ss):
         steps, N = ss.shape[:2]
         P = N * chunks
-        if group == "tap programs":
-            G = products  # spec (group, rows, warps, chunks, G)
+        if spec.order == "programs":
+            G = 9 // spec.taps  # programs a tile
             body = functools.partial(kernel_tap_programs, layout, offsets, steps, rows, chunks, G)
             out_shape = (
-                jax.ShapeDtypeStruct((P * G, 9 // G, C, C), ss.dtype),
+                jax.ShapeDtypeStruct((P * G, spec.taps, C, C), ss.dtype),
                 jax.ShapeDtypeStruct(ss.shape[1:], ss.dtype),
             )
-            call = fb._pallas(body, out_shape, P * G, config, num_warps=warps, num_stages=fb.WGRAD_STAGES)
+            call = fb._pallas(body, out_shape, P * G, config, num_warps=spec.warps, num_stages=fb.WGRAD_STAGES)
             parts, total = call(xs, ss)
             parts = jnp.sum(parts.reshape((P, 9) + parts.shape[2:]), axis=0)  # (9, C_out, C_in)
             dW = jnp.swapaxes(parts, 1, 2).reshape(kernel_shape)
             return dW, layout.interior(total)
-        if group == "steps outer":
+        if spec.order == "steps outer":
             body = functools.partial(kernel_steps_outer, layout, offsets, steps, rows, chunks)
         else:
-            body = functools.partial(kernel, layout, offsets, steps, rows, chunks, group, products)
+            body = functools.partial(kernel, layout, offsets, steps, rows, chunks, spec.taps, spec.products)
         out_shape = (
             jax.ShapeDtypeStruct((P, len(offsets), C, C), ss.dtype),
             jax.ShapeDtypeStruct(ss.shape[1:], ss.dtype),
         )
-        call = fb._pallas(body, out_shape, P, config, num_warps=warps, num_stages=fb.WGRAD_STAGES)
+        call = fb._pallas(body, out_shape, P, config, num_warps=spec.warps, num_stages=fb.WGRAD_STAGES)
         parts, total = call(xs, ss)
         dW = jnp.swapaxes(jnp.sum(parts, axis=0), 1, 2).reshape(kernel_shape)
         return dW, layout.interior(total)
@@ -322,7 +325,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--products", default=None, help="only these products' variants (comma list) and the library's")
+    parser.add_argument("--only", default=None, help="only the variants of these orders or products (comma list)")
     parser.add_argument("--smoke", action="store_true", help="batch 2, two steps, the interpreter: a CPU check")
     parser.add_argument("--run", default=None, help="'H,C,spec': run one kernel three times, untimed (for a profiler)")
     args = parser.parse_args(argv)
@@ -337,7 +340,7 @@ def main(argv=None):
     if args.run:
         H, C, spec = args.run.split(",", 2)
         H, C = int(H), int(C)
-        spec = None if spec == "library" else ast.literal_eval(spec)
+        spec = None if spec == "library" else Spec(*ast.literal_eval(spec))
         config = fb.Config(interpret=args.smoke, tile_rows=fb.default_tiling(C)[0])
         layout = fb.Layout.of(H, H, 3, 3, config.tile_rows)
         rng = np.random.default_rng(0)
@@ -353,9 +356,9 @@ def main(argv=None):
     batch, steps = (2, 2) if args.smoke else (args.batch, args.steps)
     iters, repeats = (1, 1) if args.smoke else (args.iters, args.repeats)
     variants = VARIANTS
-    if args.products:
-        keep = args.products.split(",")
-        variants = [v for v in VARIANTS if v is None or (*v, "tf32")[4] in keep or v[0] in keep]
+    if args.only:
+        keep = args.only.split(",")
+        variants = [v for v in VARIANTS if v is None or v.order in keep or v.products in keep]
     variants = variants[:5] if args.smoke else variants
     rows = []
     for H, W, C in SHAPES:
@@ -370,16 +373,16 @@ def main(argv=None):
         xs = jnp.where((r < layout.slack) | (r >= layout.slack + layout.tiles * layout.tile_rows), jnp.nan, xs)
         ref = None
         for spec in variants:
-            tiling = fb._wgrad_rows(layout, C, sum_steps=True)
             chunks = fb._chunks_of(fb._wgrad_runs(layout, C, sum_steps=True), fb.WGRAD_SUM_CHUNKS.get(C, 1))
-            group, rows_, warps, chunks, products = (*(spec or (9, *tiling, chunks)), "tf32")[:5]
-            rows_ = min(rows_, layout.tile_rows)
-            chunks = fb._chunks_of(layout.tiles * layout.tile_rows // rows_, chunks)
-            key = (H, group, rows_, warps, chunks, products)
-            if spec is not None and any(r.get("key") == key for r in rows):
+            shown = spec or Spec("loops", *fb._wgrad_rows(layout, C, sum_steps=True), chunks)
+            rows_ = min(shown.rows, layout.tile_rows)
+            shown = shown._replace(
+                rows=rows_, chunks=fb._chunks_of(layout.tiles * layout.tile_rows // rows_, shown.chunks)
+            )
+            if spec is not None and any(r.get("spec") == (H, *shown) for r in rows):
                 continue  # the same kernel as a row before (chunks rounded down to a divisor)
-            row = dict(shape=f"{H}x{W}x{C}", kernel="library" if spec is None else "variant")
-            row.update(group=group, rows=rows_, warps=warps, chunks=chunks, products=products, key=key)
+            row = dict(shape=f"{H}x{W}x{C}", kernel="library" if spec is None else "variant", **shown._asdict())
+            row["spec"] = (H, *shown)
             try:
                 fn = variant(layout, (3, 3, C, C), config, spec)
                 out = fn(xs, ss)
@@ -399,7 +402,8 @@ def main(argv=None):
     columns = [
         ("shape", "shape", ""),
         ("kernel", "kernel", ""),
-        ("group", "taps a loop", ""),
+        ("order", "order", ""),
+        ("taps", "taps", ""),
         ("rows", "rows", ""),
         ("warps", "warps", ""),
         ("chunks", "programs a pattern", ""),
