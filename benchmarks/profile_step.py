@@ -17,7 +17,10 @@ The host's side is summarised too: each host thread's busy time and the host eve
 the longest. Where the trace ties the main stream's kernels to their launch calls (CUDA
 correlation ids), each gap before a kernel is attributed either to the host, if it made the call
 only after the stream had run dry, or to the device (a wait on the other stream or an event).
-``--keep-trace`` copies the Perfetto trace next to the results.
+``--keep-trace`` copies the Perfetto trace next to the results. ``--fusions`` also dumps XLA's
+optimised program and names the step's largest XLA fusions (loops, reductions, transposes,
+copies: not the library's kernels or cuDNN's), each with its output shape, the JAX operation it
+came from and the first lines of its fused computation (``fusions_<variant>.md``).
 """
 
 from __future__ import annotations
@@ -291,6 +294,46 @@ def host_events(trace: dict, steps: int, top: int = 15) -> dict:
     return {"threads": threads[:top], "calls": calls, "launches": launches}
 
 
+def fusion_table(events: list[dict], steps: int, dump_dir: str, top: int = 40, lines: int = 12) -> str:
+    """Markdown: the ``top`` XLA fusions of ``events`` by time a step, each matched by name to its
+    instruction in XLA's optimised program under ``dump_dir`` (the largest ``*after_optimizations``
+    text there: the step's module): output shape, the JAX op it came from, and the first ``lines``
+    instructions of its fused computation. The trace writes ``loop_add_fusion_3`` for the
+    program's ``loop_add_fusion.3``."""
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if re.match(r"(loop|input|wrapped)_", e["name"]):
+            v = by_name[e["name"]]
+            v[0] += 1
+            v[1] += e["dur"]
+    dumps = glob.glob(os.path.join(dump_dir, "*after_optimizations.txt"))
+    text = max((open(f).read() for f in dumps), key=len, default="")
+    defs = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*) fusion\(", line)
+        if m:
+            defs.setdefault(m.group(1), line.strip())
+    out = [
+        f"XLA's fusions by time a step ({len(by_name)} kinds; the top {top})",
+        "",
+        "| fusion | ms/step | per step | mean us | output | from |",
+        "|---|---|---|---|---|---|",
+    ]
+    bodies = []
+    for name, (count, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        line = defs.get(re.sub(r"_(\d+)$", r".\1", name), defs.get(name, ""))
+        shape = line.split(" = ", 1)[1].split(" fusion(")[0] if line else "?"
+        op = re.search(r'op_name="([^"]*)"', line)
+        op = re.sub(r"^jit\(chunk\)/while/body/eval_jaxpr/", "", op.group(1)) if op else "?"
+        out.append(f"| `{name}` | {us / steps / 1e3:.3f} | {count / steps:g} | {us / count:.1f} | `{shape}` | `{op}` |")
+        calls = re.search(r"calls=%?([\w.\-]+)", line)
+        m = calls and re.search(r"\n%?" + re.escape(calls.group(1)) + r" [^\n]*\{\n(.*?)\n\}", text, re.S)
+        if m:
+            body = [re.sub(r", metadata=\{.*", "", b.strip()) for b in m.group(1).splitlines()[:lines]]
+            bodies += ["", f"`{name}`:", "", "```", *body, "```"]
+    return "\n".join(out + bodies) + "\n"
+
+
 def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) -> dict:
     import jax
     import train_step as ts
@@ -430,7 +473,12 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3, help="training steps in the traced chunk")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--keep-trace", action="store_true", help="copy the Perfetto trace next to the results")
+    parser.add_argument("--fusions", action="store_true", help="dump XLA's program and name the largest XLA fusions")
     args = parser.parse_args(argv)
+    dump_dir = os.path.join(args.out, "xla_dump")
+    if args.fusions:  # before JAX starts its backend; only the step's module ("jit_chunk")
+        flags = f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_chunk"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
     _common.importable()
     import train_step as ts
 
@@ -443,6 +491,13 @@ def main(argv=None):
     )
     text, md = render(res)
     _common.write_results(args.out, f"profile_{args.variant}", res, md)
+    if args.fusions:
+        events, _ = device_events(read_trace(os.path.join(args.out, "trace")))
+        table = fusion_table(events, args.steps, dump_dir)
+        with open(os.path.join(args.out, f"fusions_{args.variant}.md"), "w") as f:
+            f.write(table)
+        shutil.rmtree(dump_dir, ignore_errors=True)  # hundreds of MB
+        text += "\n\n" + table.split("\n\n`")[0]
     if args.keep_trace:  # next to the results: the profiler's own folder nests too deep for some copiers
         traces = sorted(glob.glob(os.path.join(args.out, "trace", "**", "perfetto_trace.json.gz"), recursive=True))
         if traces:
