@@ -112,10 +112,10 @@ def _products(acc, s, xs_ref, k, n, q, offsets, inside, products):
 
     (s_hi, s_lo), rows = halves(s.T), s.shape[0]
     out = []
-    for acc_t, off in zip(acc, offsets):
+    for t, (acc_t, off) in enumerate(zip(acc, offsets)):
         x = xs_ref[k, n, pl.ds(q + off, rows)]
         if inside is not None:
-            x = jnp.where(inside(off), x, jnp.zeros_like(x))
+            x = jnp.where(inside(t), x, jnp.zeros_like(x))
         x_hi, x_lo = halves(x)
         acc_t = acc_t + jnp.dot(s_hi, x_hi, preferred_element_type=f32)
         if products == "bf16x3":
@@ -145,11 +145,14 @@ def kernel(layout, offsets, steps, rows, chunks, group, products, xs_ref, s_ref,
             taps = slice(g0, g0 + group)
             first = g0 == 0
 
-            def step(k, carry, taps=taps, first=first):
+            # the group's masks: tap g0 + t's, as inside(t) numbers the taps of all nine
+            mine = None if inside is None else (lambda t, g0=g0: inside(g0 + t))
+
+            def step(k, carry, taps=taps, first=first, mine=mine):
                 part, total = carry
                 k = _index(k)
                 s = s_ref[k, n, pl.ds(q, rows)]
-                part = _products(part, s, xs_ref, k, n, q, offsets[taps], inside, products)
+                part = _products(part, s, xs_ref, k, n, q, offsets[taps], mine, products)
                 return part, (total + s if first else total)
 
             part, total = lax.fori_loop(0, steps, step, (tuple(acc[taps]), total))
@@ -172,35 +175,24 @@ def kernel_steps_outer(layout, offsets, steps, rows, chunks, xs_ref, s_ref, dw_r
     from jax import lax
     from jax.experimental import pallas as pl
 
-    from naisnet_jax.fused_block import _edge_split, _index, _rows_in, _tap_products
+    from naisnet_jax.fused_block import _index, _sum_over_tiles, _tap_products
 
     p = _index(pl.program_id(0))
     n, c = p // chunks, p % chunks
-    S, C = layout.slack, dw_ref.shape[-1]
-    end = S + layout.tiles * layout.tile_rows
     count = layout.tiles * layout.tile_rows // rows // chunks
-    first = c * count
-    a, b = _edge_split(layout, offsets, rows, first, count)
 
     def per_step(k, acc):
         k = _index(k)
 
-        def body(masked):
-            def run(i, acc):
-                q = S + (first + _index(i)) * rows
-                inside = (lambda off: _rows_in(q + off, rows, S, end)) if masked else None
-                s = s_ref[k, n, pl.ds(q, rows)]
-                before = sum_ref[n, pl.ds(q, rows)]
-                sum_ref[n, pl.ds(q, rows)] = jnp.where(k == 0, s, before + s)
-                return _tap_products(acc, s, xs_ref, k, n, q, offsets, inside)
+        def tile(q, acc, inside):
+            s = s_ref[k, n, pl.ds(q, rows)]
+            before = sum_ref[n, pl.ds(q, rows)]
+            sum_ref[n, pl.ds(q, rows)] = jnp.where(k == 0, s, before + s)
+            return _tap_products(acc, s, xs_ref, k, n, q, offsets, inside)
 
-            return run
+        return _sum_over_tiles(layout, offsets, rows, c * count, count, acc, tile)
 
-        acc = lax.fori_loop(_index(0), _index(a), body(True), acc)
-        acc = lax.fori_loop(_index(a), _index(b), body(False), acc)
-        return lax.fori_loop(_index(b), _index(count), body(True), acc)
-
-    acc = tuple(jnp.zeros((C, C), dw_ref.dtype) for _ in offsets)
+    acc = tuple(jnp.zeros(dw_ref.shape[-2:], dw_ref.dtype) for _ in offsets)
     acc = lax.fori_loop(0, steps, per_step, acc)
     for t, acc_t in enumerate(acc):
         dw_ref[p, t] = acc_t
@@ -217,7 +209,7 @@ def kernel_tap_programs(layout, offsets, steps, rows, chunks, G, xs_ref, s_ref, 
     from jax import lax
     from jax.experimental import pallas as pl
 
-    from naisnet_jax.fused_block import _edge_split, _index, _rows_in, _tap_products
+    from naisnet_jax.fused_block import _index, _sum_tiles, _tap_products
 
     p = _index(pl.program_id(0))
     pc, g = p // G, p % G
@@ -244,28 +236,8 @@ def kernel_tap_programs(layout, offsets, steps, rows, chunks, G, xs_ref, s_ref, 
 
         return acc
 
-    # fused_block._sum_tiles over the program's own taps (traced offsets): the edge tiles are
-    # those of all nine taps, a superset of its own
-    S = layout.slack
-    end = S + layout.tiles * layout.tile_rows
-    count = layout.tiles * layout.tile_rows // rows // chunks
-    first = c * count
-
-    def body(masked):
-        def run(i, acc):
-            q = S + (first + _index(i)) * rows
-            masks = [_rows_in(q + off, rows, S, end) for off in mine] if masked else None
-            return tile(q, acc, None if masks is None else lambda off: masks[[id(o) for o in mine].index(id(off))])
-
-        return run
-
-    a, b = _edge_split(layout, offsets, rows, first, count)
-    acc = tuple(jnp.zeros((C, C), dw_ref.dtype) for _ in mine)
-    acc = lax.fori_loop(_index(0), _index(a), body(True), acc)
-    acc = lax.fori_loop(_index(a), _index(b), body(False), acc)
-    acc = lax.fori_loop(_index(b), _index(count), body(True), acc)
-    for t, acc_t in enumerate(acc):
-        dw_ref[p, t] = acc_t
+    # its own taps' masks; the edge tiles are those of all nine taps, a superset of its own
+    _sum_tiles(layout, offsets, rows, c, chunks, p, dw_ref, tile, taps=mine)
 
 
 def variant(layout, kernel_shape, config, spec):

@@ -317,17 +317,18 @@ def _rows_in(first, rows, start, end) -> Array:
 
 
 def _tap_products(acc, s, xs_ref, k, n, q, offsets, inside=None) -> tuple:
-    """``acc_t + s^T @ x_k(window t)`` for every tap ``t``: one tile of step ``k``, pattern ``n``,
-    the windows masked to zero outside the tiled rows where ``inside(offset)`` says so (``s`` is
-    zero there, but ``0 x NaN`` is not); ``inside=None``: the tile's windows lie inside them."""
+    """``acc_t + s^T @ x_k(window t)`` for every tap ``t`` (its row offset ``offsets[t]``): one
+    tile of step ``k``, pattern ``n``, the windows masked to zero outside the tiled rows where
+    ``inside(t)`` says so (``s`` is zero there, but ``0 x NaN`` is not); ``inside=None``: the
+    tile's windows lie inside them."""
     from jax.experimental import pallas as pl
 
     sT, rows = s.T, s.shape[0]
     out = []
-    for acc_t, off in zip(acc, offsets):
+    for t, (acc_t, off) in enumerate(zip(acc, offsets)):
         x = xs_ref[k, n, pl.ds(q + off, rows)]
         if inside is not None:
-            x = jnp.where(inside(off), x, jnp.zeros_like(x))
+            x = jnp.where(inside(t), x, jnp.zeros_like(x))
         out.append(acc_t + jnp.dot(sT, x, preferred_element_type=x.dtype))
     return tuple(out)
 
@@ -345,32 +346,42 @@ def _edge_split(layout, offsets, rows, first, count) -> tuple:
     return a, jnp.clip(hi - first, a, count)
 
 
-def _sum_tiles(layout, offsets, rows, c, chunks, p, dw_ref, tile) -> None:
-    """The skeleton of both weight-gradient kernels: from zero accumulators for every tap, run
-    ``acc = tile(q, acc, inside)`` over the ``c``-th of ``chunks`` equal runs of the state's tiles
-    of ``rows`` rows (``q`` a tile's first row), then write the sums to ``dw_ref[p]``.
+def _sum_over_tiles(layout, offsets, rows, first, count, acc, tile, taps=None) -> tuple:
+    """``acc = tile(q, acc, inside)`` over ``count`` tiles of ``rows`` rows from tile ``first`` of
+    the state (``q`` a tile's first row).
 
     Only the state's first and last few tiles have windows that reach into the slack rows, which
-    nothing writes; for them ``inside(offset)`` says which of a window's rows lie in the tiled rows
-    (masks made once a tile), for the rest it is ``None`` (no masks: :func:`_edge_split`)."""
-    S, C = layout.slack, dw_ref.shape[-1]
+    nothing writes; for them ``inside(t)`` says which rows of tap ``t``'s window lie in the tiled
+    rows (masks made once a tile), for the rest it is ``None`` (no masks: :func:`_edge_split`,
+    which finds those tiles from all the kernel's ``offsets``). ``taps``: the row offsets of the
+    taps the masks are for (default ``offsets``; they may be traced values)."""
+    S = layout.slack
     end = S + layout.tiles * layout.tile_rows
-    count = layout.tiles * layout.tile_rows // rows // chunks  # tiles a program sums
-    first = c * count
+    taps = offsets if taps is None else taps
 
     def body(masked):
         def run(i, acc):
             q = S + (first + _index(i)) * rows
-            masks = {off: _rows_in(q + off, rows, S, end) for off in offsets} if masked else None
+            masks = [_rows_in(q + off, rows, S, end) for off in taps] if masked else None
             return tile(q, acc, None if masks is None else masks.__getitem__)
 
         return run
 
     a, b = _edge_split(layout, offsets, rows, first, count)
-    acc = tuple(jnp.zeros((C, C), dw_ref.dtype) for _ in offsets)
     acc = lax.fori_loop(_index(0), _index(a), body(True), acc)
     acc = lax.fori_loop(_index(a), _index(b), body(False), acc)
-    acc = lax.fori_loop(_index(b), _index(count), body(True), acc)
+    return lax.fori_loop(_index(b), _index(count), body(True), acc)
+
+
+def _sum_tiles(layout, offsets, rows, c, chunks, p, dw_ref, tile, taps=None) -> None:
+    """The skeleton of both weight-gradient kernels: from zero accumulators for every tap, run
+    ``tile`` over the ``c``-th of ``chunks`` equal runs of the state's tiles of ``rows`` rows
+    (:func:`_sum_over_tiles`), then write the sums to ``dw_ref[p]``. ``taps``: the row offsets of
+    the taps this program sums, if not all ``offsets``."""
+    count = layout.tiles * layout.tile_rows // rows // chunks  # tiles a program sums
+    taps = offsets if taps is None else taps
+    acc = tuple(jnp.zeros((dw_ref.shape[-1],) * 2, dw_ref.dtype) for _ in taps)
+    acc = _sum_over_tiles(layout, offsets, rows, c * count, count, acc, tile, taps)
     for t, acc_t in enumerate(acc):
         dw_ref[p, t] = acc_t
 
