@@ -91,6 +91,73 @@ def _rel(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
+def wgrad_setup(shape, batch, steps, interpret, nan_slack=True):
+    """``(config, layout, xs, ss)`` for the weight-gradient benchmarks (``wgrad_*.py``) at a state
+    ``shape`` ``(H, W, C)``: the library's config and layout at its default tiling, and buffers of
+    random ``x_0 .. x_K`` and ``s_0 .. s_{K-1}`` (``K = steps``, seed 0). ``nan_slack``: the slack
+    rows of ``xs`` hold NaN, as nothing writes them in a step, so a window that reads one unmasked
+    shows in the result."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from naisnet_jax import fused_block as fb
+
+    H, W, C = shape
+    config = fb.Config(interpret=interpret, tile_rows=fb.default_tiling(C)[0])
+    layout = fb.Layout.of(H, W, 3, 3, config.tile_rows)
+    rng = np.random.default_rng(0)
+    xs, ss = (
+        layout.to_buffer(jnp.asarray(rng.standard_normal((n, batch, H, W, C)), jnp.float32)) for n in (steps + 1, steps)
+    )
+    if nan_slack:
+        r = jnp.arange(layout.rows)[:, None]
+        xs = jnp.where((r < layout.slack) | (r >= layout.slack + layout.tiles * layout.tile_rows), jnp.nan, xs)
+    return config, layout, xs, ss
+
+
+def wgrad_library(layout, kernel_shape, config):
+    """The library's summing weight-gradient kernel as ``(xs, ss, *unused) -> (dW, sum_k s_k)``,
+    the sum as images: the reference row of the weight-gradient benchmarks."""
+    import jax
+
+    from naisnet_jax import fused_block as fb
+
+    def run(xs, ss, *unused):
+        dW, total = fb.fused_weight_grad(layout, xs, ss, kernel_shape, config, sum_steps=True)
+        return dW, layout.interior(total)
+
+    return jax.jit(run)
+
+
+def wgrad_row(row, make, args, ref, iters, repeats):
+    """Fills ``row`` for the weight-gradient kernel ``fn = make()``, ``fn(*args) -> (dW, sum_k
+    s_k)``: its differences to ``ref`` (the first row's output, or this one's if ``ref`` is None),
+    whether its ``dW`` is finite, and its time in ms; a failure (in making it too) becomes the
+    row's error. Returns the reference for the rows after it."""
+    import numpy as np
+
+    try:
+        fn = make()
+        out = fn(*args)
+        ref = out if ref is None else ref
+        row["dW_diff"] = _rel(out[0], ref[0])
+        row["sum_diff"] = _rel(out[1], ref[1])
+        row["finite"] = bool(np.all(np.isfinite(np.asarray(out[0]))))
+        row["ms"] = 1e3 * _time(fn, args, iters, repeats)
+    except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
+        _common.error_row(row, e)
+    print(row, flush=True)
+    return ref
+
+
+def ratios_to(rows, key, is_reference):
+    """``row[key]``: each timed row's ms over that of the row of its shape that ``is_reference``."""
+    for row in rows:
+        first = next(r for r in rows if r["shape"] == row["shape"] and is_reference(r))
+        if "ms" in row and "ms" in first:
+            row[key] = row["ms"] / first["ms"]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)

@@ -99,18 +99,13 @@ def kernel(layout, offsets, steps, rows, chunks, mode, xs_ref, s_ref, st_ref, dw
 
 def variant(layout, kernel_shape, config, mode):
     """``(xs, ss, sts) -> (dW, sum_k s_k)`` for ``mode`` (``"as is"``: the library's function)."""
+    import fused_block as bench  # benchmarks/fused_block.py: the weight-gradient benchmarks' helpers
     import jax
-    import jax.numpy as jnp
 
     from naisnet_jax import fused_block as fb
 
     if mode == "as is":
-
-        def run(xs, ss, sts):
-            dW, total = fb.fused_weight_grad(layout, xs, ss, kernel_shape, config, sum_steps=True)
-            return dW, layout.interior(total)
-
-        return jax.jit(run)
+        return bench.wgrad_library(layout, kernel_shape, config)
     C = kernel_shape[-1]
     rows, warps = fb._wgrad_rows(layout, C, sum_steps=True)
     chunks = fb._chunks_of(fb._wgrad_runs(layout, C, sum_steps=True), fb.WGRAD_SUM_CHUNKS.get(C, 1))
@@ -123,8 +118,7 @@ def variant(layout, kernel_shape, config, mode):
         out_shape = (parts, jax.ShapeDtypeStruct(ss.shape[1:], ss.dtype))
         call = fb._pallas(body, out_shape, N * chunks, config, num_warps=warps, num_stages=fb.WGRAD_STAGES)
         dWparts, total = call(xs, ss, sts)
-        dW = jnp.swapaxes(jnp.sum(dWparts, axis=0), 1, 2).reshape(kernel_shape)
-        return dW, layout.interior(total)
+        return fb._kernel_of_parts(dWparts, kernel_shape), layout.interior(total)
 
     return jax.jit(run)
 
@@ -139,41 +133,22 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="batch 2, two steps, the interpreter: a CPU check")
     args = parser.parse_args(argv)
     _common.importable()
-    import fused_block as bench  # benchmarks/fused_block.py: timing, errors
+    import fused_block as bench  # benchmarks/fused_block.py: the weight-gradient benchmarks' helpers
     import jax.numpy as jnp
-    import numpy as np
-
-    from naisnet_jax import fused_block as fb
 
     batch, steps = (2, 2) if args.smoke else (args.batch, args.steps)
     iters, repeats = (1, 1) if args.smoke else (args.iters, args.repeats)
     rows = []
     for H, W, C in SHAPES:
-        config = fb.Config(interpret=args.smoke, tile_rows=fb.default_tiling(C)[0])
-        layout = fb.Layout.of(H, W, 3, 3, config.tile_rows)
-        rng = np.random.default_rng(0)
-        xs, ss = (
-            layout.to_buffer(jnp.asarray(rng.standard_normal((n, batch, H, W, C)), jnp.float32))
-            for n in (steps + 1, steps)
-        )
+        config, layout, xs, ss = bench.wgrad_setup((H, W, C), batch, steps, args.smoke, nan_slack=False)
         sts = jnp.swapaxes(ss, -1, -2)  # (K, N, C, rows): s_k^T, made outside the timing
         ref = None
         for mode in MODES:
             row = dict(shape=f"{H}x{W}x{C}", mode=mode)
-            fn = variant(layout, (3, 3, C, C), config, mode)
-            try:
-                out = fn(xs, ss, sts)
-                ref = out if ref is None else ref
-                row["dW_diff"] = bench._rel(out[0], ref[0])
-                row["ms"] = 1e3 * bench._time(fn, (xs, ss, sts), iters, repeats)
-            except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
-                _common.error_row(row, e)
+            make = functools.partial(variant, layout, (3, 3, C, C), config, mode)
+            ref = bench.wgrad_row(row, make, (xs, ss, sts), ref, iters, repeats)
             rows.append(row)
-            print(row, flush=True)
-    for row in rows:  # the ratio to the same shape's "as is" row
-        first = next(r for r in rows if r["shape"] == row["shape"] and r["mode"] == "as is")
-        if "ms" in row and "ms" in first:
-            row["vs_as_is"] = row["ms"] / first["ms"]
+    bench.ratios_to(rows, "vs_as_is", lambda r: r["mode"] == "as is")
     columns = [
         ("shape", "shape", ""),
         ("mode", "kernel", ""),

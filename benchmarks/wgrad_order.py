@@ -242,18 +242,13 @@ def kernel_tap_programs(layout, offsets, steps, rows, chunks, G, xs_ref, s_ref, 
 
 def variant(layout, kernel_shape, config, spec):
     """``(xs, ss) -> (dW, sum_k s_k)`` for ``spec`` (``None``: the library's function)."""
+    import fused_block as bench  # benchmarks/fused_block.py: the weight-gradient benchmarks' helpers
     import jax
-    import jax.numpy as jnp
 
     from naisnet_jax import fused_block as fb
 
     if spec is None:
-
-        def run(xs, ss):
-            dW, total = fb.fused_weight_grad(layout, xs, ss, kernel_shape, config, sum_steps=True)
-            return dW, layout.interior(total)
-
-        return jax.jit(run)
+        return bench.wgrad_library(layout, kernel_shape, config)
     rows = min(spec.rows, layout.tile_rows)
     C = kernel_shape[-1]
     offsets = layout.offsets(*kernel_shape[:2])
@@ -271,8 +266,7 @@ def variant(layout, kernel_shape, config, spec):
             )
             call = fb._pallas(body, out_shape, P * G, config, num_warps=spec.warps, num_stages=fb.WGRAD_STAGES)
             parts, total = call(xs, ss)
-            parts = jnp.sum(parts.reshape((P, 9) + parts.shape[2:]), axis=0)  # (9, C_out, C_in)
-            dW = jnp.swapaxes(parts, 1, 2).reshape(kernel_shape)
+            dW = fb._kernel_of_parts(parts.reshape((P, 9) + parts.shape[2:]), kernel_shape)
             return dW, layout.interior(total)
         if spec.order == "steps outer":
             body = functools.partial(kernel_steps_outer, layout, offsets, steps, rows, chunks)
@@ -284,8 +278,7 @@ def variant(layout, kernel_shape, config, spec):
         )
         call = fb._pallas(body, out_shape, P, config, num_warps=spec.warps, num_stages=fb.WGRAD_STAGES)
         parts, total = call(xs, ss)
-        dW = jnp.swapaxes(jnp.sum(parts, axis=0), 1, 2).reshape(kernel_shape)
-        return dW, layout.interior(total)
+        return fb._kernel_of_parts(parts, kernel_shape), layout.interior(total)
 
     return jax.jit(run)
 
@@ -302,10 +295,8 @@ def main(argv=None):
     parser.add_argument("--run", default=None, help="'H,C,spec': run one kernel three times, untimed (for a profiler)")
     args = parser.parse_args(argv)
     _common.importable()
-    import fused_block as bench  # benchmarks/fused_block.py: timing, errors
+    import fused_block as bench  # benchmarks/fused_block.py: the weight-gradient benchmarks' helpers
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
     from naisnet_jax import fused_block as fb
 
@@ -313,13 +304,7 @@ def main(argv=None):
         H, C, spec = args.run.split(",", 2)
         H, C = int(H), int(C)
         spec = None if spec == "library" else Spec(*ast.literal_eval(spec))
-        config = fb.Config(interpret=args.smoke, tile_rows=fb.default_tiling(C)[0])
-        layout = fb.Layout.of(H, H, 3, 3, config.tile_rows)
-        rng = np.random.default_rng(0)
-        xs, ss = (
-            layout.to_buffer(jnp.asarray(rng.standard_normal((n, args.batch, H, H, C)), jnp.float32))
-            for n in (args.steps + 1, args.steps)
-        )
+        config, layout, xs, ss = bench.wgrad_setup((H, H, C), args.batch, args.steps, args.smoke, nan_slack=False)
         fn = variant(layout, (3, 3, C, C), config, spec)
         for _ in range(3):
             jax.block_until_ready(fn(xs, ss))
@@ -334,15 +319,7 @@ def main(argv=None):
     variants = variants[:5] if args.smoke else variants
     rows = []
     for H, W, C in SHAPES:
-        config = fb.Config(interpret=args.smoke, tile_rows=fb.default_tiling(C)[0])
-        layout = fb.Layout.of(H, W, 3, 3, config.tile_rows)
-        rng = np.random.default_rng(0)
-        xs, ss = (
-            layout.to_buffer(jnp.asarray(rng.standard_normal((n, batch, H, W, C)), jnp.float32))
-            for n in (steps + 1, steps)
-        )
-        r = jnp.arange(layout.rows)[:, None]
-        xs = jnp.where((r < layout.slack) | (r >= layout.slack + layout.tiles * layout.tile_rows), jnp.nan, xs)
+        config, layout, xs, ss = bench.wgrad_setup((H, W, C), batch, steps, args.smoke)
         ref = None
         for spec in variants:
             chunks = fb._chunks_of(fb._wgrad_runs(layout, C, sum_steps=True), fb.WGRAD_SUM_CHUNKS.get(C, 1))
@@ -355,22 +332,10 @@ def main(argv=None):
                 continue  # the same kernel as a row before (chunks rounded down to a divisor)
             row = dict(shape=f"{H}x{W}x{C}", kernel="library" if spec is None else "variant", **shown._asdict())
             row["spec"] = (H, *shown)
-            try:
-                fn = variant(layout, (3, 3, C, C), config, spec)
-                out = fn(xs, ss)
-                ref = out if ref is None else ref
-                row["dW_diff"] = bench._rel(out[0], ref[0])
-                row["sum_diff"] = bench._rel(out[1], ref[1])
-                row["finite"] = bool(jnp.all(jnp.isfinite(out[0])))
-                row["ms"] = 1e3 * bench._time(fn, (xs, ss), iters, repeats)
-            except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
-                _common.error_row(row, e)
+            make = functools.partial(variant, layout, (3, 3, C, C), config, spec)
+            ref = bench.wgrad_row(row, make, (xs, ss), ref, iters, repeats)
             rows.append(row)
-            print(row, flush=True)
-    for row in rows:  # the ratio to the same shape's library row
-        first = next(r for r in rows if r["shape"] == row["shape"] and r["kernel"] == "library")
-        if "ms" in row and "ms" in first:
-            row["vs_library"] = row["ms"] / first["ms"]
+    bench.ratios_to(rows, "vs_library", lambda r: r["kernel"] == "library")
     columns = [
         ("shape", "shape", ""),
         ("kernel", "kernel", ""),

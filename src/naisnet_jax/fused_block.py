@@ -614,10 +614,14 @@ def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU, chunks=None, sum
         body = functools.partial(_weight_grad_kernel, layout, offsets, N, rows, chunks)
         out_shape = parts_shape
     out = _pallas(body, out_shape, programs, config, num_warps=warps, num_stages=WGRAD_STAGES)(xs, ss)
-    parts = out[0] if sum_steps else out
-    dWt = jnp.sum(parts, axis=0)  # (taps, C_out, C_in): each tap's transpose
-    dW = jnp.swapaxes(dWt, 1, 2).reshape(kernel_shape)
+    dW = _kernel_of_parts(out[0] if sum_steps else out, kernel_shape)
     return (dW, out[1]) if sum_steps else dW
+
+
+def _kernel_of_parts(parts: Array, kernel_shape: tuple) -> Array:
+    """``dW`` (HWIO ``kernel_shape``) from the weight-gradient programs' partial sums ``parts``,
+    ``(programs, taps, C_out, C_in)``: each tap's transpose, summed over the programs."""
+    return jnp.swapaxes(jnp.sum(parts, axis=0), 1, 2).reshape(kernel_shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
