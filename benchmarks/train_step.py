@@ -114,6 +114,8 @@ VARIANTS = {
     "nais10_fused_unroll10_wgrad_masks": fused10(wgrad_masks="all"),
     "nais10_fused_unroll10_wgmma_all": fused10(wgrad="wgmma", c64="wgmma"),
     "nais10_fused_unroll10_relu_z": fused10(relu_sign=False),
+    # the wgmma forward saves ReLU's sign in int8, not bfloat16 (half the bytes again)
+    "nais10_fused_unroll10_mask_i8": fused10(mask_dtype="int8"),
     # with XLA's cuDNN convolution fusions (train.CONV_FUSION)
     "nais10_fused_unroll10_conv_fusion": fused10(conv_fusion=True),
     # every block's K steps from x_0 = 0, as before session 24 (not from x_1 = h act(drive))
@@ -279,6 +281,12 @@ def apply_spec(spec) -> None:
         from naisnet_jax import hopper_block
 
         hopper_block.SAVE_RELU_SIGN = False
+    if spec.get("mask_dtype"):  # the dtype the wgmma forward saves ReLU's sign in
+        import jax.numpy as jnp
+
+        from naisnet_jax import hopper_block
+
+        hopper_block.MASK_DTYPE = jnp.dtype(spec["mask_dtype"])
     if spec.get("stacked_wgrad") == "main":  # block_vjp's calls that leave the stream to it: main
         from naisnet_jax import block_vjp
 

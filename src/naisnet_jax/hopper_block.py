@@ -16,7 +16,7 @@ Mosaic GPU backend, where a program holds a pattern's whole state in shared memo
 - forward: the drive held in registers for all K steps, ``x_0`` and the drive in by TMA, each
   new state out by TMA after its step (its tiled rows: the slack around them only feeds windows)
   and each pre-activation ``z_k`` through a staging buffer per warpgroup (two slots; one where a
-  warpgroup has a single tile); for ReLU only ``1[z_k > 0]``, in bfloat16 (:func:`saves_mask`);
+  warpgroup has a single tile); for ReLU only ``1[z_k > 0]``, in int8 (:func:`saves_mask`);
 - backward: the gradient ``g`` in registers for all K steps, the transposed convolution over
   ``s_k``'s windows (taps mirrored and transposed), each ``z_{k-1}`` tile in by TMA one tile
   ahead, each ``s_k`` out by TMA.
@@ -137,15 +137,19 @@ def split_bf16(x: Array) -> tuple[Array, Array]:
     return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
 
 
-#: For ReLU the forward kernel saves ``1[z_k > 0]`` in bfloat16 in place of ``z_k`` (``False``:
-#: ``z_k`` in float32, as for tanh; read when a kernel is first built).
+#: For ReLU the forward kernel saves ``1[z_k > 0]`` in :data:`MASK_DTYPE` in place of ``z_k``
+#: (``False``: ``z_k`` in float32, as for tanh; read when a kernel is first built).
 SAVE_RELU_SIGN = True
+#: The dtype of the saved ReLU sign. int8 since session 28: the same gradients bit for bit as
+#: bfloat16 (session 23) and NAIS-Net10's peak memory 39.6 against 44.9 MiB an image at the same
+#: step time on an H200 (25.62 ms both; ``BENCHMARKS.md``).
+MASK_DTYPE = jnp.int8
 
 
 def saves_mask(activation: str) -> bool:
-    """Whether the forward kernel saves ``1[z_k > 0]`` in bfloat16 in place of ``z_k``: ReLU's
-    slope needs only the sign, so the saved pre-activations move half the bytes (exactly the
-    same gradient: the backward kernel tests ``> 0`` on either)."""
+    """Whether the forward kernel saves ``1[z_k > 0]`` in :data:`MASK_DTYPE` in place of ``z_k``:
+    ReLU's slope needs only the sign, so the saved pre-activations move a quarter of the bytes
+    (exactly the same gradient: the backward kernel tests ``> 0`` on either)."""
     return SAVE_RELU_SIGN and activation == "relu"
 
 
@@ -499,7 +503,7 @@ def _forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     N, _, C = x0b.shape
-    saved = jnp.bfloat16 if saves_mask(activation) else jnp.float32
+    saved = MASK_DTYPE if saves_mask(activation) else jnp.float32
     states = jax.ShapeDtypeStruct(((steps + 1) if save else 1, N, layout.rows, C), jnp.float32)
     out_type = (states, jax.ShapeDtypeStruct((steps, N, layout.rows, C), saved)) if save else (states,)
     loads = 2 + 2 * len(_chunks(0, layout.rows))
