@@ -114,8 +114,13 @@ VARIANTS = {
     "nais10_fused_unroll10_wgrad_masks": fused10(wgrad_masks="all"),
     "nais10_fused_unroll10_wgmma_all": fused10(wgrad="wgmma", c64="wgmma"),
     "nais10_fused_unroll10_relu_z": fused10(relu_sign=False),
-    # the wgmma forward saves ReLU's sign in int8, not bfloat16 (half the bytes again)
+    # the wgmma forward saves ReLU's sign in int8, not bfloat16 (half the bytes again; the default
+    # since session 28), and the old bfloat16
     "nais10_fused_unroll10_mask_i8": fused10(mask_dtype="int8"),
+    "nais10_fused_unroll10_mask_bf16": fused10(mask_dtype="bfloat16"),
+    # the weight-gradient kernels' partial sums added up as a float32 matrix-vector product
+    # (ones @ parts, cuBLAS), not XLA's column reduction
+    "nais10_fused_unroll10_parts_gemv": fused10(parts_sum="gemv"),
     # with XLA's cuDNN convolution fusions (train.CONV_FUSION)
     "nais10_fused_unroll10_conv_fusion": fused10(conv_fusion=True),
     # every block's K steps from x_0 = 0, as before session 24 (not from x_1 = h act(drive))
@@ -132,6 +137,15 @@ VARIANTS = {
     # cuDNN's convolutions captured into XLA's command buffers (CUDA graphs) with the fusions around them
     "nais10_fused_unroll10_conv_cmdbuf": fused10(
         xla_flags="--xla_gpu_enable_command_buffer=+CONVOLUTION",
+    ),
+    # XLA's command buffers scheduled as a DAG of their buffers' dependencies (independent kernels
+    # run concurrently), not in the latency-hiding scheduler's order (LHS, the default); with and
+    # without cuDNN's convolutions captured
+    "nais10_fused_unroll10_cmdbuf_concurrent": fused10(
+        xla_flags="--xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
+    ),
+    "nais10_fused_unroll10_conv_cmdbuf_concurrent": fused10(
+        xla_flags="--xla_gpu_enable_command_buffer=+CONVOLUTION --xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
     ),
     "nais10_fused_unroll10_nhwc": fused10(xla_flags="--xla_gpu_force_conv_nhwc"),
     "nais10_bf16": dict(model=N10, kwargs=dict(dtype="bfloat16")),
@@ -326,6 +340,18 @@ def apply_spec(spec) -> None:
             )
         with open(path) as f:
             wgrad_tiling.apply(json.load(f))
+    if spec.get("parts_sum") == "gemv":  # the partial sums as ones @ parts at float32 precision
+        import jax
+        import jax.numpy as jnp
+
+        from naisnet_jax import fused_block
+
+        def kernel_of_parts(parts, kernel_shape):
+            flat = parts.reshape(parts.shape[0], -1)
+            total = jnp.dot(jnp.ones((flat.shape[0],), flat.dtype), flat, precision=jax.lax.Precision.HIGHEST)
+            return jnp.swapaxes(total.reshape(parts.shape[1:]), 1, 2).reshape(kernel_shape)
+
+        fused_block._kernel_of_parts = kernel_of_parts
     if spec.get("wgrad_sums_steps") is False:  # the drive's gradient by XLA, the kernel per step
         from naisnet_jax import fused_block
 
