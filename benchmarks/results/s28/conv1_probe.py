@@ -37,7 +37,9 @@ for H, C in ((32, 16), (16, 32)):
 
     @jax.jit
     def cudnn_dgrad(x):
-        f = lambda u: jax.lax.conv_general_dilated(u, w, (1, 1), "SAME", dimension_numbers=dn)
+        def f(u):
+            return jax.lax.conv_general_dilated(u, w, (1, 1), "SAME", dimension_numbers=dn)
+
         for _ in range(20):
             x = jax.vjp(f, x)[1](x)[0]
         return x

@@ -17,9 +17,10 @@ def run(dt, H, C, seed=0):
     d = jax.random.normal(k[1], (128, H, H, C))
     w = 0.1 * jax.random.normal(k[2], (3, 3, C, C))
     ct = jax.random.normal(k[3], (128, H, H, C))
-    f = lambda a, b, c: jnp.vdot(
-        fb.unroll_tied_conv(a, b, c, steps=9, activation="relu", engine="wgmma", interpret=False), ct
-    )
+
+    def f(a, b, c):
+        return jnp.vdot(fb.unroll_tied_conv(a, b, c, steps=9, activation="relu", engine="wgmma", interpret=False), ct)
+
     val, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x0, d, w)
     return [np.asarray(val)] + [np.asarray(g) for g in grads]
 
@@ -30,6 +31,7 @@ for H, C in ((32, 16), (16, 32)):
     same = [np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b)]
     ok &= all(same)
     print(
-        f"{H}x{H}x{C}: value/dx0/ddrive/dW bitwise equal int8 vs bf16: {same}; finite {all(np.isfinite(x).all() for x in b)}"
+        f"{H}x{H}x{C}: value/dx0/ddrive/dW bitwise equal int8 vs bf16: {same}; "
+        f"finite {all(np.isfinite(x).all() for x in b)}"
     )
 print("MASK CHECK", "PASS" if ok else "FAIL")
