@@ -607,6 +607,39 @@ def summarise(rows: list[dict]) -> tuple[str, str, dict]:
     return head + "\n" + text, head + "\n\n" + md, {"peaks": peaks, "floor_gflop_per_image": floor, **verdict}
 
 
+def _base(name: str) -> str:
+    """The variant a row name runs: ``NAME@2`` (a second process of ``NAME``, ``--order=abba``) is ``NAME``."""
+    return name.split("@", 1)[0]
+
+
+def abba(names: list[str]) -> list[str]:
+    """``[A, B]`` -> ``[A, B, B@2, A@2]``: every variant once, then again in reverse order, so that
+    each pair's two processes share the call's first and last places."""
+    return names + [f"{n}@2" for n in reversed(names)]
+
+
+def order_means(rows: list[dict]) -> tuple[list[dict], str]:
+    """Each variant's ms a step in its first and second process (``--order=abba``) and their mean."""
+    by = {}
+    for r in rows:
+        slot = "ms_second" if r["name"] != _base(r["name"]) else "ms_first"
+        by.setdefault(_base(r["name"]), {"ms_first": None, "ms_second": None})
+        if "error" not in r:
+            by[_base(r["name"])][slot] = r["ms_per_step"]
+    means = []
+    for n, v in by.items():
+        done = [t for t in v.values() if t is not None]
+        means.append({"variant": n, **v, "ms_mean": sum(done) / len(done) if done else None})
+    lines = ["variant | ms a step, first process | second (order reversed) | mean", "---|---|---|---"]
+
+    def cell(t):
+        return "-" if t is None else f"{t:.2f}"
+
+    for m in means:
+        lines.append(f"{m['variant']} | {cell(m['ms_first'])} | {cell(m['ms_second'])} | {cell(m['ms_mean'])}")
+    return means, "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -621,6 +654,14 @@ def main(argv=None):
         "--budget", type=float, default=540, help="seconds for the whole run (a rerun resumes); 0: no limit"
     )
     parser.add_argument("--fresh", action="store_true", help="rerun variants already done")
+    parser.add_argument(
+        "--order",
+        default="listed",
+        choices=("listed", "abba"),
+        help="abba: run the variants, then again in reverse order (rows NAME@2), and print each one's "
+        "mean over its two processes (on an H100 in session 28 the first process of a call ran ~0.36 ms "
+        "a step slower than the same code later)",
+    )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
@@ -628,7 +669,7 @@ def main(argv=None):
     _common.importable()
     os.makedirs(args.out, exist_ok=True)
     if args.one:
-        spec = VARIANTS[args.one]
+        spec = VARIANTS[_base(args.one)]
         run = run_torch if spec.get("kind") == "torch" else run_jax
         row = run(spec, batch=args.batch, steps=args.steps, repeats=args.repeats, smoke=args.smoke)
         _common.write_row(args.out, args.one, row)
@@ -637,6 +678,8 @@ def main(argv=None):
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; valid: {', '.join(VARIANTS)}")
+    if args.order == "abba":
+        names = abba(names)
     child = [f"--batch={args.batch}", f"--steps={args.steps}", f"--repeats={args.repeats}"]
     child += ["--smoke"] if args.smoke else []
     rows = _common.run_variants(
@@ -646,10 +689,15 @@ def main(argv=None):
         budget=args.budget or None,
         child_args=child,
         fresh=args.fresh,
-        env_for=lambda n: {"XLA_FLAGS": VARIANTS[n]["xla_flags"]} if VARIANTS[n].get("xla_flags") else {},
-        timeout_for=lambda n: args.timeout * (2 if VARIANTS[n].get("mode") == "compile" else 1),
+        env_for=lambda n: {"XLA_FLAGS": VARIANTS[_base(n)]["xla_flags"]} if VARIANTS[_base(n)].get("xla_flags") else {},
+        timeout_for=lambda n: args.timeout * (2 if VARIANTS[_base(n)].get("mode") == "compile" else 1),
     )
     text, md, summary = summarise(rows)
+    if args.order == "abba":
+        means, table = order_means(rows)
+        summary["abba_means"] = means
+        text += "\n\n" + table
+        md += "\n\n" + table
     _common.write_results(args.out, "train_step", {"rows": rows, "summary": summary}, md)
     ok = [r for r in rows if "error" not in r]
     compiled_torch = next(

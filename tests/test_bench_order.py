@@ -1,0 +1,47 @@
+"""``benchmarks/train_step.py --order=abba``: each variant runs in two processes, the second pass in
+reverse order, and the table gives each one's two timings and their mean (a call's first process
+can run slower than the same code later: ~0.36 ms a step on an H100 in session 28)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+
+import train_step  # noqa: E402
+
+
+def test_abba_runs_every_variant_twice_in_mirrored_order():
+    assert train_step.abba(["a", "b", "c"]) == ["a", "b", "c", "c@2", "b@2", "a@2"]
+    assert train_step.abba(["a"]) == ["a", "a@2"]
+    assert train_step._base("nais10_fused_unroll10@2") == "nais10_fused_unroll10"
+    assert train_step._base("nais10") == "nais10"
+
+
+def test_order_means_pairs_the_two_processes_and_skips_failures():
+    rows = [
+        {"name": "a", "ms_per_step": 27.15},
+        {"name": "b", "ms_per_step": 26.78},
+        {"name": "b@2", "ms_per_step": 27.13},
+        {"name": "a@2", "ms_per_step": 26.78},
+        {"name": "c", "ms_per_step": 30.0},
+        {"name": "c@2", "error": "timeout 300 s"},
+        {"name": "d", "error": "exit code 1"},
+        {"name": "d@2", "ms_per_step": 31.0},
+    ]
+    means, table = train_step.order_means(rows)
+    by = {m["variant"]: m for m in means}
+    assert by["a"]["ms_first"] == 27.15 and by["a"]["ms_second"] == 26.78
+    assert by["a"]["ms_mean"] == pytest.approx(26.965)
+    assert by["b"]["ms_mean"] == pytest.approx(26.955)
+    assert by["c"]["ms_second"] is None and by["c"]["ms_mean"] == 30.0
+    assert by["d"]["ms_first"] is None and by["d"]["ms_second"] == 31.0 and by["d"]["ms_mean"] == 31.0
+    assert "a | 27.15 | 26.78 | 26.96" in table and "c | 30.00 | - | 30.00" in table
+    assert "d | - | 31.00 | 31.00" in table
+
+
+def test_a_second_process_runs_the_same_variant():
+    """``--one=NAME@2`` runs NAME's spec (the row keeps the suffix)."""
+    spec = train_step.VARIANTS[train_step._base("nais10_fused_unroll10@2")]
+    assert spec is train_step.VARIANTS["nais10_fused_unroll10"]
