@@ -55,3 +55,27 @@ def test_fusion_table_ranks_and_names_the_fusions(tmp_path):
 def test_fusion_table_without_a_program_still_ranks(tmp_path):
     table = profile_step.fusion_table([{"name": "loop_add_fusion", "dur": 4.0}], steps=1, dump_dir=str(tmp_path))
     assert "| `loop_add_fusion` | 0.004 | 1 | 4.0 | `?` | `?` |" in table
+
+
+def test_kernels_counted_by_duration_and_the_small_ones_named():
+    """``durations``: each launch in exactly one class (2 us sits in "2 to 4"), counts and ms a
+    step over the step count, and the small kernels (under 4 us) ranked by their time."""
+    events = (
+        [{"name": "tiny_transpose", "dur": 1.5}] * 6
+        + [{"name": "pad", "dur": 2.0}] * 2
+        + [{"name": "pad", "dur": 3.9}] * 2
+        + [{"name": "conv", "dur": 9.0}] * 4
+        + [{"name": "block", "dur": 120.0}] * 2
+    )
+    got = profile_step.durations(events, steps=2)
+    rows = {r["durations"]: r for r in got["durations"]}
+    assert list(rows) == ["0 to 2 us", "2 to 4 us", "4 to 8 us", "8 to 16 us", "16 to 50 us", ">= 50 us"]
+    assert rows["0 to 2 us"]["per_step"] == 3 and abs(rows["0 to 2 us"]["ms_per_step"] - 0.0045) < 1e-12
+    assert rows["2 to 4 us"]["per_step"] == 2 and abs(rows["2 to 4 us"]["ms_per_step"] - 0.0059) < 1e-12
+    assert rows["4 to 8 us"]["per_step"] == 0 and rows["8 to 16 us"]["per_step"] == 2
+    assert rows[">= 50 us"]["per_step"] == 1 and abs(rows[">= 50 us"]["ms_per_step"] - 0.12) < 1e-12
+    assert sum(r["per_step"] for r in got["durations"]) == len(events) / 2
+    assert [r["kernel"] for r in got["small_kernels"]] == ["pad", "tiny_transpose"]  # 11.8 us against 9.0
+    assert got["small_kernels"][0]["per_step"] == 2
+    summary = profile_step.summarise(events, steps=2)
+    assert summary["durations"] == got["durations"]
