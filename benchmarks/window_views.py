@@ -1,0 +1,294 @@
+"""Benchmark (prototype, lowered on a CPU only so far): a conv step's windows as ``wgmma`` views.
+
+The wgmma block kernels (``naisnet_jax.hopper_block``) load each of a tile's nine windows from
+shared memory into registers (any row offset), split it into bfloat16 halves and multiply from
+registers. Session 23's anatomy put those loads and splits at about half of the kernels' time
+(``BENCHMARKS.md``, "Session 28"). In ``wgmma``'s unswizzled layout a core matrix is 8 rows of
+16 bytes, contiguous; with the state kept as bfloat16 *planes* of 8 channels (``(rows, 8)``,
+16-byte rows), the window at row offset ``r`` is a shared-memory descriptor: start ``plane + 16 r``,
+128 bytes between core matrices along M (8 positions), the plane stride along K (8 channels). No
+loads, no splits: the halves are written once, when the state is.
+
+Mosaic GPU's ``wgmma`` takes only swizzled operands, so the products here are built one level
+down, inside ``plgpu.inline_mgpu``: each window's descriptor by ``mma_utils.encode_descriptor``
+(no swizzle), the taps' by ``mma_utils.create_descriptor`` as Mosaic's own ``wgmma`` builds them,
+the instructions by ``wgmma.wgmma_m64``.
+
+Two kernels, one program per pattern, one warpgroup, every tile of a pattern's state:
+
+- ``views``: the state's halves come in as planes ``(2, C / 8, rows, 8)`` bfloat16; each tile's
+  ``z = sum_t window_t @ w_t`` as three products a tap (``hi w_hi + lo w_hi + hi w_lo``), the
+  windows as views;
+- ``registers``: the library's way, the float32 state in shared memory, each window loaded and
+  split (``hopper_block._conv_tile``).
+
+On a GPU the script checks both against a float64 convolution and times them at NAIS-Net10's
+shapes (32x32x16, 16x16x32, batch 128); ``--smoke`` (any machine) lowers both for CUDA.
+
+    python benchmarks/window_views.py --out=$OUT/window_views
+    python benchmarks/window_views.py --out=/tmp/wv --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+M = 64  # rows of a tile, the M of one wgmma
+PLANE = 8  # channels of a plane: one core matrix's 16 bytes of bfloat16
+
+
+def planes_of(buf):
+    """``(N, rows, C)`` float32 -> ``(N, 2, C / 8, rows, 8)`` bfloat16: the hi and lo halves
+    (``hopper_block.split_bf16``) as planes of 8 channels."""
+    import jax.numpy as jnp
+
+    from naisnet_jax.hopper_block import split_bf16
+
+    N, rows, C = buf.shape
+    halves = jnp.stack(split_bf16(buf), axis=1)  # (N, 2, rows, C)
+    halves = jnp.pad(halves, ((0, 0), (0, 0), (0, _rows8(rows) - rows), (0, 0)))
+    return jnp.moveaxis(halves.reshape(N, 2, _rows8(rows), C // PLANE, PLANE), 3, 2)
+
+
+def _rows8(rows: int) -> int:
+    """Rows of a plane: a multiple of 8, so that every TMA chunk of it moves a multiple of 128
+    bytes (Mosaic GPU's rule for a warpgroup's copies)."""
+    return -(-rows // 8) * 8
+
+
+def _view_products(offsets, C, start):
+    """The mgpu function of one tile's products: ``(ctx, planes, w_hi, w_lo) -> z`` (WGMMA
+    layout), ``planes`` the ``(2, C / 8, rows, 8)`` bfloat16 halves in shared memory, the taps
+    ``(9, C, C)`` split and swizzled as ``hopper_block`` keeps them; ``start`` the tile's first row."""
+    import importlib
+
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import nvvm
+    from jax.experimental.mosaic import gpu as mgpu
+
+    # the modules, not the package's functions of the same names
+    mma_utils, utils, wgmma = (
+        importlib.import_module(f"jax.experimental.mosaic.gpu.{m}") for m in ("mma_utils", "utils", "wgmma")
+    )
+
+    swizzle = min(128, 2 * C)  # the taps' rows: C bfloat16
+    k_group = swizzle // 2  # K of one wgmma_m64 call (its instructions: k_group / 16 of them)
+
+    def products(ctx, planes, w_hi, w_lo):
+        del ctx
+        bf16, i8 = ir.BF16Type.get(), ir.IntegerType.get_signless(8)
+        rows = ir.MemRefType(planes.type).shape[2]
+        plane_bytes = rows * PLANE * 2
+        base = utils.memref_ptr(planes)
+        acc = wgmma.WGMMAAccumulator.zero(M, C)
+        regs = acc._value.registers.copy()
+        for t, off in enumerate(offsets):
+            for half, w in ((0, w_hi), (1, w_hi), (0, w_lo)):  # hi w_hi + lo w_hi + hi w_lo
+                # A, the window: K-major and unswizzled, core matrices of 8 rows x 16 B, 128 B
+                # apart along M (8 positions), a plane apart along K (8 channels)
+                offset = ((half * (C // PLANE)) * rows + start + off) * PLANE * 2
+                a_desc = mma_utils.encode_descriptor(
+                    utils.getelementptr(base, [offset], i8),
+                    leading_byte_offset=plane_bytes,
+                    stride_byte_offset=PLANE * PLANE * 2,
+                    swizzle=None,
+                )
+                (b_desc, b_k_stride), _, b_fastest = mma_utils.create_descriptor(
+                    utils.memref_slice(w, t),
+                    swizzle=swizzle,
+                    large_tile=(k_group, k_group),
+                    group_size=(k_group, C),
+                    logical_k_major=True,
+                )
+                regs[0:1] = wgmma.wgmma_m64(
+                    regs[0:1],
+                    a_desc,
+                    b_desc,
+                    swizzle=swizzle,
+                    n=C,
+                    element_type=bf16,
+                    a_transpose=False,
+                    a_k_stride=2 * plane_bytes,  # the next 16 channels: two planes on
+                    b_transpose=b_fastest != mma_utils.Dim.K,
+                    b_k_stride=b_k_stride[1][0],
+                )
+        nvvm.wgmma_commit_group_sync_aligned()
+        nvvm.wgmma_wait_group_sync_aligned(0)
+        value = mgpu.FragmentedArray(_registers=regs, _layout=acc._value.layout, _is_signed=None)
+        return wgmma.WGMMAAccumulator(_value=value, _original_layout=acc._original_layout, _sync=False).value
+
+    return products
+
+
+def _tile_starts(layout):
+    from naisnet_jax.hopper_block import tiles_of
+
+    return [layout.slack + j * M for j in range(tiles_of(layout))]
+
+
+def views_kernel(layout, offsets, planes_ref, w_hi_g, w_lo_g, z_ref, planes, w_hi, w_lo, stage, bar):
+    """Pattern ``n``: every tile's ``z`` from the planes, the windows as descriptor views."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from naisnet_jax.hopper_block import _swizzled
+
+    n = jax.lax.axis_index("n")
+    C = stage.shape[-1]
+    plgpu.copy_gmem_to_smem(w_hi_g, w_hi, bar)
+    plgpu.copy_gmem_to_smem(w_lo_g, w_lo, bar)
+    chunks = [(s0, min(256, planes.shape[2] - s0)) for s0 in range(0, planes.shape[2], 256)]
+    for h in range(2):
+        for g in range(C // PLANE):
+            for s0, size in chunks:
+                plgpu.copy_gmem_to_smem(planes_ref.at[n, h, g, pl.ds(s0, size)], planes.at[h, g, pl.ds(s0, size)], bar)
+    plgpu.barrier_wait(bar)
+    swizzled = _swizzled(C)
+    for j, q0 in enumerate(_tile_starts(layout)):
+        products = plgpu.inline_mgpu(
+            arg_types=(plgpu.RefType(), plgpu.RefType(swizzled), plgpu.RefType(swizzled)),
+            return_type=plgpu.ShapeDtypeStruct((M, C), jnp.float32, layout=plgpu.Layout.WGMMA),
+        )(_view_products(offsets, C, q0))
+        stage[...] = products(planes, w_hi, w_lo)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage, z_ref.at[n, j])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def registers_kernel(layout, offsets, x_ref, w_hi_g, w_lo_g, z_ref, buf, w_hi, w_lo, stage, bar):
+    """Pattern ``n``: every tile's ``z`` as the library's kernels compute it (each window loaded
+    from the float32 state and split, ``hopper_block._conv_tile``)."""
+    import jax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from naisnet_jax.hopper_block import _chunks, _conv_tile
+
+    n = jax.lax.axis_index("n")
+    plgpu.copy_gmem_to_smem(w_hi_g, w_hi, bar)
+    plgpu.copy_gmem_to_smem(w_lo_g, w_lo, bar)
+    for s0, size in _chunks(0, layout.rows):
+        plgpu.copy_gmem_to_smem(x_ref.at[n, pl.ds(s0, size)], buf.at[0, pl.ds(s0, size)], bar)
+    plgpu.barrier_wait(bar)
+    for j, q0 in enumerate(_tile_starts(layout)):
+        stage[...], _ = _conv_tile(buf, 0, q0, offsets, w_hi, w_lo)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage, z_ref.at[n, j])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def build(layout, C: int, which: str):
+    """``f(state buffer (N, rows, C) float32, taps (9, C, C) float32) -> z (N, tiles, 64, C)``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from naisnet_jax.hopper_block import _chunks, _swizzled, split_bf16, tiles_of
+
+    offsets = layout.offsets(3, 3)
+    swizzled = _swizzled(C)
+
+    def run(buf, taps):
+        N = buf.shape[0]
+        w_hi, w_lo = split_bf16(taps.astype(jnp.float32))
+        out_type = jax.ShapeDtypeStruct((N, tiles_of(layout), M, C), jnp.float32)
+        taps_smem = [plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled)] * 2
+        if which == "views":
+            body = functools.partial(views_kernel, layout, offsets)
+            state = plgpu.SMEM((2, C // PLANE, _rows8(layout.rows), PLANE), jnp.bfloat16)
+            loads = 2 + 2 * (C // PLANE) * len(_chunks(0, _rows8(layout.rows)))
+            arg = planes_of(buf)
+        else:
+            body = functools.partial(registers_kernel, layout, offsets)
+            state = plgpu.SMEM((1, layout.rows, C), jnp.float32)
+            loads = 2 + len(_chunks(0, layout.rows))
+            arg = buf
+        body.__name__ = f"window_{which}_kernel"
+        call = plgpu.kernel(
+            body,
+            out_type=out_type,
+            scratch_types=[
+                state,
+                *taps_smem,
+                plgpu.SMEM((M, C), jnp.float32),
+                plgpu.Barrier(num_arrivals=loads),
+            ],
+            grid=(N,),
+            grid_names=("n",),
+            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        )
+        return call(arg, w_hi, w_lo)
+
+    return jax.jit(run)
+
+
+def reference(layout, buf, taps):
+    """Every tile's ``z`` in float64 (numpy): ``z[q] = sum_t buf[q + off_t] @ w_t`` for the tiled rows."""
+    import numpy as np
+
+    from naisnet_jax.hopper_block import tiles_of
+
+    buf, taps = np.asarray(buf, np.float64), np.asarray(taps, np.float64)
+    q = layout.slack + np.arange(tiles_of(layout) * M)
+    z = sum(buf[:, q + off] @ taps[t] for t, off in enumerate(layout.offsets(3, 3)))
+    return z.reshape(buf.shape[0], tiles_of(layout), M, buf.shape[-1])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="lower both kernels for CUDA only (any machine)")
+    args = parser.parse_args(argv)
+    _common.importable()
+    import fused_block as bench  # benchmarks/fused_block.py: _time, _rel
+    import jax.numpy as jnp
+    import numpy as np
+
+    from naisnet_jax import fused_block as fb
+
+    rows = []
+    for H, C in ((32, 16), (16, 32)):
+        layout = fb.Layout.of(H, H, 3, 3, fb.default_tiling(C)[0])
+        rng = np.random.default_rng(0)
+        image = rng.standard_normal((args.batch, H, H, C)).astype(np.float32)
+        buf = layout.to_buffer(jnp.asarray(image))  # zero padding and slack, as the kernels' buffers
+        taps = jnp.asarray((0.1 * rng.standard_normal((9, C, C))).astype(np.float32))
+        ref = None if args.smoke else reference(layout, buf, taps)
+        for which in ("registers", "views"):
+            row = dict(shape=f"{H}x{H}x{C}", kernel=which)
+            f = build(layout, C, which)
+            if args.smoke:
+                text = f.trace(buf, taps).lower(lowering_platforms=("cuda",)).as_text()
+                row["lowered"] = "mosaic_gpu" in text
+            else:
+                try:
+                    row["err_vs_f64"] = bench._rel(f(buf, taps), ref)
+                    row["ms"] = 1e3 * bench._time(f, (buf, taps), args.iters, args.repeats)
+                except Exception as e:  # a failure is a row, the other kernel still runs
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            rows.append(row)
+    columns = [
+        ("shape", "shape", ""),
+        ("kernel", "windows", ""),
+        ("ms", "ms", ".4f"),
+        ("err_vs_f64", "rel err vs float64", ".1e"),
+        ("lowered", "lowered for CUDA", ""),
+        ("error", "error", ""),
+    ]
+    header = f"One conv step's products over every tile, batch {args.batch}, on {{device}}"
+    _common.report(args.out, "window_views", header, rows, columns)
+
+
+if __name__ == "__main__":
+    main()
