@@ -132,6 +132,21 @@ def _tile_starts(layout):
     return [layout.slack + j * M for j in range(tiles_of(layout))]
 
 
+def _each_tile(layout, copies, bar, stage, z_ref, n, tile):
+    """Both kernels' frame: every ``(gmem, smem)`` pair of ``copies`` in by TMA (the taps, the
+    state), then each tile's ``z = tile(first row)`` out through the staging slot to ``z_ref[n, j]``."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    for src, dst in copies:
+        plgpu.copy_gmem_to_smem(src, dst, bar)
+    plgpu.barrier_wait(bar)
+    for j, q0 in enumerate(_tile_starts(layout)):
+        stage[...] = tile(q0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage, z_ref.at[n, j])
+        plgpu.wait_smem_to_gmem(0)
+
+
 def views_kernel(layout, offsets, planes_ref, w_hi_g, w_lo_g, z_ref, planes, w_hi, w_lo, stage, bar):
     """Pattern ``n``: every tile's ``z`` from the planes, the windows as descriptor views."""
     import jax
@@ -139,28 +154,25 @@ def views_kernel(layout, offsets, planes_ref, w_hi_g, w_lo_g, z_ref, planes, w_h
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from naisnet_jax.hopper_block import _swizzled
+    from naisnet_jax.hopper_block import _chunks, _swizzled
 
     n = jax.lax.axis_index("n")
     C = stage.shape[-1]
-    plgpu.copy_gmem_to_smem(w_hi_g, w_hi, bar)
-    plgpu.copy_gmem_to_smem(w_lo_g, w_lo, bar)
-    chunks = [(s0, min(256, planes.shape[2] - s0)) for s0 in range(0, planes.shape[2], 256)]
+    swizzled = _swizzled(C)
+    copies = [(w_hi_g, w_hi), (w_lo_g, w_lo)]
     for h in range(2):
         for g in range(C // PLANE):
-            for s0, size in chunks:
-                plgpu.copy_gmem_to_smem(planes_ref.at[n, h, g, pl.ds(s0, size)], planes.at[h, g, pl.ds(s0, size)], bar)
-    plgpu.barrier_wait(bar)
-    swizzled = _swizzled(C)
-    for j, q0 in enumerate(_tile_starts(layout)):
+            for s0, size in _chunks(0, planes.shape[2]):
+                copies.append((planes_ref.at[n, h, g, pl.ds(s0, size)], planes.at[h, g, pl.ds(s0, size)]))
+
+    def tile(q0):
         products = plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(), plgpu.RefType(swizzled), plgpu.RefType(swizzled)),
             return_type=plgpu.ShapeDtypeStruct((M, C), jnp.float32, layout=plgpu.Layout.WGMMA),
         )(_view_products(offsets, C, q0))
-        stage[...] = products(planes, w_hi, w_lo)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage, z_ref.at[n, j])
-        plgpu.wait_smem_to_gmem(0)
+        return products(planes, w_hi, w_lo)
+
+    _each_tile(layout, copies, bar, stage, z_ref, n, tile)
 
 
 def registers_kernel(layout, offsets, x_ref, w_hi_g, w_lo_g, z_ref, buf, w_hi, w_lo, stage, bar):
@@ -168,21 +180,13 @@ def registers_kernel(layout, offsets, x_ref, w_hi_g, w_lo_g, z_ref, buf, w_hi, w
     from the float32 state and split, ``hopper_block._conv_tile``)."""
     import jax
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from naisnet_jax.hopper_block import _chunks, _conv_tile
 
     n = jax.lax.axis_index("n")
-    plgpu.copy_gmem_to_smem(w_hi_g, w_hi, bar)
-    plgpu.copy_gmem_to_smem(w_lo_g, w_lo, bar)
-    for s0, size in _chunks(0, layout.rows):
-        plgpu.copy_gmem_to_smem(x_ref.at[n, pl.ds(s0, size)], buf.at[0, pl.ds(s0, size)], bar)
-    plgpu.barrier_wait(bar)
-    for j, q0 in enumerate(_tile_starts(layout)):
-        stage[...], _ = _conv_tile(buf, 0, q0, offsets, w_hi, w_lo)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage, z_ref.at[n, j])
-        plgpu.wait_smem_to_gmem(0)
+    copies = [(w_hi_g, w_hi), (w_lo_g, w_lo)]
+    copies += [(x_ref.at[n, pl.ds(s0, size)], buf.at[0, pl.ds(s0, size)]) for s0, size in _chunks(0, layout.rows)]
+    _each_tile(layout, copies, bar, stage, z_ref, n, lambda q0: _conv_tile(buf, 0, q0, offsets, w_hi, w_lo)[0])
 
 
 def build(layout, C: int, which: str):
