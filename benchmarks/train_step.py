@@ -346,10 +346,12 @@ def apply_spec(spec) -> None:
 
         from naisnet_jax import fused_block
 
-        def kernel_of_parts(parts, kernel_shape):
+        library = fused_block._kernel_of_parts
+
+        def kernel_of_parts(parts, kernel_shape):  # the sum as a product, the rest the library's
             flat = parts.reshape(parts.shape[0], -1)
             total = jnp.dot(jnp.ones((flat.shape[0],), flat.dtype), flat, precision=jax.lax.Precision.HIGHEST)
-            return jnp.swapaxes(total.reshape(parts.shape[1:]), 1, 2).reshape(kernel_shape)
+            return library(total.reshape((1,) + parts.shape[1:]), kernel_shape)
 
         fused_block._kernel_of_parts = kernel_of_parts
     if spec.get("wgrad_sums_steps") is False:  # the drive's gradient by XLA, the kernel per step
