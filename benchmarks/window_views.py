@@ -67,6 +67,7 @@ def _view_products(offsets, C, start):
     layout), ``planes`` the ``(2, C / 8, rows, 8)`` bfloat16 halves in shared memory, the taps
     ``(9, C, C)`` split and swizzled as ``hopper_block`` keeps them; ``start`` the tile's first row."""
     import importlib
+    import inspect
 
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import nvvm
@@ -79,6 +80,8 @@ def _view_products(offsets, C, start):
 
     swizzle = min(128, 2 * C)  # the taps' rows: C bfloat16
     k_group = swizzle // 2  # K of one wgmma_m64 call (its instructions: k_group / 16 of them)
+    # jax 0.10 names one element type, later versions one for each operand
+    typed = "element_type" in inspect.signature(wgmma.wgmma_m64).parameters
 
     def products(ctx, planes, w_hi, w_lo):
         del ctx
@@ -112,12 +115,72 @@ def _view_products(offsets, C, start):
                     b_desc,
                     swizzle=swizzle,
                     n=C,
-                    element_type=bf16,
+                    **({"element_type": bf16} if typed else {"a_element_type": bf16, "b_element_type": bf16}),
                     a_transpose=False,
                     a_k_stride=2 * plane_bytes,  # the next 16 channels: two planes on
                     b_transpose=b_fastest != mma_utils.Dim.K,
                     b_k_stride=b_k_stride[1][0],
                 )
+        nvvm.wgmma_commit_group_sync_aligned()
+        nvvm.wgmma_wait_group_sync_aligned(0)
+        value = mgpu.FragmentedArray(_registers=regs, _layout=acc._value.layout, _is_signed=None)
+        return wgmma.WGMMAAccumulator(_value=value, _original_layout=acc._original_layout, _sync=False).value
+
+    return products
+
+
+def _tf32_products(offsets, C, start):
+    """The mgpu function of one tile's products in TF32: ``(ctx, planes, taps_t) -> z``, ``planes``
+    the float32 state as ``(C / 4, rows, 4)`` planes of 16-byte rows (the state itself, no
+    halves), the taps transposed, ``(9, C_out, C_in)`` float32 swizzled (TF32's B is K-major).
+    A window is a view: core matrices of 8 rows x 4 channels, 128 B apart along M, a plane apart
+    along K; one ``m64nCk8`` a tap and 8 channels."""
+    import importlib
+    import inspect
+
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import nvvm
+    from jax.experimental.mosaic import gpu as mgpu
+
+    mma_utils, utils, wgmma = (
+        importlib.import_module(f"jax.experimental.mosaic.gpu.{m}") for m in ("mma_utils", "utils", "wgmma")
+    )
+    swizzle = min(128, 4 * C)  # the transposed taps' rows: C float32
+    typed = "element_type" in inspect.signature(wgmma.wgmma_m64).parameters
+
+    def products(ctx, planes, taps):
+        del ctx
+        tf32, i8 = ir.FloatTF32Type.get(), ir.IntegerType.get_signless(8)
+        rows = ir.MemRefType(planes.type).shape[1]
+        plane_bytes = rows * 16
+        base = utils.memref_ptr(planes)
+        acc = wgmma.WGMMAAccumulator.zero(M, C)
+        regs = acc._value.registers.copy()
+        for t, off in enumerate(offsets):
+            a_desc = mma_utils.encode_descriptor(
+                utils.getelementptr(base, [(start + off) * 16], i8),
+                leading_byte_offset=plane_bytes,
+                stride_byte_offset=128,
+                swizzle=None,
+            )
+            # tap t as a (K tiles, N tiles, K tile, N tile) view of its (C_out, C_in) rows
+            b = utils.memref_transpose(utils.memref_slice(taps, t), (1, 0, 3, 2))
+            (b_desc, b_k_stride), _, b_fastest = mma_utils.create_descriptor(
+                b, swizzle=swizzle, group_size=(swizzle // 4, C), logical_k_major=True
+            )
+            assert b_fastest == mma_utils.Dim.K, b_fastest
+            regs[0:1] = wgmma.wgmma_m64(
+                regs[0:1],
+                a_desc,
+                b_desc,
+                swizzle=swizzle,
+                n=C,
+                **({"element_type": tf32} if typed else {"a_element_type": tf32, "b_element_type": tf32}),
+                a_transpose=False,
+                a_k_stride=2 * plane_bytes,  # the next 8 channels: two planes on
+                b_transpose=False,
+                b_k_stride=b_k_stride[1][-1],
+            )
         nvvm.wgmma_commit_group_sync_aligned()
         nvvm.wgmma_wait_group_sync_aligned(0)
         value = mgpu.FragmentedArray(_registers=regs, _layout=acc._value.layout, _is_signed=None)
@@ -132,22 +195,34 @@ def _tile_starts(layout):
     return [layout.slack + j * M for j in range(tiles_of(layout))]
 
 
-def _each_tile(layout, copies, bar, stage, z_ref, n, tile):
-    """Both kernels' frame: every ``(gmem, smem)`` pair of ``copies`` in by TMA (the taps, the
-    state), then each tile's ``z = tile(first row)`` out through the staging slot to ``z_ref[n, j]``."""
+def _each_tile(layout, copies, bar, stage, z_ref, n, tile, steps=1):
+    """Every kernel's frame: every ``(gmem, smem)`` pair of ``copies`` in by TMA (the taps, the
+    state, into both of its buffers), then each tile's ``z = tile(first row, buffer)`` out through
+    the staging slot to ``z_ref[n, j]``. With ``steps > 1`` every tile's products are first
+    computed ``steps - 1`` more times into the staging slot only, reading buffer ``k % 2`` at
+    step ``k`` as a K-step kernel would (the difference of two ``steps`` is a step's cost with
+    the copies in and out taken away)."""
+    import jax
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     for src, dst in copies:
         plgpu.copy_gmem_to_smem(src, dst, bar)
     plgpu.barrier_wait(bar)
+
+    def again(k, carry):  # reads buffer k % 2, as a K-step kernel's ping-pong buffers
+        for q0 in _tile_starts(layout):
+            stage[...] = tile(q0, k % 2)
+        return carry
+
+    jax.lax.fori_loop(0, steps - 1, again, 0)
     for j, q0 in enumerate(_tile_starts(layout)):
-        stage[...] = tile(q0)
+        stage[...] = tile(q0, 0)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(stage, z_ref.at[n, j])
         plgpu.wait_smem_to_gmem(0)
 
 
-def views_kernel(layout, offsets, planes_ref, w_hi_g, w_lo_g, z_ref, planes, w_hi, w_lo, stage, bar):
+def views_kernel(layout, offsets, steps, planes_ref, w_hi_g, w_lo_g, z_ref, planes, w_hi, w_lo, stage, bar):
     """Pattern ``n``: every tile's ``z`` from the planes, the windows as descriptor views."""
     import jax
     import jax.numpy as jnp
@@ -160,22 +235,50 @@ def views_kernel(layout, offsets, planes_ref, w_hi_g, w_lo_g, z_ref, planes, w_h
     C = stage.shape[-1]
     swizzled = _swizzled(C)
     copies = [(w_hi_g, w_hi), (w_lo_g, w_lo)]
-    for h in range(2):
-        for g in range(C // PLANE):
-            for s0, size in _chunks(0, planes.shape[2]):
-                copies.append((planes_ref.at[n, h, g, pl.ds(s0, size)], planes.at[h, g, pl.ds(s0, size)]))
+    for buf in range(2):
+        for h in range(2):
+            for g in range(C // PLANE):
+                for s0, size in _chunks(0, planes.shape[3]):
+                    copies.append((planes_ref.at[n, h, g, pl.ds(s0, size)], planes.at[buf, h, g, pl.ds(s0, size)]))
 
-    def tile(q0):
+    def tile(q0, src):
         products = plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(), plgpu.RefType(swizzled), plgpu.RefType(swizzled)),
             return_type=plgpu.ShapeDtypeStruct((M, C), jnp.float32, layout=plgpu.Layout.WGMMA),
         )(_view_products(offsets, C, q0))
-        return products(planes, w_hi, w_lo)
+        return products(planes.at[src], w_hi, w_lo)
 
-    _each_tile(layout, copies, bar, stage, z_ref, n, tile)
+    _each_tile(layout, copies, bar, stage, z_ref, n, tile, steps)
 
 
-def registers_kernel(layout, offsets, x_ref, w_hi_g, w_lo_g, z_ref, buf, w_hi, w_lo, stage, bar):
+def tf32_kernel(layout, offsets, steps, planes_ref, taps_g, z_ref, planes, taps, stage, bar):
+    """Pattern ``n``: every tile's ``z`` from the float32 planes in TF32, the windows as views."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from naisnet_jax.hopper_block import _chunks
+
+    n = jax.lax.axis_index("n")
+    C = stage.shape[-1]
+    copies = [(taps_g, taps)]
+    for buf in range(2):
+        for g in range(C // 4):
+            for s0, size in _chunks(0, planes.shape[2]):
+                copies.append((planes_ref.at[n, g, pl.ds(s0, size)], planes.at[buf, g, pl.ds(s0, size)]))
+
+    def tile(q0, src):
+        products = plgpu.inline_mgpu(
+            arg_types=(plgpu.RefType(), plgpu.RefType(_tf32_taps_transforms(C))),
+            return_type=plgpu.ShapeDtypeStruct((M, C), jnp.float32, layout=plgpu.Layout.WGMMA),
+        )(_tf32_products(offsets, C, q0))
+        return products(planes.at[src], taps)
+
+    _each_tile(layout, copies, bar, stage, z_ref, n, tile, steps)
+
+
+def registers_kernel(layout, offsets, steps, x_ref, w_hi_g, w_lo_g, z_ref, buf, w_hi, w_lo, stage, bar):
     """Pattern ``n``: every tile's ``z`` as the library's kernels compute it (each window loaded
     from the float32 state and split, ``hopper_block._conv_tile``)."""
     import jax
@@ -185,12 +288,41 @@ def registers_kernel(layout, offsets, x_ref, w_hi_g, w_lo_g, z_ref, buf, w_hi, w
 
     n = jax.lax.axis_index("n")
     copies = [(w_hi_g, w_hi), (w_lo_g, w_lo)]
-    copies += [(x_ref.at[n, pl.ds(s0, size)], buf.at[0, pl.ds(s0, size)]) for s0, size in _chunks(0, layout.rows)]
-    _each_tile(layout, copies, bar, stage, z_ref, n, lambda q0: _conv_tile(buf, 0, q0, offsets, w_hi, w_lo)[0])
+    for b in range(2):
+        copies += [(x_ref.at[n, pl.ds(s0, size)], buf.at[b, pl.ds(s0, size)]) for s0, size in _chunks(0, layout.rows)]
+    _each_tile(
+        layout, copies, bar, stage, z_ref, n, lambda q0, src: _conv_tile(buf, src, q0, offsets, w_hi, w_lo)[0], steps
+    )
 
 
-def build(layout, C: int, which: str):
-    """``f(state buffer (N, rows, C) float32, taps (9, C, C) float32) -> z (N, tiles, 64, C)``."""
+def _tf32_taps_transforms(C: int):
+    """The transposed float32 taps' shared-memory transforms: tiles of 8 rows x one swizzle width."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    swizzle = min(128, 4 * C)
+    return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
+
+
+def tf32_planes_of(buf):
+    """``(N, rows, C)`` float32 -> ``(N, C / 4, rows8, 4)``: the state as planes of 4 channels."""
+    import jax.numpy as jnp
+
+    N, rows, C = buf.shape
+    padded = jnp.pad(buf, ((0, 0), (0, _rows8(rows) - rows), (0, 0)))
+    return jnp.moveaxis(padded.reshape(N, _rows8(rows), C // 4, 4), 2, 1)
+
+
+KINDS = ("registers", "views", "tf32")
+
+
+def state_of(buf, which: str):
+    """The kernel ``which``'s state argument from the buffer ``(N, rows, C)`` float32."""
+    return {"registers": lambda b: b, "views": planes_of, "tf32": tf32_planes_of}[which](buf)
+
+
+def build(layout, C: int, which: str, steps: int = 1):
+    """``f(state, taps (9, C, C) float32) -> z (N, tiles, 64, C)``, the state ``state_of(buffer,
+    which)``; every tile's products computed ``steps`` times (``_each_tile``)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -200,36 +332,41 @@ def build(layout, C: int, which: str):
     offsets = layout.offsets(3, 3)
     swizzled = _swizzled(C)
 
-    def run(buf, taps):
-        N = buf.shape[0]
-        w_hi, w_lo = split_bf16(taps.astype(jnp.float32))
+    def run(arg, taps):
+        N = arg.shape[0]
         out_type = jax.ShapeDtypeStruct((N, tiles_of(layout), M, C), jnp.float32)
-        taps_smem = [plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled)] * 2
-        if which == "views":
-            body = functools.partial(views_kernel, layout, offsets)
-            state = plgpu.SMEM((2, C // PLANE, _rows8(layout.rows), PLANE), jnp.bfloat16)
-            loads = 2 + 2 * (C // PLANE) * len(_chunks(0, _rows8(layout.rows)))
-            arg = planes_of(buf)
+        if which == "tf32":
+            body = functools.partial(tf32_kernel, layout, offsets, steps)
+            rows = _rows8(layout.rows)
+            scratch = [
+                plgpu.SMEM((2, C // 4, rows, 4), jnp.float32),
+                plgpu.SMEM((9, C, C), jnp.float32, transforms=_tf32_taps_transforms(C)),
+            ]
+            loads = 1 + 2 * (C // 4) * len(_chunks(0, rows))
+            args = (arg, jnp.swapaxes(taps.astype(jnp.float32), 1, 2))
         else:
-            body = functools.partial(registers_kernel, layout, offsets)
-            state = plgpu.SMEM((1, layout.rows, C), jnp.float32)
-            loads = 2 + len(_chunks(0, layout.rows))
-            arg = buf
+            taps_smem = [plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled)] * 2
+            if which == "views":
+                body = functools.partial(views_kernel, layout, offsets, steps)
+                rows = _rows8(layout.rows)
+                state = plgpu.SMEM((2, 2, C // PLANE, rows, PLANE), jnp.bfloat16)
+                loads = 2 + 4 * (C // PLANE) * len(_chunks(0, rows))
+            else:
+                body = functools.partial(registers_kernel, layout, offsets, steps)
+                state = plgpu.SMEM((2, layout.rows, C), jnp.float32)
+                loads = 2 + 2 * len(_chunks(0, layout.rows))
+            scratch = [state, *taps_smem]
+            args = (arg, *split_bf16(taps.astype(jnp.float32)))
         body.__name__ = f"window_{which}_kernel"
         call = plgpu.kernel(
             body,
             out_type=out_type,
-            scratch_types=[
-                state,
-                *taps_smem,
-                plgpu.SMEM((M, C), jnp.float32),
-                plgpu.Barrier(num_arrivals=loads),
-            ],
+            scratch_types=[*scratch, plgpu.SMEM((M, C), jnp.float32), plgpu.Barrier(num_arrivals=loads)],
             grid=(N,),
             grid_names=("n",),
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         )
-        return call(arg, w_hi, w_lo)
+        return call(*args)
 
     return jax.jit(run)
 
@@ -252,9 +389,14 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=11, help="products per tile in the second timing")
     parser.add_argument("--smoke", action="store_true", help="lower both kernels for CUDA only (any machine)")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {KINDS}")
+    parser.add_argument("--dump", default=None, help="every kernel's PTX, SASS and ptxas report under DIR")
     args = parser.parse_args(argv)
     _common.importable()
+    if args.dump:
+        os.environ.update(_common.mosaic_dump_env(args.dump))
     import fused_block as bench  # benchmarks/fused_block.py: _time, _rel
     import jax.numpy as jnp
     import numpy as np
@@ -269,16 +411,24 @@ def main(argv=None):
         buf = layout.to_buffer(jnp.asarray(image))  # zero padding and slack, as the kernels' buffers
         taps = jnp.asarray((0.1 * rng.standard_normal((9, C, C))).astype(np.float32))
         ref = None if args.smoke else reference(layout, buf, taps)
-        for which in ("registers", "views"):
+        for which in args.kinds.split(","):
+            if which not in KINDS:
+                raise SystemExit(f"--kinds: {which!r} is not one of {KINDS}")
             row = dict(shape=f"{H}x{H}x{C}", kernel=which)
+            arg = state_of(buf, which)
             f = build(layout, C, which)
             if args.smoke:
-                text = f.trace(buf, taps).lower(lowering_platforms=("cuda",)).as_text()
-                row["lowered"] = "mosaic_gpu" in text
+                g = build(layout, C, which, args.steps)
+                texts = [k.trace(arg, taps).lower(lowering_platforms=("cuda",)).as_text() for k in (f, g)]
+                row["lowered"] = all("mosaic_gpu" in text for text in texts)
             else:
                 try:
-                    row["err_vs_f64"] = bench._rel(f(buf, taps), ref)
-                    row["ms"] = 1e3 * bench._time(f, (buf, taps), args.iters, args.repeats)
+                    row["err_vs_f64"] = bench._rel(f(arg, taps), ref)
+                    row["ms"] = 1e3 * bench._time(f, (arg, taps), args.iters, args.repeats)
+                    g = build(layout, C, which, args.steps)
+                    row["err_steps"] = bench._rel(g(arg, taps), ref)
+                    row["ms_steps"] = 1e3 * bench._time(g, (arg, taps), args.iters, args.repeats)
+                    row["us_a_step"] = 1e3 * (row["ms_steps"] - row["ms"]) / (args.steps - 1)
                 except Exception as e:  # a failure is a row, the other kernel still runs
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             rows.append(row)
@@ -286,7 +436,10 @@ def main(argv=None):
         ("shape", "shape", ""),
         ("kernel", "windows", ""),
         ("ms", "ms", ".4f"),
+        ("ms_steps", f"ms, {args.steps} steps", ".4f"),
+        ("us_a_step", "us a further step", ".1f"),
         ("err_vs_f64", "rel err vs float64", ".1e"),
+        ("err_steps", f"rel err, {args.steps} steps", ".1e"),
         ("lowered", "lowered for CUDA", ""),
         ("error", "error", ""),
     ]
