@@ -80,6 +80,9 @@ def main(argv=None):
         default=None,
         help="write Mosaic's PTX, SASS and ptxas report (its warnings say whether wgmma is serialized) under DIR",
     )
+    parser.add_argument(
+        "--engines", default="bf16x3,tf32", help="wgmma kernels: bf16x3 (hopper_block), tf32 (hopper_tf32)"
+    )
     parser.add_argument("--smoke", action="store_true", help="lower the kernels for CUDA only (any machine)")
     args = parser.parse_args(argv)
     if args.dump:
@@ -112,45 +115,57 @@ def main(argv=None):
         backward = {
             "triton_tf32": functools.partial(fb.fused_backward, steps=K, h=1.0, activation="relu", config=config)
         }
+        configs = {"triton_tf32": config}
         for nw in teams:
-            wgmma = config._replace(warpgroups=nw)
-            forward[f"wgmma_bf16x3 {nw}wg"] = functools.partial(
-                fb.fused_forward, steps=K, h=1.0, activation="relu", config=wgmma
-            )
-            backward[f"wgmma_bf16x3 {nw}wg"] = functools.partial(
-                fb.fused_backward, steps=K, h=1.0, activation="relu", config=wgmma
-            )
+            for engine, tf32 in (("wgmma_bf16x3", False), ("wgmma_tf32_views", True)):
+                if tf32 and "tf32" not in args.engines or not tf32 and "bf16x3" not in args.engines:
+                    continue
+                wgmma = config._replace(warpgroups=nw, tf32=tf32)
+                configs[f"{engine} {nw}wg"] = wgmma
+                forward[f"{engine} {nw}wg"] = functools.partial(
+                    fb.fused_forward, steps=K, h=1.0, activation="relu", config=wgmma
+                )
+                backward[f"{engine} {nw}wg"] = functools.partial(
+                    fb.fused_backward, steps=K, h=1.0, activation="relu", config=wgmma
+                )
+        layouts = {k: c.layout(H, W, 3, 3) for k, c in configs.items()}  # TF32's rows: a multiple of 8
         forward = {k: jax.jit(lambda a, b, c, f=f: f(a, b, c)[1:]) for k, f in forward.items()}
-        backward = {k: jax.jit(lambda g, z, c, f=f: f(layout, g, z, c)) for k, f in backward.items()}
+        backward = {k: jax.jit(lambda g, z, c, f=f, k=k: f(layouts[k], g, z, c)) for k, f in backward.items()}
         if args.smoke:
             x = jax.ShapeDtypeStruct((args.batch, *shape), jnp.float32)
             w = jax.ShapeDtypeStruct((3, 3, C, C), jnp.float32)
-            zs = jax.ShapeDtypeStruct((K, args.batch, layout.rows, C), jnp.float32)
-            for nw in teams:
-                for name, fn, args_ in (
-                    ("forward", forward[f"wgmma_bf16x3 {nw}wg"], (x, x, w)),
-                    ("backward", backward[f"wgmma_bf16x3 {nw}wg"], (x, zs, w)),
-                ):
+            for key in [k for k in forward if k.startswith("wgmma")]:
+                zs = jax.ShapeDtypeStruct((K, args.batch, layouts[key].rows, C), jnp.float32)
+                for name, fn, args_ in (("forward", forward[key], (x, x, w)), ("backward", backward[key], (x, zs, w))):
                     text = fn.trace(*args_).lower(lowering_platforms=("cuda",)).as_text()
                     print(
-                        f"{H}x{W}x{C} {name}, {nw} warpgroups, lowered for CUDA: {len(text)} characters of MLIR"
+                        f"{H}x{W}x{C} {name}, {key}, lowered for CUDA: {len(text)} characters of MLIR"
                         f" (batch {args.batch}, K = {K})"
                     )
             continue
         x0, drive, kernel, cot = bench._inputs(args.batch, shape)
-        # the reference: the Triton kernels in Pallas' interpreter, their products at the highest precision
-        interpreted = config._replace(interpret=True)
-        with jax.default_matmul_precision("highest"):
-            ref_xs, ref_zs = jax.jit(
-                lambda a, b, c: fb.fused_forward(a, b, c, steps=K, h=1.0, activation="relu", config=interpreted)[1:]
-            )(x0, drive, kernel)
-            ref_g0, ref_ss = jax.jit(
-                lambda g, z, c: fb.fused_backward(
-                    layout, g, z, c, steps=K, h=1.0, activation="relu", config=interpreted
-                )
-            )(cot, ref_zs, kernel)
+        # the reference: the Triton kernels in Pallas' interpreter, their products at the highest
+        # precision, once for each layout (TF32's rows are a multiple of 8)
+        refs = {}
+        for tf32 in sorted({c.tf32 for c in configs.values()}):
+            interpreted = config._replace(interpret=True, tf32=tf32)
+            lay = interpreted.layout(H, W, 3, 3)
+            with jax.default_matmul_precision("highest"):
+                ref_xs, ref_zs = jax.jit(
+                    lambda a, b, c, i=interpreted: fb.fused_forward(
+                        a, b, c, steps=K, h=1.0, activation="relu", config=i
+                    )[1:]
+                )(x0, drive, kernel)
+                ref_g0, ref_ss = jax.jit(
+                    lambda g, z, c, i=interpreted, lay=lay: fb.fused_backward(
+                        lay, g, z, c, steps=K, h=1.0, activation="relu", config=i
+                    )
+                )(cot, ref_zs, kernel)
+            refs[lay] = (ref_xs, ref_zs, ref_g0, ref_ss)
         for name in forward:
             row = dict(shape=f"{H}x{W}x{C}", name=name)
+            layout = layouts[name]
+            ref_xs, ref_zs, ref_g0, ref_ss = refs[layout]
             try:
                 xs, zs = forward[name](x0, drive, kernel)
                 row["err_xK_vs_highest"] = bench._rel(layout.interior(xs[-1]), layout.interior(ref_xs[-1]))

@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from naisnet_jax import hopper_block
+from naisnet_jax import hopper_block, hopper_tf32
 from naisnet_jax.block_vjp import _sum_to_shape, check_tied, conv_op, on_side_stream, unroll_tied
 from naisnet_jax.checks import check_int
 
@@ -110,12 +110,15 @@ class Layout(NamedTuple):
         return (self.height + 2 * self.pad_h) * self.padded_width
 
     @classmethod
-    def of(cls, height: int, width: int, kh: int, kw: int, tile_rows: int = TILE_ROWS) -> Layout:
+    def of(cls, height: int, width: int, kh: int, kw: int, tile_rows: int = TILE_ROWS, align: int = 1) -> Layout:
+        """The layout of a ``height x width`` state for a ``kh x kw`` kernel; ``rows`` rounded up
+        to a multiple of ``align`` (the extra rows are slack after the image)."""
         pad_h, pad_w = kh // 2, kw // 2
         padded_width = width + 2 * pad_w
         slack = pad_h * padded_width + pad_w
         tiles = -(-(height + 2 * pad_h) * padded_width // tile_rows)
-        return cls(height, width, pad_h, pad_w, slack, tiles, tile_rows, tiles * tile_rows + 2 * slack)
+        rows = -(-(tiles * tile_rows + 2 * slack) // align) * align
+        return cls(height, width, pad_h, pad_w, slack, tiles, tile_rows, rows)
 
     def is_pixel(self, q: Array) -> Array:
         """Whether each row ``q`` of the padded image (counted from its first row) is a pixel of
@@ -444,6 +447,17 @@ class Config(NamedTuple):
     # > 0: the forward and backward kernels on Hopper's wgmma (naisnet_jax.hopper_block), with this
     # many warpgroups a pattern; 0: the Triton kernels
     warpgroups: int = 0
+    # with warpgroups > 0: the TF32 wgmma kernels (naisnet_jax.hopper_tf32), whose layout's rows are
+    # a multiple of 8; else the bfloat16 x 3 ones (naisnet_jax.hopper_block)
+    tf32: bool = False
+
+    def layout(self, H: int, W: int, kh: int, kw: int) -> Layout:
+        """The buffers' layout of an ``H x W`` state for a ``kh x kw`` kernel under this config."""
+        return Layout.of(H, W, kh, kw, self.tile_rows, align=8 if self.tf32 else 1)
+
+    def hopper(self):
+        """The module of this config's wgmma kernels."""
+        return hopper_tf32 if self.tf32 else hopper_block
 
 
 GPU = Config()  # the GPU kernels at the default tiling
@@ -493,11 +507,11 @@ def fused_forward(x0, drive, kernel, *, steps, h, activation, save=True, config=
     """
     N, H, W, C = x0.shape
     kh, kw = kernel.shape[:2]
-    layout = Layout.of(H, W, kh, kw, config.tile_rows)
+    layout = config.layout(H, W, kh, kw)
     x0b = layout.to_buffer(x0)
     db = layout.to_buffer(jnp.broadcast_to(drive, x0.shape).astype(x0.dtype))
     if config.warpgroups and not config.interpret:
-        out = hopper_block.fused_forward(
+        out = config.hopper().fused_forward(
             layout,
             x0b,
             db,
@@ -521,7 +535,7 @@ def fused_backward(layout, g, zs, kernel, *, steps, h, activation, config=GPU):
     N, C = g.shape[0], g.shape[-1]
     kh, kw = kernel.shape[:2]
     if config.warpgroups and not config.interpret:
-        return hopper_block.fused_backward(
+        return config.hopper().fused_backward(
             layout,
             layout.to_buffer(g),
             zs,
@@ -639,7 +653,7 @@ def _fused_bwd(steps, h, activation, config, res, g):
     """``dx0`` from the backward kernel, ``dW`` from the weight-gradient kernel, ``d drive`` a sum."""
     xs, zs, drive, kernel = res
     N, H, W, C = g.shape
-    layout = Layout.of(H, W, kernel.shape[0], kernel.shape[1], config.tile_rows)
+    layout = config.layout(H, W, kernel.shape[0], kernel.shape[1])
     g0, ss = fused_backward(layout, g, zs, kernel, steps=steps, h=h, activation=activation, config=config)
     weight_grad = functools.partial(fused_weight_grad, layout, kernel_shape=kernel.shape, config=config)
     if WGRAD_SUMS_STEPS:  # the drive's gradient from the same kernel, which the chain then waits for

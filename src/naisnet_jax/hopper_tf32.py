@@ -1,0 +1,479 @@
+"""A conv block's forward and backward kernels on Hopper's ``wgmma`` in TF32, windows as views.
+
+The same computation, buffers and frame as :mod:`naisnet_jax.hopper_block` (one program per
+pattern, its warpgroups sharing the 64-row tiles, the state or ``s_k`` double-buffered in shared
+memory, the drive or the gradient in registers for all K steps), with two differences:
+
+- **The state in planes.** Shared memory holds a state as ``C / 4`` planes of 4 channels,
+  ``(C / 4, rows, 4)`` float32: rows of 16 bytes. In ``wgmma``'s unswizzled K-major layout a core
+  matrix is 8 rows of 16 bytes, so a tap's window at any row offset *is* an operand: a
+  shared-memory descriptor that starts at the window's first row, 128 bytes between core
+  matrices along M (8 rows), a plane's bytes along K (4 channels). No window is loaded into
+  registers or split; a tile's products are one ``m64nCk8`` per tap and 8 channels.
+- **TF32 products**, the precision of XLA's convolutions at JAX's default matmul precision
+  (and of the Triton kernels of :mod:`naisnet_jax.fused_block`): about 11 significant bits, where
+  ``hopper_block``'s three bfloat16 products keep about 16. :func:`naisnet_jax.fused_block.unroll_tied_conv`
+  takes these kernels unless the default precision asks for more (``"highest"``, ``"float32"``).
+
+Global memory keeps ``fused_block.Layout``'s row-major buffers (``rows`` a multiple of 8, so
+that every TMA chunk moves whole 128-byte groups): each plane moves in and out by TMA as a
+``(rows, 4)`` box of the ``(rows, C)`` buffer. A tile's state goes from planes to registers and
+back through :func:`_load_tile` and :func:`_store_tile` (the WGMMA register layout, 8-byte
+accesses).
+
+Measured (``benchmarks/window_views.py``, H200, batch 128, one warpgroup): a step's products
+over every tile 2.9 us at 32x32x16 and 1.7 us at 16x16x32, against 13.9 and 11.1 for
+``hopper_block``'s loaded and split windows.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+from naisnet_jax import hopper_block as hb
+
+M = hb.M
+#: Channels of a plane: 16 bytes of float32, one core matrix's row.
+PLANE = 4
+
+
+def _mgpu():
+    """Mosaic GPU's modules (imported when a kernel is built: they need jaxlib's GPU parts)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, nvvm, vector
+    from jax.experimental.mosaic import gpu as mgpu
+
+    mods = {m: importlib.import_module(f"jax.experimental.mosaic.gpu.{m}") for m in ("mma_utils", "utils", "wgmma")}
+    fa = importlib.import_module("jax.experimental.mosaic.gpu.fragmented_array")
+    return ir, arith, nvvm, vector, mgpu, mods["mma_utils"], mods["utils"], mods["wgmma"], fa
+
+
+def swizzle_of(C: int) -> int:
+    """Swizzle of the taps' rows in shared memory: ``C`` float32."""
+    return min(128, 4 * C)
+
+
+def taps_transforms(C: int):
+    """Shared-memory transforms of the ``(9, C, C)`` float32 taps, each ``(N, K)`` (TF32's B is
+    K-major): tiles of 8 rows x one swizzle width."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    swizzle = swizzle_of(C)
+    return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
+
+
+def _tile_products(offsets, C: int, reach: int, plane_bytes: int):
+    """The mgpu function ``(ctx, span, taps) -> z`` of one tile: ``z = sum_t window_t @ B_t`` in
+    TF32, ``span`` the planes' rows from ``reach`` before the tile to ``reach`` after it
+    (``(C / 4, M + 2 reach, 4)``), tap ``t``'s window the ``M`` rows from ``reach + offsets[t]``;
+    ``taps`` ``(9, N, K)`` swizzled (``B_t`` transposed)."""
+    ir, _, nvvm, _, mgpu, mma_utils, utils, wgmma, _ = _mgpu()
+    import inspect
+
+    swizzle = swizzle_of(C)
+    typed = "element_type" in inspect.signature(wgmma.wgmma_m64).parameters  # jax 0.10; later: a_/b_
+
+    def products(ctx, span, taps):
+        del ctx
+        tf32, i8 = ir.FloatTF32Type.get(), ir.IntegerType.get_signless(8)
+        types = {"element_type": tf32} if typed else {"a_element_type": tf32, "b_element_type": tf32}
+        base = utils.memref_ptr(span)
+        acc = wgmma.WGMMAAccumulator.zero(M, C)
+        regs = acc._value.registers.copy()
+        for t, off in enumerate(offsets):
+            # A, the window: K-major, unswizzled; core matrices 8 rows x 16 B, 128 B apart along M,
+            # a plane apart along K
+            a_desc = mma_utils.encode_descriptor(
+                utils.getelementptr(base, [(reach + off) * 4 * PLANE], i8),
+                leading_byte_offset=plane_bytes,
+                stride_byte_offset=8 * 4 * PLANE,
+                swizzle=None,
+            )
+            # tap t as a (K tiles, N tiles, K tile, N tile) view of its (N, K) rows
+            b = utils.memref_transpose(utils.memref_slice(taps, t), (1, 0, 3, 2))
+            (b_desc, b_k_stride), _, b_fastest = mma_utils.create_descriptor(
+                b, swizzle=swizzle, group_size=(swizzle // 4, C), logical_k_major=True
+            )
+            assert b_fastest == mma_utils.Dim.K, b_fastest
+            regs[0:1] = wgmma.wgmma_m64(
+                regs[0:1],
+                a_desc,
+                b_desc,
+                swizzle=swizzle,
+                n=C,
+                **types,
+                a_transpose=False,
+                a_k_stride=2 * plane_bytes,  # an instruction's 8 channels: two planes
+                b_transpose=False,
+                b_k_stride=b_k_stride[1][-1],
+            )
+        nvvm.wgmma_commit_group_sync_aligned()
+        nvvm.wgmma_wait_group_sync_aligned(0)
+        value = mgpu.FragmentedArray(_registers=regs, _layout=acc._value.layout, _is_signed=None)
+        # back from the accumulator's register tiling to the WGMMA layout
+        return wgmma.WGMMAAccumulator(_value=value, _original_layout=acc._original_layout, _sync=False).value
+
+    return products
+
+
+def _plane_index(arith, ir, r, c):
+    """``(plane, row, lane)`` of element ``(r, c)`` of a tile in planes."""
+    index = ir.IndexType.get()
+    four = arith.constant(index, PLANE)
+    return [arith.divui(c, four), r, arith.remui(c, four)]
+
+
+def _load_tile_fn(C: int):
+    """mgpu ``(ctx, tile) -> (M, C)`` in the WGMMA layout, ``tile`` a ``(C / 4, M, 4)`` view."""
+    ir, arith, _, vector, mgpu, _, _, _, fa = _mgpu()
+
+    def load(ctx, tile):
+        del ctx
+        layout = fa.WGMMA_LAYOUT
+        vec = ir.VectorType.get((2,), ir.F32Type.get())
+        regs = []
+        for r, c in layout.thread_idxs((M, C)):
+            regs.append(vector.load(vec, tile, _plane_index(arith, ir, r, c)))
+        import numpy as np
+
+        return mgpu.FragmentedArray(
+            _registers=np.array(regs, dtype=object).reshape(layout.registers_shape((M, C))),
+            _layout=layout,
+            _is_signed=None,
+        )
+
+    return load
+
+
+def _store_tile_fn(C: int):
+    """mgpu ``(ctx, value, tile) -> None``: an ``(M, C)`` WGMMA-layout value into the
+    ``(C / 4, M, 4)`` view ``tile``."""
+    ir, arith, _, vector, _, _, _, _, fa = _mgpu()
+
+    def store(ctx, value, tile):
+        del ctx
+        for reg, (r, c) in zip(value.registers.flat, fa.WGMMA_LAYOUT.thread_idxs((M, C))):
+            vector.store(reg, tile, _plane_index(arith, ir, r, c))
+
+    return store
+
+
+def _load_tile(planes):
+    """The ``(M, C)`` tile of a ``(C / 4, M, 4)`` planes view, in registers (WGMMA layout)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    C = planes.shape[0] * PLANE
+    return plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct((M, C), jnp.float32, layout=plgpu.Layout.WGMMA),
+    )(_load_tile_fn(C))(planes)
+
+
+def _store_tile(value, planes):
+    """``value`` ``(M, C)`` (WGMMA layout) into a ``(C / 4, M, 4)`` planes view."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    C = planes.shape[0] * PLANE
+    plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(_store_tile_fn(C))(value, planes)
+
+
+def _products(layout, offsets, planes, buf, q0, taps):
+    """The tile at ``q0`` (first tiled row, counted from the slack): ``sum_t window_t @ B_t``
+    over ``planes[buf]``'s windows."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    C, rows = planes.shape[1] * PLANE, planes.shape[2]
+    S = layout.slack  # every window lies within the slack around the tile
+    products = plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType(taps_transforms(C))),
+        return_type=plgpu.ShapeDtypeStruct((M, C), jnp.float32, layout=plgpu.Layout.WGMMA),
+    )(_tile_products(offsets, C, S, rows * 4 * PLANE))
+    return products(planes.at[buf, :, pl.ds(q0, M + 2 * S)], taps)
+
+
+def _tile(planes, buf, row):
+    from jax.experimental import pallas as pl
+
+    return planes.at[buf, :, pl.ds(row, M)]
+
+
+def _out_rows(layout) -> list[tuple[int, int]]:
+    """The TMA chunks that send a state's tiled rows out of the planes: whole groups of 8 rows
+    (a plane's 128 bytes), from the group holding the first tiled row to the one holding the last."""
+    start = layout.slack // 8 * 8
+    stop = min(layout.rows, -(-(layout.slack + hb.tiles_of(layout) * M) // 8) * 8)
+    return hb._chunks(start, stop)
+
+
+def _planes_in(src, planes, bar, chunks):
+    """``src`` ``(rows, C)`` in global memory into ``planes`` ``(C / 4, rows, 4)`` by TMA."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    for g in range(planes.shape[0]):
+        for s0, size in chunks:
+            plgpu.copy_gmem_to_smem(
+                src.at[pl.ds(s0, size), pl.ds(PLANE * g, PLANE)], planes.at[g, pl.ds(s0, size)], bar
+            )
+
+
+def _planes_out(planes, dst, chunks):
+    """``planes`` ``(C / 4, rows, 4)`` into ``dst`` ``(rows, C)`` in global memory by TMA."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    for g in range(planes.shape[0]):
+        for s0, size in chunks:
+            plgpu.copy_smem_to_gmem(planes.at[g, pl.ds(s0, size)], dst.at[pl.ds(s0, size), pl.ds(PLANE * g, PLANE)])
+
+
+def _forward_kernel(layout, offsets, steps, h, activation, save, nw, x0_ref, d_ref, taps_g, xs_ref, *rest):
+    """``hopper_block._forward_kernel`` with the state in planes and the windows as views."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from naisnet_jax.fused_block import _act  # fused_block imports this module
+
+    zs_ref, (state, zstage, taps, bar, sync) = (rest[0], rest[1:]) if save else (None, rest)
+    mask = hb.saves_mask(activation)
+    n = jax.lax.axis_index("n")
+    wg, lead_only, everyone = hb._team(nw)
+    S, C = layout.slack, state.shape[1] * PLANE
+    per = hb.tiles_of(layout) // nw
+    slots = zstage.shape[1]
+    region, out = hb._chunks(0, layout.rows), _out_rows(layout)
+
+    @lead_only
+    def _():  # x_0 into buffer 0, the drive into buffer 1 (free until step 0 writes it)
+        plgpu.copy_gmem_to_smem(taps_g, taps, bar)  # TMA swizzles them on the way in
+        _planes_in(x0_ref.at[n], state.at[0], bar, region)
+        _planes_in(d_ref.at[n], state.at[1], bar, region)
+
+    plgpu.barrier_wait(bar)
+    first = [(wg * per + j) * M for j in range(per)]  # this warpgroup's tiles' first rows
+    drive = [_load_tile(_tile(state, 1, S + q0)) for q0 in first]
+    if save:
+
+        @lead_only
+        def _():  # xs[0] = x_0
+            _planes_out(state.at[0], xs_ref.at[0, n], out)
+
+    plgpu.commit_smem()
+    everyone(sync)  # every warpgroup holds its drive before step 0 overwrites buffer 1
+
+    def step(k, carry):
+        src, dst = k % 2, 1 - k % 2
+        for j, q0 in enumerate(first):
+            rows = pl.ds(S + q0, M)
+            z = _products(layout, offsets, state, src, q0, taps) + drive[j]
+            x = _load_tile(_tile(state, src, S + q0))
+            keep, zero = hb._inside(layout, q0, C), jnp.zeros_like(z)
+            _store_tile(jnp.where(keep, x + h * _act(activation, z), zero), _tile(state, dst, S + q0))
+            if save:
+                # the slot's last copy has read it (one slot: the last copy of all)
+                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+                saved = jnp.where(keep, jnp.where(z > 0, jnp.ones_like(z), zero) if mask else z, zero)
+                zstage[wg, j % slots] = saved.astype(zstage.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(zstage.at[wg, j % slots], zs_ref.at[k, n, rows])
+        plgpu.commit_smem()  # this warpgroup's tiles of x_{k+1} are in buffer dst
+
+        @lead_only
+        def _():  # x_k's copy out of buffer src is done before step k + 1 overwrites it
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        everyone(sync)  # x_{k+1} complete; nobody reads buffer src any more
+
+        def send():
+            _planes_out(state.at[dst], xs_ref.at[k + 1 if save else 0, n], out)
+
+        @lead_only
+        def _():  # every state out if saved, else the last
+            if save:
+                send()
+            else:
+                pl.when(k == steps - 1)(send)
+
+        return carry
+
+    jax.lax.fori_loop(0, steps, step, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _backward_kernel(layout, offsets, steps, h, activation, nw, gk_ref, zs_ref, taps_g, g0_ref, ss_ref, *rest):
+    """``hopper_block._backward_kernel`` with ``s_k`` in planes and the windows as views."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    sbuf, zbuf, taps, bar, zbar, sync = rest
+    n = jax.lax.axis_index("n")
+    wg, lead_only, everyone = hb._team(nw)
+    S, C = layout.slack, sbuf.shape[1] * PLANE
+    per = hb.tiles_of(layout) // nw
+    slots = zbuf.shape[1]
+    first = [(wg * per + j) * M for j in range(per)]  # this warpgroup's tiles' first rows
+    region, out = hb._chunks(0, layout.rows), _out_rows(layout)
+
+    def fetch_z(k, j):  # z_k's tile j (of this warpgroup) into its slot j % slots
+        plgpu.copy_gmem_to_smem(
+            zs_ref.at[k, n, pl.ds(S + first[j], M)], zbuf.at[wg, j % slots], zbar.at[slots * wg + j % slots]
+        )
+
+    def slope_tile(j, g):  # h act'(z) g for the tile whose z is in its slot, masked
+        plgpu.barrier_wait(zbar.at[slots * wg + j % slots])
+        z = hb._load(zbuf, wg, j % slots, slice(None), slice(None)).astype(g.dtype)  # ReLU: saved 1[z > 0]
+        return hb._slope_tile(layout, first[j], activation, h, z, g)
+
+    def send(buf, dst):  # warpgroup 0: a buffer's tiled rows out
+        lead_only(lambda: _planes_out(sbuf.at[buf], dst, out))
+
+    @lead_only
+    def _():
+        plgpu.copy_gmem_to_smem(taps_g, taps, bar)
+        _planes_in(gk_ref.at[n], sbuf.at[1], bar, region)  # g_K through buffer 1 into registers
+
+    plgpu.barrier_wait(bar)
+    g = [_load_tile(_tile(sbuf, 1, S + q0)) for q0 in first]
+    fetch_z(steps - 1, 0)
+    for j in range(per):  # s_{K-1} into buffer 0
+        if j + 1 < per:
+            fetch_z(steps - 1, j + 1)
+        _store_tile(slope_tile(j, g[j]), _tile(sbuf, 0, S + first[j]))
+        plgpu.commit_smem()  # every thread is done with slot j % slots before it is refilled
+    everyone(sync)  # s_{K-1} complete, and every g_K read out of buffer 1
+    send(0, ss_ref.at[steps - 1, n])
+
+    def step(i, g, last=False):  # k = K-1-i: g_k from s_k (buffer i % 2), then s_{k-1} (the other)
+        k = steps - 1 - i
+        src, dst = i % 2, 1 - i % 2
+        if not last:
+            fetch_z(k - 1, 0)
+        g = list(g)
+        for j in range(per):
+            if not last and j + 1 < per:
+                fetch_z(k - 1, j + 1)
+            acc = _products(layout, offsets, sbuf, src, first[j], taps)
+            g[j] = jnp.where(hb._inside(layout, first[j], C), g[j] + acc, jnp.zeros_like(acc))
+            if not last:
+                _store_tile(slope_tile(j, g[j]), _tile(sbuf, dst, S + first[j]))
+                plgpu.commit_smem()
+        if not last:
+
+            @lead_only
+            def _():  # s_{k+1}'s copy out of buffer src is done before the next step overwrites it
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            everyone(sync)  # s_{k-1} complete; nobody reads buffer src any more
+            send(dst, ss_ref.at[k - 1, n])
+        return tuple(g)
+
+    g = jax.lax.fori_loop(0, steps - 1, step, tuple(g))
+    g = step(steps - 1, g, last=True)  # k = 0: g_0 only
+    # the buffer the last step did not read: every warpgroup was done reading it at the previous
+    # step's meeting, and its copy out was awaited then
+    free = 1 - (steps - 1) % 2
+    for j, q0 in enumerate(first):
+        _store_tile(g[j], _tile(sbuf, free, S + q0))
+    plgpu.commit_smem()
+    everyone(sync)
+    send(free, g0_ref.at[n])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _mosaic_call(body, layout, taps, out_type, barriers, nw, staging=jnp.float32):
+    """``body`` as a Mosaic GPU kernel, one program of ``nw`` warpgroups per pattern, with the
+    scratch both kernels use: the state buffers in planes ``(2, C / 4, rows, 4)``, two ``(M, C)``
+    staging slots of dtype ``staging`` per warpgroup, the taps ``(9, N, K)`` float32 swizzled,
+    then ``barriers`` and a barrier for the warpgroups to meet at. Returns ``f(*buffers)``."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    C = taps.shape[-1]
+    call = plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=[
+            plgpu.SMEM((2, C // PLANE, layout.rows, PLANE), jnp.float32),
+            plgpu.SMEM((nw, hb._slots(layout, nw), M, C), staging),
+            plgpu.SMEM((9, C, C), jnp.float32, transforms=taps_transforms(C)),
+            *barriers,
+            plgpu.Barrier(num_arrivals=nw),
+        ],
+        grid=(out_type[0].shape[-3],),  # the patterns: every output is (..., N, rows, C)
+        grid_names=("n",),
+        **(dict(num_threads=nw, thread_name="wg") if nw > 1 else {}),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )
+    return lambda *buffers: call(*buffers, taps.astype(jnp.float32))
+
+
+def _check(layout, warpgroups: int) -> None:
+    hb._check(layout, warpgroups)
+    if layout.rows % 8:
+        raise ValueError(
+            f"the TF32 kernels need a layout whose rows are a multiple of 8 (Layout.of(..., align=8)), "
+            f"got rows={layout.rows}"
+        )
+
+
+def fused_forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups):
+    """As :func:`naisnet_jax.hopper_block.fused_forward`, in TF32 (``layout.rows`` a multiple of 8)."""
+    _check(layout, warpgroups)
+    return _forward_call(layout, steps, float(h), activation, bool(save), warpgroups)(x0b, db, taps)
+
+
+def fused_backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups):
+    """As :func:`naisnet_jax.hopper_block.fused_backward`, in TF32."""
+    _check(layout, warpgroups)
+    return _backward_call(layout, steps, float(h), activation, warpgroups)(gb, zs, taps)
+
+
+@functools.cache
+def _forward_call(layout, steps, h, activation, save, warpgroups):
+    return jax.jit(
+        functools.partial(_forward, layout, steps=steps, h=h, activation=activation, save=save, warpgroups=warpgroups)
+    )
+
+
+@functools.cache
+def _backward_call(layout, steps, h, activation, warpgroups):
+    return jax.jit(functools.partial(_backward, layout, steps=steps, h=h, activation=activation, warpgroups=warpgroups))
+
+
+def _forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    N, _, C = x0b.shape
+    saved = hb.MASK_DTYPE if hb.saves_mask(activation) else jnp.float32
+    states = jax.ShapeDtypeStruct(((steps + 1) if save else 1, N, layout.rows, C), jnp.float32)
+    out_type = (states, jax.ShapeDtypeStruct((steps, N, layout.rows, C), saved)) if save else (states,)
+    loads = 1 + 2 * (C // PLANE) * len(hb._chunks(0, layout.rows))
+    body = functools.partial(_forward_kernel, layout, layout.offsets(3, 3), steps, h, activation, save, warpgroups)
+    body.__name__ = "hopper_tf32_forward_kernel"  # the kernel's name in a profile
+    # tap t as (N, K) = (C_out, C_in): TF32's B is K-major
+    transposed = jnp.swapaxes(taps, 1, 2)
+    call = _mosaic_call(body, layout, transposed, out_type, [plgpu.Barrier(num_arrivals=loads)], warpgroups, saved)
+    return call(x0b, db)
+
+
+def _backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    N, _, C = gb.shape
+    mirrored = [-off for off in layout.offsets(3, 3)]
+    out_type = (
+        jax.ShapeDtypeStruct((N, layout.rows, C), jnp.float32),
+        jax.ShapeDtypeStruct((steps, N, layout.rows, C), jnp.float32),
+    )
+    barriers = [
+        plgpu.Barrier(num_arrivals=1 + (C // PLANE) * len(hb._chunks(0, layout.rows))),
+        plgpu.Barrier(num_arrivals=1, num_barriers=hb._slots(layout, warpgroups) * warpgroups),
+    ]
+    body = functools.partial(_backward_kernel, layout, mirrored, steps, h, activation, warpgroups)
+    body.__name__ = "hopper_tf32_backward_kernel"
+    # the transposed convolution's tap t is W_t^T, (K, N) = (C_out, C_in); stored (N, K): W_t itself
+    return _mosaic_call(body, layout, taps, out_type, barriers, warpgroups, staging=zs.dtype)(gb, zs)
