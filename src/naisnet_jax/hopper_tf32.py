@@ -41,6 +41,37 @@ M = hb.M
 PLANE = 4
 
 
+def saved_bytes(activation: str) -> int:
+    """Bytes of a saved pre-activation: ReLU's sign in :data:`naisnet_jax.hopper_block.MASK_DTYPE`,
+    else ``z_k`` in float32."""
+    return jnp.dtype(hb.MASK_DTYPE).itemsize if hb.saves_mask(activation) else 4
+
+
+def smem_bytes(layout, C: int, warpgroups: int, activation: str = "relu") -> int:
+    """Shared memory of a program: the planes' double buffer, the ``z_k`` staging slots, one
+    float32 row-major slot per warpgroup, the float32 taps, and 1 KiB for barriers and alignment."""
+    staging = warpgroups * hb._slots(layout, warpgroups) * M * C * saved_bytes(activation)
+    return 2 * layout.rows * C * 4 + staging + warpgroups * M * C * 4 + 9 * C * C * 4 + 1024
+
+
+def choose_warpgroups(layout, C: int, activation: str = "relu") -> int | None:
+    """The most warpgroups (up to ``hopper_block.MAX_WARPGROUPS``) that divide the tiles and fit
+    in shared memory, or ``None`` if not even one fits."""
+    fits = [nw for nw in range(1, hb.MAX_WARPGROUPS + 1) if hb.tiles_of(layout) % nw == 0]
+    fits = [nw for nw in fits if smem_bytes(layout, C, nw, activation) <= hb.SMEM_BYTES]
+    return max(fits) if fits else None
+
+
+def unsupported(layout, x0, kernel, activation: str) -> str | None:
+    """``None`` if these kernels take the block (``layout`` with rows a multiple of 8), else why not."""
+    why = hb.unsupported(layout, x0, kernel, activation)
+    if why is None and choose_warpgroups(layout, x0.shape[-1], activation) is None:
+        need = smem_bytes(layout, x0.shape[-1], 1, activation)
+        shape = "x".join(str(d) for d in x0.shape[1:])
+        return f"a {shape} state needs {need} bytes of shared memory, more than {hb.SMEM_BYTES}"
+    return why
+
+
 def _mgpu():
     """Mosaic GPU's modules (imported when a kernel is built: they need jaxlib's GPU parts)."""
     from jax._src.lib.mlir import ir
@@ -233,20 +264,23 @@ def _planes_out(planes, dst, chunks):
 
 
 def _forward_kernel(layout, offsets, steps, h, activation, save, nw, x0_ref, d_ref, taps_g, xs_ref, *rest):
-    """``hopper_block._forward_kernel`` with the state in planes and the windows as views."""
+    """``hopper_block._forward_kernel`` with the state in planes and the windows as views. Saved
+    states go out tile by tile through a row-major staging slot (a box of 16-byte rows, one a
+    plane, would move at a fraction of the bandwidth); without ``save`` the last state goes out
+    by planes."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from naisnet_jax.fused_block import _act  # fused_block imports this module
 
-    zs_ref, (state, zstage, taps, bar, sync) = (rest[0], rest[1:]) if save else (None, rest)
+    zs_ref, (state, zstage, xstage, taps, bar, sync) = (rest[0], rest[1:]) if save else (None, rest)
     mask = hb.saves_mask(activation)
     n = jax.lax.axis_index("n")
     wg, lead_only, everyone = hb._team(nw)
     S, C = layout.slack, state.shape[1] * PLANE
     per = hb.tiles_of(layout) // nw
     slots = zstage.shape[1]
-    region, out = hb._chunks(0, layout.rows), _out_rows(layout)
+    region = hb._chunks(0, layout.rows)
 
     @lead_only
     def _():  # x_0 into buffer 0, the drive into buffer 1 (free until step 0 writes it)
@@ -257,11 +291,16 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, x0_ref, d_r
     plgpu.barrier_wait(bar)
     first = [(wg * per + j) * M for j in range(per)]  # this warpgroup's tiles' first rows
     drive = [_load_tile(_tile(state, 1, S + q0)) for q0 in first]
-    if save:
 
-        @lead_only
-        def _():  # xs[0] = x_0
-            _planes_out(state.at[0], xs_ref.at[0, n], out)
+    def send_x(value, k, q0, pending):  # a tile of x_k out through the staging slot
+        plgpu.wait_smem_to_gmem(pending, wait_read_only=True)  # the slot's last copy has read it
+        xstage[wg] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(xstage.at[wg], xs_ref.at[k, n, pl.ds(S + q0, M)])
+
+    if save:  # xs[0] = x_0
+        for q0 in first:
+            send_x(_load_tile(_tile(state, 0, S + q0)), 0, q0, 0)
 
     plgpu.commit_smem()
     everyone(sync)  # every warpgroup holds its drive before step 0 overwrites buffer 1
@@ -273,31 +312,24 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, x0_ref, d_r
             z = _products(layout, offsets, state, src, q0, taps) + drive[j]
             x = _load_tile(_tile(state, src, S + q0))
             keep, zero = hb._inside(layout, q0, C), jnp.zeros_like(z)
-            _store_tile(jnp.where(keep, x + h * _act(activation, z), zero), _tile(state, dst, S + q0))
+            new = jnp.where(keep, x + h * _act(activation, z), zero)
+            _store_tile(new, _tile(state, dst, S + q0))
             if save:
-                # the slot's last copy has read it (one slot: the last copy of all)
-                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+                # copies in flight, newest first: z of the tile before (if any), then older ones
+                send_x(new, k + 1, q0, 1)
+                # in flight: x of this tile, z of the one before; the slot's last user is older
+                plgpu.wait_smem_to_gmem(slots, wait_read_only=True)
                 saved = jnp.where(keep, jnp.where(z > 0, jnp.ones_like(z), zero) if mask else z, zero)
                 zstage[wg, j % slots] = saved.astype(zstage.dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(zstage.at[wg, j % slots], zs_ref.at[k, n, rows])
         plgpu.commit_smem()  # this warpgroup's tiles of x_{k+1} are in buffer dst
-
-        @lead_only
-        def _():  # x_k's copy out of buffer src is done before step k + 1 overwrites it
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
         everyone(sync)  # x_{k+1} complete; nobody reads buffer src any more
+        if not save:
 
-        def send():
-            _planes_out(state.at[dst], xs_ref.at[k + 1 if save else 0, n], out)
-
-        @lead_only
-        def _():  # every state out if saved, else the last
-            if save:
-                send()
-            else:
-                pl.when(k == steps - 1)(send)
+            @pl.when(k == steps - 1)
+            def _():
+                lead_only(lambda: _planes_out(state.at[dst], xs_ref.at[0, n], _out_rows(layout)))
 
         return carry
 
@@ -306,18 +338,19 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, x0_ref, d_r
 
 
 def _backward_kernel(layout, offsets, steps, h, activation, nw, gk_ref, zs_ref, taps_g, g0_ref, ss_ref, *rest):
-    """``hopper_block._backward_kernel`` with ``s_k`` in planes and the windows as views."""
+    """``hopper_block._backward_kernel`` with ``s_k`` in planes and the windows as views; each
+    ``s_k`` goes out tile by tile through a row-major staging slot, ``g_0`` by planes."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    sbuf, zbuf, taps, bar, zbar, sync = rest
+    sbuf, zbuf, sstage, taps, bar, zbar, sync = rest
     n = jax.lax.axis_index("n")
     wg, lead_only, everyone = hb._team(nw)
     S, C = layout.slack, sbuf.shape[1] * PLANE
     per = hb.tiles_of(layout) // nw
     slots = zbuf.shape[1]
     first = [(wg * per + j) * M for j in range(per)]  # this warpgroup's tiles' first rows
-    region, out = hb._chunks(0, layout.rows), _out_rows(layout)
+    region = hb._chunks(0, layout.rows)
 
     def fetch_z(k, j):  # z_k's tile j (of this warpgroup) into its slot j % slots
         plgpu.copy_gmem_to_smem(
@@ -329,8 +362,12 @@ def _backward_kernel(layout, offsets, steps, h, activation, nw, gk_ref, zs_ref, 
         z = hb._load(zbuf, wg, j % slots, slice(None), slice(None)).astype(g.dtype)  # ReLU: saved 1[z > 0]
         return hb._slope_tile(layout, first[j], activation, h, z, g)
 
-    def send(buf, dst):  # warpgroup 0: a buffer's tiled rows out
-        lead_only(lambda: _planes_out(sbuf.at[buf], dst, out))
+    def put_s(j, s, buf, k):  # s_k's tile j into planes buf (windows) and out (row-major)
+        _store_tile(s, _tile(sbuf, buf, S + first[j]))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging slot's last copy has read it
+        sstage[wg] = s
+        plgpu.commit_smem()  # also: every thread is done with z's slot j % slots before it is refilled
+        plgpu.copy_smem_to_gmem(sstage.at[wg], ss_ref.at[k, n, pl.ds(S + first[j], M)])
 
     @lead_only
     def _():
@@ -343,10 +380,8 @@ def _backward_kernel(layout, offsets, steps, h, activation, nw, gk_ref, zs_ref, 
     for j in range(per):  # s_{K-1} into buffer 0
         if j + 1 < per:
             fetch_z(steps - 1, j + 1)
-        _store_tile(slope_tile(j, g[j]), _tile(sbuf, 0, S + first[j]))
-        plgpu.commit_smem()  # every thread is done with slot j % slots before it is refilled
+        put_s(j, slope_tile(j, g[j]), 0, steps - 1)
     everyone(sync)  # s_{K-1} complete, and every g_K read out of buffer 1
-    send(0, ss_ref.at[steps - 1, n])
 
     def step(i, g, last=False):  # k = K-1-i: g_k from s_k (buffer i % 2), then s_{k-1} (the other)
         k = steps - 1 - i
@@ -360,35 +395,29 @@ def _backward_kernel(layout, offsets, steps, h, activation, nw, gk_ref, zs_ref, 
             acc = _products(layout, offsets, sbuf, src, first[j], taps)
             g[j] = jnp.where(hb._inside(layout, first[j], C), g[j] + acc, jnp.zeros_like(acc))
             if not last:
-                _store_tile(slope_tile(j, g[j]), _tile(sbuf, dst, S + first[j]))
-                plgpu.commit_smem()
+                put_s(j, slope_tile(j, g[j]), dst, k - 1)
         if not last:
-
-            @lead_only
-            def _():  # s_{k+1}'s copy out of buffer src is done before the next step overwrites it
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
             everyone(sync)  # s_{k-1} complete; nobody reads buffer src any more
-            send(dst, ss_ref.at[k - 1, n])
         return tuple(g)
 
     g = jax.lax.fori_loop(0, steps - 1, step, tuple(g))
     g = step(steps - 1, g, last=True)  # k = 0: g_0 only
     # the buffer the last step did not read: every warpgroup was done reading it at the previous
-    # step's meeting, and its copy out was awaited then
+    # step's meeting
     free = 1 - (steps - 1) % 2
     for j, q0 in enumerate(first):
         _store_tile(g[j], _tile(sbuf, free, S + q0))
     plgpu.commit_smem()
     everyone(sync)
-    send(free, g0_ref.at[n])
+    lead_only(lambda: _planes_out(sbuf.at[free], g0_ref.at[n], _out_rows(layout)))
     plgpu.wait_smem_to_gmem(0)
 
 
 def _mosaic_call(body, layout, taps, out_type, barriers, nw, staging=jnp.float32):
     """``body`` as a Mosaic GPU kernel, one program of ``nw`` warpgroups per pattern, with the
     scratch both kernels use: the state buffers in planes ``(2, C / 4, rows, 4)``, two ``(M, C)``
-    staging slots of dtype ``staging`` per warpgroup, the taps ``(9, N, K)`` float32 swizzled,
+    staging slots of dtype ``staging`` per warpgroup (``z_k`` out or in), one float32 slot per
+    warpgroup (states out, row-major), the taps ``(9, N, K)`` float32 swizzled,
     then ``barriers`` and a barrier for the warpgroups to meet at. Returns ``f(*buffers)``."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -399,6 +428,7 @@ def _mosaic_call(body, layout, taps, out_type, barriers, nw, staging=jnp.float32
         scratch_types=[
             plgpu.SMEM((2, C // PLANE, layout.rows, PLANE), jnp.float32),
             plgpu.SMEM((nw, hb._slots(layout, nw), M, C), staging),
+            plgpu.SMEM((nw, M, C), jnp.float32),  # each warpgroup's row-major slot for states out
             plgpu.SMEM((9, C, C), jnp.float32, transforms=taps_transforms(C)),
             *barriers,
             plgpu.Barrier(num_arrivals=nw),
@@ -411,8 +441,13 @@ def _mosaic_call(body, layout, taps, out_type, barriers, nw, staging=jnp.float32
     return lambda *buffers: call(*buffers, taps.astype(jnp.float32))
 
 
-def _check(layout, warpgroups: int) -> None:
+def _check(layout, warpgroups: int, C: int, activation: str) -> None:
     hb._check(layout, warpgroups)
+    if smem_bytes(layout, C, warpgroups, activation) > hb.SMEM_BYTES:
+        raise ValueError(
+            f"warpgroups={warpgroups!r}: a program needs {smem_bytes(layout, C, warpgroups, activation)} bytes of "
+            f"shared memory, more than {hb.SMEM_BYTES} (choose_warpgroups gives the most that fit)"
+        )
     if layout.rows % 8:
         raise ValueError(
             f"the TF32 kernels need a layout whose rows are a multiple of 8 (Layout.of(..., align=8)), "
@@ -422,13 +457,16 @@ def _check(layout, warpgroups: int) -> None:
 
 def fused_forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups):
     """As :func:`naisnet_jax.hopper_block.fused_forward`, in TF32 (``layout.rows`` a multiple of 8)."""
-    _check(layout, warpgroups)
+    _check(layout, warpgroups, x0b.shape[-1], activation)
     return _forward_call(layout, steps, float(h), activation, bool(save), warpgroups)(x0b, db, taps)
 
 
 def fused_backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups):
-    """As :func:`naisnet_jax.hopper_block.fused_backward`, in TF32."""
-    _check(layout, warpgroups)
+    """As :func:`naisnet_jax.hopper_block.fused_backward`, in TF32 (for ReLU, ``zs`` the saved
+    signs, or ``z_k`` itself, reduced to its sign first)."""
+    if hb.saves_mask(activation) and zs.dtype != hb.MASK_DTYPE:  # z_k given: ReLU needs only its sign
+        zs = (zs > 0).astype(hb.MASK_DTYPE)
+    _check(layout, warpgroups, gb.shape[-1], activation)
     return _backward_call(layout, steps, float(h), activation, warpgroups)(gb, zs, taps)
 
 
