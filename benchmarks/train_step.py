@@ -80,6 +80,9 @@ VARIANTS = {
     "nais10_fused": dict(model=N10, kwargs=dict(block_vjp="fused")),
     "nais10_fused_unroll10": fused10(),
     "nais10_fused_unroll10_triton": fused10(engine="triton"),
+    # the wgmma blocks on hopper_block's three bfloat16 products (about 16 significant bits; the
+    # default before session 29), not hopper_tf32's TF32 products with the windows as views
+    "nais10_fused_unroll10_bf16x3": fused10(wgmma_tf32=False),
     # the weight gradient on wgmma too (prototype, benchmarks/wgmma_wgrad.py; Hopper only)
     "nais10_fused_unroll10_wgmma_wgrad": fused10(wgrad="wgmma"),
     # the 64-channel blocks on wgmma too (prototype, benchmarks/wgmma_block64.py; Hopper only)
@@ -291,6 +294,10 @@ def apply_spec(spec) -> None:
         import step_kernels64
 
         step_kernels64.patch_models()
+    if spec.get("wgmma_tf32") is False:  # the wgmma blocks in bfloat16 x 3 (hopper_block), not TF32
+        from naisnet_jax import fused_block
+
+        fused_block.WGMMA_TF32 = False
     if spec.get("relu_sign") is False:  # the wgmma forward saves ReLU's z_k in float32, not its sign
         from naisnet_jax import hopper_block
 

@@ -779,20 +779,43 @@ def kernel_mode(name: str, interpret: bool | None, why: str | None, runs_here: b
     return bool(interpret)
 
 
-def _wgmma_warpgroups(engine, warpgroups, x0, kernel, activation, tile_rows) -> int:
+#: The wgmma engine's kernels where JAX's default matmul precision allows TF32 (its default on a
+#: GPU, as for XLA's convolutions): ``True`` takes :mod:`naisnet_jax.hopper_tf32` (TF32, the
+#: windows as views), ``False`` :mod:`naisnet_jax.hopper_block` (three bfloat16 products, about 16
+#: significant bits). Where the precision asks for more than TF32, always the latter. Read when a
+#: block is traced.
+WGMMA_TF32 = True
+#: ``jax.default_matmul_precision`` values that allow TF32 products (``None``: JAX's default).
+TF32_PRECISIONS = (None, "default", "fastest", "bfloat16", "tensorfloat32", "high", "TF32_TF32_F32")
+
+
+def wgmma_tf32() -> bool:
+    """Whether a block traced now takes the TF32 wgmma kernels: :data:`WGMMA_TF32` and a default
+    matmul precision in :data:`TF32_PRECISIONS`."""
+    precision = jax.config.jax_default_matmul_precision
+    return WGMMA_TF32 and (precision if precision is None else str(precision)) in TF32_PRECISIONS
+
+
+def _wgmma_warpgroups(engine, warpgroups, x0, kernel, activation, tile_rows, tf32=False) -> int:
     """Warpgroups a program of the wgmma kernels gets for this block, or 0 for the Triton kernels:
     ``engine=None`` takes wgmma where the block fits it on a Hopper GPU; ``"wgmma"`` refuses a
-    block it does not take, naming why."""
+    block it does not take, naming why. ``tf32``: the kernels of :mod:`naisnet_jax.hopper_tf32`."""
     if engine == "triton":
         return 0
-    layout = Layout.of(x0.shape[1], x0.shape[2], kernel.shape[0], kernel.shape[1], tile_rows)
-    why = hopper_block.unsupported(layout, x0, kernel, activation)
+    config = Config(tile_rows=tile_rows, tf32=tf32)
+    layout = config.layout(x0.shape[1], x0.shape[2], kernel.shape[0], kernel.shape[1])
+    if tf32:
+        why = hopper_tf32.unsupported(layout, x0, kernel, activation)
+        choose = functools.partial(hopper_tf32.choose_warpgroups, activation=activation)
+    else:
+        why = hopper_block.unsupported(layout, x0, kernel, activation)
+        choose = hopper_block.choose_warpgroups
     if engine == "wgmma":
         if why is not None:
             raise ValueError(f"unroll_tied_conv: engine='wgmma' does not take this block: {why}.")
-        return warpgroups or hopper_block.choose_warpgroups(layout, x0.shape[-1])
+        return warpgroups or choose(layout, x0.shape[-1])
     if why is None and hopper_block.hopper_available():
-        return hopper_block.choose_warpgroups(layout, x0.shape[-1])
+        return choose(layout, x0.shape[-1])
     return 0
 
 
@@ -835,9 +858,13 @@ def unroll_tied_conv(
     default precision (TF32 on an NVIDIA GPU, as XLA's convolutions).
 
     ``engine`` picks the GPU kernels' implementation: ``"triton"``, or ``"wgmma"`` for the
-    forward and backward kernels of :mod:`naisnet_jax.hopper_block` (Hopper GPUs; 3x3 kernels,
-    16 or 32 channels, ReLU or tanh; products split in bfloat16 halves, about 16 significant
-    bits), with ``warpgroups`` a program (default :func:`naisnet_jax.hopper_block.choose_warpgroups`).
+    forward and backward kernels on Hopper's ``wgmma`` (Hopper GPUs; 3x3 kernels, 16 or 32
+    channels, ReLU or tanh): at JAX's default matmul precision those of
+    :mod:`naisnet_jax.hopper_tf32` (TF32 products, as XLA's convolutions), where the precision
+    asks for more (``jax.default_matmul_precision("float32")``) or :data:`WGMMA_TF32` is off those
+    of :mod:`naisnet_jax.hopper_block` (products split in bfloat16 halves, about 16 significant
+    bits); ``warpgroups`` a program (default: the most that fit, :func:`wgmma_tf32`'s module's
+    ``choose_warpgroups``).
     ``None`` takes ``"wgmma"`` where the block fits it on a Hopper GPU, else ``"triton"``. Both
     apply where the GPU kernels run (``interpret=False``, or chosen as above); a block that falls
     back runs the stacked VJP whatever ``engine`` says.
@@ -867,7 +894,7 @@ def unroll_tied_conv(
             "unroll_tied_conv: engine='wgmma' needs a Hopper GPU: "
             "Pallas' interpreter (interpret=True) cannot run wgmma."
         )
-    nw = 0 if mode else _wgmma_warpgroups(engine, warpgroups, x0, kernel, activation, tile_rows)
-    return _fused(
-        x0, drive, kernel, steps, h, activation, Config(mode, tile_rows, num_warps, bool(unroll_tiles), hoist, nw)
-    )
+    tf32 = wgmma_tf32()
+    nw = 0 if mode else _wgmma_warpgroups(engine, warpgroups, x0, kernel, activation, tile_rows, tf32)
+    config = Config(mode, tile_rows, num_warps, bool(unroll_tiles), hoist, nw, tf32=tf32 and nw > 0)
+    return _fused(x0, drive, kernel, steps, h, activation, config)
