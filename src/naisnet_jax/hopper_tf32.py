@@ -97,6 +97,18 @@ def taps_transforms(C: int):
     return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
 
 
+def window_fields(reach: int, offset: int, plane_bytes: int) -> dict:
+    """The shared-memory descriptor fields of a tap's window, in bytes from the span's first row
+    (``reach`` rows before the tile): ``start`` (the window's first row), ``lbo`` (between core
+    matrices along K: one plane, 4 channels), ``sbo`` (along M: 8 rows of 16 bytes), ``k_step``
+    (from one ``m64nNk8`` to the next: 8 channels, two planes). In the unswizzled K-major layout
+    element ``(m, k)`` of the window is at ``start + (m // 8) sbo + (m % 8) 16 + (k // 4) lbo +
+    (k % 4) 4`` for the instruction's ``k < 8`` (PTX's canonical layout; ``tests/test_hopper_tf32.py``
+    checks it against the planes)."""
+    row = 4 * PLANE
+    return dict(start=(reach + offset) * row, lbo=plane_bytes, sbo=8 * row, k_step=2 * plane_bytes)
+
+
 def _tile_products(offsets, C: int, reach: int, plane_bytes: int):
     """The mgpu function ``(ctx, span, taps) -> z`` of one tile: ``z = sum_t window_t @ B_t`` in
     TF32, ``span`` the planes' rows from ``reach`` before the tile to ``reach`` after it
@@ -118,10 +130,11 @@ def _tile_products(offsets, C: int, reach: int, plane_bytes: int):
         for t, off in enumerate(offsets):
             # A, the window: K-major, unswizzled; core matrices 8 rows x 16 B, 128 B apart along M,
             # a plane apart along K
+            fields = window_fields(reach, off, plane_bytes)
             a_desc = mma_utils.encode_descriptor(
-                utils.getelementptr(base, [(reach + off) * 4 * PLANE], i8),
-                leading_byte_offset=plane_bytes,
-                stride_byte_offset=8 * 4 * PLANE,
+                utils.getelementptr(base, [fields["start"]], i8),
+                leading_byte_offset=fields["lbo"],
+                stride_byte_offset=fields["sbo"],
                 swizzle=None,
             )
             # tap t as a (K tiles, N tiles, K tile, N tile) view of its (N, K) rows
@@ -138,7 +151,7 @@ def _tile_products(offsets, C: int, reach: int, plane_bytes: int):
                 n=C,
                 **types,
                 a_transpose=False,
-                a_k_stride=2 * plane_bytes,  # an instruction's 8 channels: two planes
+                a_k_stride=fields["k_step"],  # an instruction's 8 channels: two planes
                 b_transpose=False,
                 b_k_stride=b_k_stride[1][-1],
             )

@@ -1,0 +1,140 @@
+"""The TF32 wgmma block kernels (``naisnet_jax.hopper_tf32``): the window views' addressing
+against the planes, the layout they need, the choice of kernels by precision, their shared memory
+and warpgroups, and the GPU build lowered for CUDA on this CPU.
+
+Pallas' interpreter cannot run ``wgmma``, so the kernels' values are checked on a GPU
+(``benchmarks/hopper_checks.py`` against the stacked VJP at the highest precision, under vmap;
+``benchmarks/wgmma_block.py`` against the Triton kernels in the interpreter).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import naisnet_jax.block_vjp
+from naisnet_jax import fused_block as fb
+from naisnet_jax import hopper_block as hb
+from naisnet_jax import hopper_tf32 as ht
+
+
+@pytest.mark.parametrize("H, C", [(32, 16), (16, 32)])
+def test_window_views_address_every_window(H, C):
+    """Every tap's window, read through its descriptor fields with PTX's unswizzled K-major
+    addressing (core matrices of 8 rows x 16 bytes), from a byte image of the planes, equals the
+    state's rows ``q0 + offset .. + 64`` for every tile: every instruction's 8 channels."""
+    layout = fb.Layout.of(H, H, 3, 3, fb.default_tiling(C)[0], align=8)
+    rng = np.random.default_rng(0)
+    state = rng.standard_normal((layout.rows, C)).astype(np.float32)
+    planes = np.ascontiguousarray(state.reshape(layout.rows, C // 4, 4).transpose(1, 0, 2))
+    memory = planes.view(np.uint8).ravel()  # shared memory, byte-addressed
+    plane_bytes = layout.rows * 16
+    S = layout.slack
+    m, k = np.meshgrid(np.arange(64), np.arange(8), indexing="ij")
+    for q0 in range(0, hb.tiles_of(layout) * 64, 64):
+        span = q0 * 16  # the span passed to the products starts `reach` rows before the tile
+        for off in layout.offsets(3, 3):
+            f = ht.window_fields(S, off, plane_bytes)
+            for i in range(C // 8):  # one m64nNk8 per 8 channels
+                addr = span + f["start"] + i * f["k_step"] + (m // 8) * f["sbo"] + (m % 8) * 16
+                addr = addr + (k // 4) * f["lbo"] + (k % 4) * 4
+                got = memory[addr[..., None] + np.arange(4)].view(np.float32)[..., 0]
+                want = state[S + q0 + off + np.arange(64)][:, 8 * i : 8 * i + 8]
+                np.testing.assert_array_equal(got, want)
+
+
+def test_layout_align_keeps_the_image_and_slack():
+    """``align=8``: rows a multiple of 8, the same image, at least the slack after it."""
+    for H, C in ((32, 16), (16, 32), (8, 16)):
+        plain = fb.Layout.of(H, H, 3, 3, fb.default_tiling(C)[0])
+        aligned = fb.Layout.of(H, H, 3, 3, fb.default_tiling(C)[0], align=8)
+        assert aligned.rows % 8 == 0 and plain.rows <= aligned.rows < plain.rows + 8
+        assert aligned.rows - aligned.slack - aligned.padded_rows >= aligned.slack
+        x = jnp.asarray(np.random.default_rng(1).standard_normal((2, H, H, C)), jnp.float32)
+        buf = aligned.to_buffer(x)
+        assert buf.shape == (2, aligned.rows, C)
+        np.testing.assert_array_equal(aligned.interior(buf), x)
+        np.testing.assert_array_equal(plain.interior(plain.to_buffer(x)), x)
+
+
+@pytest.mark.parametrize(
+    "shape, activation, warpgroups",
+    [((32, 32, 16), "relu", 5), ((32, 32, 16), "tanh", 4), ((16, 16, 32), "relu", 3), ((16, 16, 32), "tanh", 3)],
+)
+def test_warpgroups_divide_tiles_and_fit(shape, activation, warpgroups):
+    """The most warpgroups that divide the tiles and whose planes, staging slots (ReLU's sign in
+    a byte, tanh's z in four) and taps fit in shared memory; one more does not fit."""
+    H, W, C = shape
+    layout = fb.Layout.of(H, W, 3, 3, fb.default_tiling(C)[0], align=8)
+    nw = ht.choose_warpgroups(layout, C, activation)
+    assert nw == warpgroups and hb.tiles_of(layout) % nw == 0
+    assert ht.smem_bytes(layout, C, nw, activation) <= hb.SMEM_BYTES
+    bigger = [n for n in range(nw + 1, hb.MAX_WARPGROUPS + 1) if hb.tiles_of(layout) % n == 0]
+    assert all(ht.smem_bytes(layout, C, n, activation) > hb.SMEM_BYTES for n in bigger)
+
+
+def test_refusals_name_the_problem():
+    layout = fb.Layout.of(32, 32, 3, 3, fb.default_tiling(16)[0], align=8)
+    x = jnp.zeros((2, layout.rows, 16), jnp.float32)
+    taps = jnp.zeros((9, 16, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"warpgroups=5: a program needs \d+ bytes of shared memory"):
+        ht.fused_forward(layout, x, x, taps, steps=2, h=1.0, activation="tanh", save=True, warpgroups=5)
+    plain = fb.Layout.of(32, 32, 3, 3, fb.default_tiling(16)[0])
+    y = jnp.zeros((2, plain.rows, 16), jnp.float32)
+    with pytest.raises(ValueError, match=f"rows are a multiple of 8.*got rows={plain.rows}"):
+        ht.fused_forward(plain, y, y, taps, steps=2, h=1.0, activation="relu", save=True, warpgroups=5)
+    big = jnp.zeros((2, 64, 64, 16), jnp.float32)
+    assert "shared memory" in ht.unsupported(
+        fb.Layout.of(64, 64, 3, 3, fb.default_tiling(16)[0], align=8), big, jnp.zeros((3, 3, 16, 16)), "relu"
+    )
+
+
+def _kernels(precision=None, tf32=True, activation="relu", C=16, monkeypatch=None):
+    """The wgmma kernels' names in the lowered gradient of a block, under ``precision``."""
+    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)  # as on a GPU
+    monkeypatch.setattr(fb, "WGMMA_TF32", tf32)
+    x = jax.ShapeDtypeStruct((4, 16, 16, C), jnp.float32)
+    w = jax.ShapeDtypeStruct((3, 3, C, C), jnp.float32)
+
+    def loss(a, b, c):
+        return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=3, activation=activation, interpret=False, engine="wgmma"))
+
+    with jax.default_matmul_precision(precision):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
+    return sorted(set(re.findall(r"hopper\w*_kernel", text)))
+
+
+@pytest.mark.parametrize("activation, C", [("relu", 16), ("tanh", 32)])
+def test_tf32_kernels_at_default_precision(activation, C, monkeypatch):
+    assert _kernels(None, activation=activation, C=C, monkeypatch=monkeypatch) == [
+        "hopper_tf32_backward_kernel",
+        "hopper_tf32_forward_kernel",
+    ]
+    assert _kernels("tensorfloat32", monkeypatch=monkeypatch)[0] == "hopper_tf32_backward_kernel"
+
+
+@pytest.mark.parametrize("precision, tf32", [("float32", True), ("highest", True), (None, False)])
+def test_three_bf16_products_where_more_is_asked(precision, tf32, monkeypatch):
+    """``float32``/``highest`` precision, or ``WGMMA_TF32 = False``: ``hopper_block``'s kernels."""
+    assert _kernels(precision, tf32=tf32, monkeypatch=monkeypatch) == [
+        "hopper_backward_kernel",
+        "hopper_forward_kernel",
+    ]
+
+
+def test_relu_backward_takes_z_or_its_sign():
+    """The backward kernel takes ReLU's saved sign, or ``z_k`` itself reduced to its sign first
+    (both lower; the staging slots stay a byte an element, so five warpgroups fit)."""
+    layout = fb.Layout.of(32, 32, 3, 3, fb.default_tiling(16)[0], align=8)
+    g = jax.ShapeDtypeStruct((2, layout.rows, 16), jnp.float32)
+    taps = jax.ShapeDtypeStruct((9, 16, 16), jnp.float32)
+    for dtype in (hb.MASK_DTYPE, jnp.float32):
+        zs = jax.ShapeDtypeStruct((3, 2, layout.rows, 16), dtype)
+        run = jax.jit(
+            lambda a, z, t: ht.fused_backward(layout, a, z, t, steps=3, h=1.0, activation="relu", warpgroups=5)
+        )
+        assert "mosaic_gpu" in run.trace(g, zs, taps).lower(lowering_platforms=("cuda",)).as_text()
