@@ -454,7 +454,7 @@ def _mosaic_call(body, layout, taps, out_type, barriers, nw, staging=jnp.float32
     return lambda *buffers: call(*buffers, taps.astype(jnp.float32))
 
 
-def _check(layout, warpgroups: int, C: int, activation: str) -> None:
+def _check_program(layout, warpgroups: int, C: int, activation: str) -> None:
     hb._check(layout, warpgroups)
     if smem_bytes(layout, C, warpgroups, activation) > hb.SMEM_BYTES:
         raise ValueError(
@@ -470,7 +470,7 @@ def _check(layout, warpgroups: int, C: int, activation: str) -> None:
 
 def fused_forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups):
     """As :func:`naisnet_jax.hopper_block.fused_forward`, in TF32 (``layout.rows`` a multiple of 8)."""
-    _check(layout, warpgroups, x0b.shape[-1], activation)
+    _check_program(layout, warpgroups, x0b.shape[-1], activation)
     return _forward_call(layout, steps, float(h), activation, bool(save), warpgroups)(x0b, db, taps)
 
 
@@ -479,7 +479,7 @@ def fused_backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups):
     signs, or ``z_k`` itself, reduced to its sign first)."""
     if hb.saves_mask(activation) and zs.dtype != hb.MASK_DTYPE:  # z_k given: ReLU needs only its sign
         zs = (zs > 0).astype(hb.MASK_DTYPE)
-    _check(layout, warpgroups, gb.shape[-1], activation)
+    _check_program(layout, warpgroups, gb.shape[-1], activation)
     return _backward_call(layout, steps, float(h), activation, warpgroups)(gb, zs, taps)
 
 
