@@ -1,4 +1,5 @@
-"""Benchmark (prototype, lowered on a CPU only so far): a conv step's windows as ``wgmma`` views.
+"""Benchmark (Hopper GPU): a conv step's windows as ``wgmma`` views, the experiment behind
+``naisnet_jax.hopper_tf32``.
 
 The wgmma block kernels (``naisnet_jax.hopper_block``) load each of a tile's nine windows from
 shared memory into registers (any row offset), split it into bfloat16 halves and multiply from
@@ -14,16 +15,21 @@ down, inside ``plgpu.inline_mgpu``: each window's descriptor by ``mma_utils.enco
 (no swizzle), the taps' by ``mma_utils.create_descriptor`` as Mosaic's own ``wgmma`` builds them,
 the instructions by ``wgmma.wgmma_m64``.
 
-Two kernels, one program per pattern, one warpgroup, every tile of a pattern's state:
+Three kernels, one program per pattern, one warpgroup, every tile of a pattern's state:
 
 - ``views``: the state's halves come in as planes ``(2, C / 8, rows, 8)`` bfloat16; each tile's
   ``z = sum_t window_t @ w_t`` as three products a tap (``hi w_hi + lo w_hi + hi w_lo``), the
   windows as views;
-- ``registers``: the library's way, the float32 state in shared memory, each window loaded and
-  split (``hopper_block._conv_tile``).
+- ``tf32``: the float32 state itself as planes of 4 channels, one TF32 product a tap and 8
+  channels (what ``hopper_tf32`` does);
+- ``registers``: the library's bf16 x 3 way, the float32 state in shared memory, each window
+  loaded and split (``hopper_block._conv_tile``).
 
-On a GPU the script checks both against a float64 convolution and times them at NAIS-Net10's
-shapes (32x32x16, 16x16x32, batch 128); ``--smoke`` (any machine) lowers both for CUDA.
+Session 29 (H200, ``benchmarks/results/s29/a_window_views_h200``), a step: 13.9 / 6.3 / 2.9 us
+(registers / views / tf32) at 32x32x16, 11.1 / 2.5 / 1.7 us at 16x16x32.
+
+On a GPU the script checks each against a float64 convolution and times it at NAIS-Net10's
+shapes (32x32x16, 16x16x32, batch 128); ``--smoke`` (any machine) lowers them for CUDA.
 
     python benchmarks/window_views.py --out=$OUT/window_views
     python benchmarks/window_views.py --out=/tmp/wv --smoke

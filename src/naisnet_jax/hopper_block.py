@@ -1,4 +1,7 @@
-"""A conv block's forward and backward kernels on Hopper's ``wgmma`` (Pallas, Mosaic GPU).
+"""A conv block's forward and backward kernels on Hopper's ``wgmma`` (Pallas, Mosaic GPU), in
+three bfloat16 products (about 16 significant bits). The blocks take them where JAX's matmul
+precision asks for more than TF32; at the default precision they take the faster TF32 kernels of
+:mod:`naisnet_jax.hopper_tf32`, which share this module's frame.
 
 The same computation, buffers and layout as :mod:`naisnet_jax.fused_block`'s Triton kernels
 (its weight-gradient kernel takes these kernels' outputs unchanged), written for Pallas'
