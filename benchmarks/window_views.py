@@ -135,66 +135,6 @@ def _view_products(offsets, C, start):
     return products
 
 
-def _tf32_products(offsets, C, start):
-    """The mgpu function of one tile's products in TF32: ``(ctx, planes, taps_t) -> z``, ``planes``
-    the float32 state as ``(C / 4, rows, 4)`` planes of 16-byte rows (the state itself, no
-    halves), the taps transposed, ``(9, C_out, C_in)`` float32 swizzled (TF32's B is K-major).
-    A window is a view: core matrices of 8 rows x 4 channels, 128 B apart along M, a plane apart
-    along K; one ``m64nCk8`` a tap and 8 channels."""
-    import importlib
-    import inspect
-
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import nvvm
-    from jax.experimental.mosaic import gpu as mgpu
-
-    mma_utils, utils, wgmma = (
-        importlib.import_module(f"jax.experimental.mosaic.gpu.{m}") for m in ("mma_utils", "utils", "wgmma")
-    )
-    swizzle = min(128, 4 * C)  # the transposed taps' rows: C float32
-    typed = "element_type" in inspect.signature(wgmma.wgmma_m64).parameters
-
-    def products(ctx, planes, taps):
-        del ctx
-        tf32, i8 = ir.FloatTF32Type.get(), ir.IntegerType.get_signless(8)
-        rows = ir.MemRefType(planes.type).shape[1]
-        plane_bytes = rows * 16
-        base = utils.memref_ptr(planes)
-        acc = wgmma.WGMMAAccumulator.zero(M, C)
-        regs = acc._value.registers.copy()
-        for t, off in enumerate(offsets):
-            a_desc = mma_utils.encode_descriptor(
-                utils.getelementptr(base, [(start + off) * 16], i8),
-                leading_byte_offset=plane_bytes,
-                stride_byte_offset=128,
-                swizzle=None,
-            )
-            # tap t as a (K tiles, N tiles, K tile, N tile) view of its (C_out, C_in) rows
-            b = utils.memref_transpose(utils.memref_slice(taps, t), (1, 0, 3, 2))
-            (b_desc, b_k_stride), _, b_fastest = mma_utils.create_descriptor(
-                b, swizzle=swizzle, group_size=(swizzle // 4, C), logical_k_major=True
-            )
-            assert b_fastest == mma_utils.Dim.K, b_fastest
-            regs[0:1] = wgmma.wgmma_m64(
-                regs[0:1],
-                a_desc,
-                b_desc,
-                swizzle=swizzle,
-                n=C,
-                **({"element_type": tf32} if typed else {"a_element_type": tf32, "b_element_type": tf32}),
-                a_transpose=False,
-                a_k_stride=2 * plane_bytes,  # the next 8 channels: two planes on
-                b_transpose=False,
-                b_k_stride=b_k_stride[1][-1],
-            )
-        nvvm.wgmma_commit_group_sync_aligned()
-        nvvm.wgmma_wait_group_sync_aligned(0)
-        value = mgpu.FragmentedArray(_registers=regs, _layout=acc._value.layout, _is_signed=None)
-        return wgmma.WGMMAAccumulator(_value=value, _original_layout=acc._original_layout, _sync=False).value
-
-    return products
-
-
 def _tile_starts(layout):
     from naisnet_jax.hopper_block import tiles_of
 
@@ -260,26 +200,21 @@ def views_kernel(layout, offsets, steps, planes_ref, w_hi_g, w_lo_g, z_ref, plan
 def tf32_kernel(layout, offsets, steps, planes_ref, taps_g, z_ref, planes, taps, stage, bar):
     """Pattern ``n``: every tile's ``z`` from the float32 planes in TF32, the windows as views."""
     import jax
-    import jax.numpy as jnp
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    from naisnet_jax import hopper_tf32 as ht
     from naisnet_jax.hopper_block import _chunks
 
     n = jax.lax.axis_index("n")
     C = stage.shape[-1]
     copies = [(taps_g, taps)]
-    for buf in range(2):
+    for buf in range(planes.shape[0]):
         for g in range(C // 4):
             for s0, size in _chunks(0, planes.shape[2]):
                 copies.append((planes_ref.at[n, g, pl.ds(s0, size)], planes.at[buf, g, pl.ds(s0, size)]))
 
-    def tile(q0, src):
-        products = plgpu.inline_mgpu(
-            arg_types=(plgpu.RefType(), plgpu.RefType(_tf32_taps_transforms(C))),
-            return_type=plgpu.ShapeDtypeStruct((M, C), jnp.float32, layout=plgpu.Layout.WGMMA),
-        )(_tf32_products(offsets, C, q0))
-        return products(planes.at[src], taps)
+    def tile(q0, src):  # the library's products (hopper_tf32), the tile counted from the slack
+        return ht._products(layout, offsets, planes, src if planes.shape[0] == 2 else 0, q0 - layout.slack, taps)
 
     _each_tile(layout, copies, bar, stage, z_ref, n, tile, steps)
 
@@ -299,14 +234,6 @@ def registers_kernel(layout, offsets, steps, x_ref, w_hi_g, w_lo_g, z_ref, buf, 
     _each_tile(
         layout, copies, bar, stage, z_ref, n, lambda q0, src: _conv_tile(buf, src, q0, offsets, w_hi, w_lo)[0], steps
     )
-
-
-def _tf32_taps_transforms(C: int):
-    """The transposed float32 taps' shared-memory transforms: tiles of 8 rows x one swizzle width."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    swizzle = min(128, 4 * C)
-    return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
 
 
 def tf32_planes_of(buf):
@@ -342,13 +269,16 @@ def build(layout, C: int, which: str, steps: int = 1):
         N = arg.shape[0]
         out_type = jax.ShapeDtypeStruct((N, tiles_of(layout), M, C), jnp.float32)
         if which == "tf32":
+            from naisnet_jax.hopper_tf32 import taps_transforms
+
             body = functools.partial(tf32_kernel, layout, offsets, steps)
             rows = _rows8(layout.rows)
+            buffers = 1 if C > 32 else 2  # 64 channels: the float32 taps take 147 KB
             scratch = [
-                plgpu.SMEM((2, C // 4, rows, 4), jnp.float32),
-                plgpu.SMEM((9, C, C), jnp.float32, transforms=_tf32_taps_transforms(C)),
+                plgpu.SMEM((buffers, C // 4, rows, 4), jnp.float32),
+                plgpu.SMEM((9, C, C), jnp.float32, transforms=taps_transforms(C)),
             ]
-            loads = 1 + 2 * (C // 4) * len(_chunks(0, rows))
+            loads = 1 + buffers * (C // 4) * len(_chunks(0, rows))
             args = (arg, jnp.swapaxes(taps.astype(jnp.float32), 1, 2))
         else:
             taps_smem = [plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled)] * 2
@@ -410,8 +340,8 @@ def main(argv=None):
     from naisnet_jax import fused_block as fb
 
     rows = []
-    for H, C in ((32, 16), (16, 32)):
-        layout = fb.Layout.of(H, H, 3, 3, fb.default_tiling(C)[0])
+    for H, C in ((32, 16), (16, 32), (8, 64)):
+        layout = fb.Layout.of(H, H, 3, 3, 64 if C > 32 else fb.default_tiling(C)[0])  # 8x8: two 64-row tiles
         rng = np.random.default_rng(0)
         image = rng.standard_normal((args.batch, H, H, C)).astype(np.float32)
         buf = layout.to_buffer(jnp.asarray(image))  # zero padding and slack, as the kernels' buffers
@@ -421,6 +351,8 @@ def main(argv=None):
             if which not in KINDS:
                 raise SystemExit(f"--kinds: {which!r} is not one of {KINDS}")
             row = dict(shape=f"{H}x{H}x{C}", kernel=which)
+            if C > 32 and which != "tf32":  # their bfloat16 halves and taps do not fit in shared memory
+                continue
             arg = state_of(buf, which)
             f = build(layout, C, which)
             if args.smoke:

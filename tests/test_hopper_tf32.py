@@ -22,12 +22,14 @@ from naisnet_jax import hopper_block as hb
 from naisnet_jax import hopper_tf32 as ht
 
 
-@pytest.mark.parametrize("H, C", [(32, 16), (16, 32)])
+@pytest.mark.parametrize("H, C", [(32, 16), (16, 32), (8, 64)])
 def test_window_views_address_every_window(H, C):
     """Every tap's window, read through its descriptor fields with PTX's unswizzled K-major
     addressing (core matrices of 8 rows x 16 bytes), from a byte image of the planes, equals the
-    state's rows ``q0 + offset .. + 64`` for every tile: every instruction's 8 channels."""
-    layout = fb.Layout.of(H, H, 3, 3, fb.default_tiling(C)[0], align=8)
+    state's rows ``q0 + offset .. + 64`` for every tile: every instruction's 8 channels, in groups
+    of one swizzle width (32 channels at 64: two ``wgmma_m64`` calls a tap)."""
+    layout = fb.Layout.of(H, H, 3, 3, 64 if C > 32 else fb.default_tiling(C)[0], align=8)
+    group = ht.swizzle_of(C) // 4  # channels of one wgmma_m64 call
     rng = np.random.default_rng(0)
     state = rng.standard_normal((layout.rows, C)).astype(np.float32)
     planes = np.ascontiguousarray(state.reshape(layout.rows, C // 4, 4).transpose(1, 0, 2))
@@ -38,9 +40,9 @@ def test_window_views_address_every_window(H, C):
     for q0 in range(0, hb.tiles_of(layout) * 64, 64):
         span = q0 * 16  # the span passed to the products starts `reach` rows before the tile
         for off in layout.offsets(3, 3):
-            f = ht.window_fields(S, off, plane_bytes)
             for i in range(C // 8):  # one m64nNk8 per 8 channels
-                addr = span + f["start"] + i * f["k_step"] + (m // 8) * f["sbo"] + (m % 8) * 16
+                f = ht.window_fields(S, off, plane_bytes, i * 8 // group * group)
+                addr = span + f["start"] + (i % (group // 8)) * f["k_step"] + (m // 8) * f["sbo"] + (m % 8) * 16
                 addr = addr + (k // 4) * f["lbo"] + (k % 4) * 4
                 got = memory[addr[..., None] + np.arange(4)].view(np.float32)[..., 0]
                 want = state[S + q0 + off + np.arange(64)][:, 8 * i : 8 * i + 8]

@@ -97,32 +97,38 @@ def taps_transforms(C: int):
     return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
 
 
-def window_fields(reach: int, offset: int, plane_bytes: int) -> dict:
+def window_fields(reach: int, offset: int, plane_bytes: int, first_channel: int = 0) -> dict:
     """The shared-memory descriptor fields of a tap's window, in bytes from the span's first row
-    (``reach`` rows before the tile): ``start`` (the window's first row), ``lbo`` (between core
+    (``reach`` rows before the tile): ``start`` (the window's first row, at channel
+    ``first_channel``, a multiple of 4: where a ``wgmma_m64`` call's group of channels starts), ``lbo`` (between core
     matrices along K: one plane, 4 channels), ``sbo`` (along M: 8 rows of 16 bytes), ``k_step``
     (from one ``m64nNk8`` to the next: 8 channels, two planes). In the unswizzled K-major layout
     element ``(m, k)`` of the window is at ``start + (m // 8) sbo + (m % 8) 16 + (k // 4) lbo +
     (k % 4) 4`` for the instruction's ``k < 8`` (PTX's canonical layout; ``tests/test_hopper_tf32.py``
     checks it against the planes)."""
     row = 4 * PLANE
-    return dict(start=(reach + offset) * row, lbo=plane_bytes, sbo=8 * row, k_step=2 * plane_bytes)
+    start = (reach + offset) * row + first_channel // PLANE * plane_bytes
+    return dict(start=start, lbo=plane_bytes, sbo=8 * row, k_step=2 * plane_bytes)
 
 
 def _tile_products(offsets, C: int, reach: int, plane_bytes: int):
     """The mgpu function ``(ctx, span, taps) -> z`` of one tile: ``z = sum_t window_t @ B_t`` in
     TF32, ``span`` the planes' rows from ``reach`` before the tile to ``reach`` after it
     (``(C / 4, M + 2 reach, 4)``), tap ``t``'s window the ``M`` rows from ``reach + offsets[t]``;
-    ``taps`` ``(9, N, K)`` swizzled (``B_t`` transposed)."""
+    ``taps`` ``(9, N, K)`` swizzled (``B_t`` transposed). A tap's K runs in groups of one swizzle
+    width (32 channels at most): one ``wgmma_m64`` call a group, its 8 planes on for the next."""
     ir, _, nvvm, _, mgpu, mma_utils, utils, wgmma, _ = _mgpu()
     import inspect
 
+    from jax._src.lib.mlir.dialects import llvm
+
     swizzle = swizzle_of(C)
+    k_group = swizzle // 4  # channels of one wgmma_m64 call
     typed = "element_type" in inspect.signature(wgmma.wgmma_m64).parameters  # jax 0.10; later: a_/b_
 
     def products(ctx, span, taps):
         del ctx
-        tf32, i8 = ir.FloatTF32Type.get(), ir.IntegerType.get_signless(8)
+        tf32, i8, i64 = ir.FloatTF32Type.get(), ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(64)
         types = {"element_type": tf32} if typed else {"a_element_type": tf32, "b_element_type": tf32}
         base = utils.memref_ptr(span)
         acc = wgmma.WGMMAAccumulator.zero(M, C)
@@ -130,31 +136,36 @@ def _tile_products(offsets, C: int, reach: int, plane_bytes: int):
         for t, off in enumerate(offsets):
             # A, the window: K-major, unswizzled; core matrices 8 rows x 16 B, 128 B apart along M,
             # a plane apart along K
-            fields = window_fields(reach, off, plane_bytes)
-            a_desc = mma_utils.encode_descriptor(
-                utils.getelementptr(base, [fields["start"]], i8),
-                leading_byte_offset=fields["lbo"],
-                stride_byte_offset=fields["sbo"],
-                swizzle=None,
-            )
-            # tap t as a (K tiles, N tiles, K tile, N tile) view of its (N, K) rows
-            b = utils.memref_transpose(utils.memref_slice(taps, t), (1, 0, 3, 2))
-            (b_desc, b_k_stride), _, b_fastest = mma_utils.create_descriptor(
-                b, swizzle=swizzle, group_size=(swizzle // 4, C), logical_k_major=True
-            )
-            assert b_fastest == mma_utils.Dim.K, b_fastest
-            regs[0:1] = wgmma.wgmma_m64(
-                regs[0:1],
-                a_desc,
-                b_desc,
-                swizzle=swizzle,
-                n=C,
-                **types,
-                a_transpose=False,
-                a_k_stride=fields["k_step"],  # an instruction's 8 channels: two planes
-                b_transpose=False,
-                b_k_stride=b_k_stride[1][-1],
-            )
+            for g in range(C // k_group):
+                fields = window_fields(reach, off, plane_bytes, g * k_group)
+                a_desc = mma_utils.encode_descriptor(
+                    utils.getelementptr(base, [fields["start"]], i8),
+                    leading_byte_offset=fields["lbo"],
+                    stride_byte_offset=fields["sbo"],
+                    swizzle=None,
+                )
+                # tap t as a (K tiles, N tiles, K tile, N tile) view of its (N, K) rows
+                b = utils.memref_transpose(utils.memref_slice(taps, t), (1, 0, 3, 2))
+                (b_desc, b_k_stride), (_, b_group_stride), b_fastest = mma_utils.create_descriptor(
+                    b, swizzle=swizzle, group_size=(k_group, C), logical_k_major=True
+                )
+                assert b_fastest == mma_utils.Dim.K, b_fastest
+                b_g = b_desc
+                if g:
+                    step = llvm.ConstantOp(i64, ir.IntegerAttr.get(i64, mma_utils.encode_addr(g * b_group_stride)))
+                    b_g = llvm.add(b_desc, step, overflow_flags=llvm.IntegerOverflowFlags.none)
+                regs[0:1] = wgmma.wgmma_m64(
+                    regs[0:1],
+                    a_desc,
+                    b_g,
+                    swizzle=swizzle,
+                    n=C,
+                    **types,
+                    a_transpose=False,
+                    a_k_stride=fields["k_step"],  # an instruction's 8 channels: two planes
+                    b_transpose=False,
+                    b_k_stride=b_k_stride[1][-1],
+                )
         nvvm.wgmma_commit_group_sync_aligned()
         nvvm.wgmma_wait_group_sync_aligned(0)
         value = mgpu.FragmentedArray(_registers=regs, _layout=acc._value.layout, _is_signed=None)
