@@ -61,6 +61,8 @@ def triton_config(C: int):
     from naisnet_jax import fused_block as fb
 
     rows, warps = fb.default_tiling(C)
+    if C > 32:  # an 8x8 state in two 64-row tiles, not one of 256 rows (the wgmma kernels' tiles)
+        rows = 64
     return fb.GPU._replace(tile_rows=rows, num_warps=warps)
 
 
@@ -71,7 +73,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--shapes", default="32x32x16,16x16x32", help="comma-separated HxWxC (C: 16 or 32)")
+    parser.add_argument(
+        "--shapes", default="32x32x16,16x16x32", help="comma-separated HxWxC (C: 16 or 32; 64: the TF32 kernels only)"
+    )
     parser.add_argument(
         "--warpgroups", default="1,2,3,4,5,6", help="warpgroups a pattern's program has (those dividing its tiles)"
     )
@@ -95,6 +99,7 @@ def main(argv=None):
 
     from naisnet_jax import fused_block as fb
     from naisnet_jax import hopper_block as hb
+    from naisnet_jax import hopper_tf32 as ht
 
     os.makedirs(args.out, exist_ok=True)
     if not args.smoke and not _common.hopper_here(args.out, "wgmma_block"):
@@ -106,11 +111,13 @@ def main(argv=None):
         H, W, C = shape
         config = triton_config(C)
         layout = fb.Layout.of(H, W, 3, 3, config.tile_rows)
-        teams = [
-            nw
-            for nw in (int(v) for v in args.warpgroups.split(","))
-            if hb.tiles_of(layout) % nw == 0 and hb.smem_bytes(layout, C, nw) <= hb.SMEM_BYTES
-        ]
+        aligned = config._replace(tf32=True).layout(H, W, 3, 3)
+
+        def fits(nw, tf32):  # the warpgroups divide the tiles, and the program fits in shared memory
+            lay, need = (aligned, ht.smem_bytes(aligned, C, nw)) if tf32 else (layout, hb.smem_bytes(layout, C, nw))
+            return hb.tiles_of(lay) % nw == 0 and need <= hb.SMEM_BYTES
+
+        teams = [int(v) for v in args.warpgroups.split(",")]
         forward = {"triton_tf32": functools.partial(fb.fused_forward, steps=K, h=1.0, activation="relu", config=config)}
         backward = {
             "triton_tf32": functools.partial(fb.fused_backward, steps=K, h=1.0, activation="relu", config=config)
@@ -119,6 +126,8 @@ def main(argv=None):
         for nw in teams:
             for engine, tf32 in (("wgmma_bf16x3", False), ("wgmma_tf32_views", True)):
                 if tf32 and "tf32" not in args.engines or not tf32 and "bf16x3" not in args.engines:
+                    continue
+                if not fits(nw, tf32) or not tf32 and C not in (16, 32):
                     continue
                 wgmma = config._replace(warpgroups=nw, tf32=tf32)
                 configs[f"{engine} {nw}wg"] = wgmma

@@ -140,3 +140,28 @@ def test_relu_backward_takes_z_or_its_sign():
             lambda a, z, t: ht.fused_backward(layout, a, z, t, steps=3, h=1.0, activation="relu", warpgroups=5)
         )
         assert "mosaic_gpu" in run.trace(g, zs, taps).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_sixty_four_channels_single_buffered():
+    """At 64 channels the float32 taps take 147 KB, so the state has one buffer in shared memory
+    and an 8x8 state's two tiles get a warpgroup each (ReLU); tanh's float32 staging does not fit,
+    and the refusal says so. Both kernels lower for CUDA (the values are checked on a GPU by
+    ``benchmarks/wgmma_block.py --shapes=8x8x64``)."""
+    assert [ht.buffers_of(C) for C in ht.CHANNELS] == [2, 2, 1]
+    layout = fb.Layout.of(8, 8, 3, 3, 64, align=8)
+    assert ht.choose_warpgroups(layout, 64, "relu") == 2
+    assert ht.smem_bytes(layout, 64, 2) == layout.rows * 64 * 4 + 2 * 64 * 64 + 2 * 64 * 64 * 4 + 9 * 64 * 64 * 4 + 1024
+    x4 = jnp.zeros((2, 8, 8, 64), jnp.float32)
+    w = jnp.zeros((3, 3, 64, 64), jnp.float32)
+    assert ht.unsupported(layout, x4, w, "relu") is None
+    assert "shared memory" in ht.unsupported(layout, x4, w, "tanh")
+    assert "16, 32 or 64 channels, got 128" in ht.unsupported(layout, jnp.zeros((2, 8, 8, 128)), w, "relu")
+    x = jax.ShapeDtypeStruct((4, layout.rows, 64), jnp.float32)
+    taps = jax.ShapeDtypeStruct((9, 64, 64), jnp.float32)
+    zs = jax.ShapeDtypeStruct((3, 4, layout.rows, 64), hb.MASK_DTYPE)
+    fwd = jax.jit(
+        lambda a, b, t: ht.fused_forward(layout, a, b, t, steps=3, h=1.0, activation="relu", save=True, warpgroups=2)
+    )
+    bwd = jax.jit(lambda a, z, t: ht.fused_backward(layout, a, z, t, steps=3, h=1.0, activation="relu", warpgroups=2))
+    for fn, args in ((fwd, (x, x, taps)), (bwd, (x, zs, taps))):
+        assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

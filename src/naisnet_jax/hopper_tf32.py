@@ -47,11 +47,23 @@ def saved_bytes(activation: str) -> int:
     return jnp.dtype(hb.MASK_DTYPE).itemsize if hb.saves_mask(activation) else 4
 
 
+#: Channels the kernels take. At 64 the float32 taps take 147 KB of shared memory, so the state
+#: is single-buffered there (:func:`buffers_of`).
+CHANNELS = (16, 32, 64)
+
+
+def buffers_of(C: int) -> int:
+    """State buffers in shared memory: two (a step reads one while it writes the other), one at
+    64 channels (a step's products first, then, after the warpgroups meet, its writes)."""
+    return 1 if C > 32 else 2
+
+
 def smem_bytes(layout, C: int, warpgroups: int, activation: str = "relu") -> int:
-    """Shared memory of a program: the planes' double buffer, the ``z_k`` staging slots, one
-    float32 row-major slot per warpgroup, the float32 taps, and 1 KiB for barriers and alignment."""
+    """Shared memory of a program: the planes' buffers (:func:`buffers_of`), the ``z_k`` staging
+    slots, one float32 row-major slot per warpgroup, the float32 taps, and 1 KiB for barriers and
+    alignment."""
     staging = warpgroups * hb._slots(layout, warpgroups) * M * C * saved_bytes(activation)
-    return 2 * layout.rows * C * 4 + staging + warpgroups * M * C * 4 + 9 * C * C * 4 + 1024
+    return buffers_of(C) * layout.rows * C * 4 + staging + warpgroups * M * C * 4 + 9 * C * C * 4 + 1024
 
 
 def choose_warpgroups(layout, C: int, activation: str = "relu") -> int | None:
@@ -63,9 +75,19 @@ def choose_warpgroups(layout, C: int, activation: str = "relu") -> int | None:
 
 
 def unsupported(layout, x0, kernel, activation: str) -> str | None:
-    """``None`` if these kernels take the block (``layout`` with rows a multiple of 8), else why not."""
-    why = hb.unsupported(layout, x0, kernel, activation)
-    if why is None and choose_warpgroups(layout, x0.shape[-1], activation) is None:
+    """``None`` if these kernels take the block (``layout`` with rows a multiple of 8), else why not
+    (``hopper_block``'s rules, with 64 channels too)."""
+    C = x0.shape[-1]
+    if C == 64:  # hopper_block's rules but its channels, and the shared memory is this module's
+        stand_in = jax.ShapeDtypeStruct(x0.shape[:-1] + (16,), x0.dtype)
+        why = hb.unsupported(layout, stand_in, kernel, activation)
+        why = None if why is not None and "shared memory" in why else why
+    elif C in CHANNELS:
+        why = hb.unsupported(layout, x0, kernel, activation)
+    else:
+        listed = ", ".join(map(str, CHANNELS[:-1])) + f" or {CHANNELS[-1]}"
+        return f"the TF32 wgmma kernels take {listed} channels, got {C}"
+    if why is None and choose_warpgroups(layout, C, activation) is None:
         need = smem_bytes(layout, x0.shape[-1], 1, activation)
         shape = "x".join(str(d) for d in x0.shape[1:])
         return f"a {shape} state needs {need} bytes of shared memory, more than {hb.SMEM_BYTES}"
@@ -297,7 +319,9 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, x0_ref, d_r
 
     from naisnet_jax.fused_block import _act  # fused_block imports this module
 
-    zs_ref, (state, zstage, xstage, taps, bar, sync) = (rest[0], rest[1:]) if save else (None, rest)
+    zs_ref, scratch = (rest[0], rest[1:]) if save else (None, rest)
+    state, zstage, xstage, taps, bar, *dbar, sync = scratch
+    single = state.shape[0] == 1  # one buffer: a step's products first, then (after a meeting) its writes
     mask = hb.saves_mask(activation)
     n = jax.lax.axis_index("n")
     wg, lead_only, everyone = hb._team(nw)
@@ -306,15 +330,28 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, x0_ref, d_r
     slots = zstage.shape[1]
     region = hb._chunks(0, layout.rows)
 
+    def tiles():
+        return [(wg * per + j) * M for j in range(per)]  # this warpgroup's tiles' first rows
+
     @lead_only
     def _():  # x_0 into buffer 0, the drive into buffer 1 (free until step 0 writes it)
         plgpu.copy_gmem_to_smem(taps_g, taps, bar)  # TMA swizzles them on the way in
         _planes_in(x0_ref.at[n], state.at[0], bar, region)
-        _planes_in(d_ref.at[n], state.at[1], bar, region)
+        if not single:
+            _planes_in(d_ref.at[n], state.at[1], bar, region)
 
+    drive = []
+    if single:  # the drive's tiles through the row-major slot, one at a time
+        first = tiles()
+        for q0 in first:
+            plgpu.copy_gmem_to_smem(d_ref.at[n, pl.ds(S + q0, M)], xstage.at[wg], dbar[0].at[wg])
+            plgpu.barrier_wait(dbar[0].at[wg])
+            drive.append(hb._load(xstage, wg, slice(None), slice(None)))
+            plgpu.commit_smem()  # every thread has read the slot before it is refilled
     plgpu.barrier_wait(bar)
-    first = [(wg * per + j) * M for j in range(per)]  # this warpgroup's tiles' first rows
-    drive = [_load_tile(_tile(state, 1, S + q0)) for q0 in first]
+    if not single:
+        first = tiles()
+        drive = [_load_tile(_tile(state, 1, S + q0)) for q0 in first]
 
     def send_x(value, k, q0, pending):  # a tile of x_k out through the staging slot
         plgpu.wait_smem_to_gmem(pending, wait_read_only=True)  # the slot's last copy has read it
@@ -330,10 +367,13 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, x0_ref, d_r
     everyone(sync)  # every warpgroup holds its drive before step 0 overwrites buffer 1
 
     def step(k, carry):
-        src, dst = k % 2, 1 - k % 2
+        src, dst = (0, 0) if single else (k % 2, 1 - k % 2)
+        if single:  # every window of x_k read before any tile of x_{k+1} is written
+            zs = [_products(layout, offsets, state, src, q0, taps) + drive[j] for j, q0 in enumerate(first)]
+            everyone(sync)
         for j, q0 in enumerate(first):
             rows = pl.ds(S + q0, M)
-            z = _products(layout, offsets, state, src, q0, taps) + drive[j]
+            z = zs[j] if single else _products(layout, offsets, state, src, q0, taps) + drive[j]
             x = _load_tile(_tile(state, src, S + q0))
             keep, zero = hb._inside(layout, q0, C), jnp.zeros_like(z)
             new = jnp.where(keep, x + h * _act(activation, z), zero)
@@ -368,6 +408,7 @@ def _backward_kernel(layout, offsets, steps, h, activation, nw, gk_ref, zs_ref, 
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     sbuf, zbuf, sstage, taps, bar, zbar, sync = rest
+    single = sbuf.shape[0] == 1  # one buffer: a step's products first, then (after a meeting) its writes
     n = jax.lax.axis_index("n")
     wg, lead_only, everyone = hb._team(nw)
     S, C = layout.slack, sbuf.shape[1] * PLANE
@@ -393,13 +434,17 @@ def _backward_kernel(layout, offsets, steps, h, activation, nw, gk_ref, zs_ref, 
         plgpu.commit_smem()  # also: every thread is done with z's slot j % slots before it is refilled
         plgpu.copy_smem_to_gmem(sstage.at[wg], ss_ref.at[k, n, pl.ds(S + first[j], M)])
 
+    into = 0 if single else 1
+
     @lead_only
     def _():
         plgpu.copy_gmem_to_smem(taps_g, taps, bar)
-        _planes_in(gk_ref.at[n], sbuf.at[1], bar, region)  # g_K through buffer 1 into registers
+        _planes_in(gk_ref.at[n], sbuf.at[into], bar, region)  # g_K through buffer 1 into registers
 
     plgpu.barrier_wait(bar)
-    g = [_load_tile(_tile(sbuf, 1, S + q0)) for q0 in first]
+    g = [_load_tile(_tile(sbuf, into, S + q0)) for q0 in first]
+    if single:
+        everyone(sync)  # every g_K read before s_{K-1} overwrites it
     fetch_z(steps - 1, 0)
     for j in range(per):  # s_{K-1} into buffer 0
         if j + 1 < per:
@@ -409,14 +454,17 @@ def _backward_kernel(layout, offsets, steps, h, activation, nw, gk_ref, zs_ref, 
 
     def step(i, g, last=False):  # k = K-1-i: g_k from s_k (buffer i % 2), then s_{k-1} (the other)
         k = steps - 1 - i
-        src, dst = i % 2, 1 - i % 2
+        src, dst = (0, 0) if single else (i % 2, 1 - i % 2)
         if not last:
             fetch_z(k - 1, 0)
         g = list(g)
+        if single:  # every window of s_k read before any tile of s_{k-1} is written
+            accs = [_products(layout, offsets, sbuf, src, q0, taps) for q0 in first]
+            everyone(sync)
         for j in range(per):
             if not last and j + 1 < per:
                 fetch_z(k - 1, j + 1)
-            acc = _products(layout, offsets, sbuf, src, first[j], taps)
+            acc = accs[j] if single else _products(layout, offsets, sbuf, src, first[j], taps)
             g[j] = jnp.where(hb._inside(layout, first[j], C), g[j] + acc, jnp.zeros_like(acc))
             if not last:
                 put_s(j, slope_tile(j, g[j]), dst, k - 1)
@@ -428,7 +476,7 @@ def _backward_kernel(layout, offsets, steps, h, activation, nw, gk_ref, zs_ref, 
     g = step(steps - 1, g, last=True)  # k = 0: g_0 only
     # the buffer the last step did not read: every warpgroup was done reading it at the previous
     # step's meeting
-    free = 1 - (steps - 1) % 2
+    free = 0 if single else 1 - (steps - 1) % 2  # one buffer: its last reads were before the last meeting
     for j, q0 in enumerate(first):
         _store_tile(g[j], _tile(sbuf, free, S + q0))
     plgpu.commit_smem()
@@ -439,7 +487,7 @@ def _backward_kernel(layout, offsets, steps, h, activation, nw, gk_ref, zs_ref, 
 
 def _mosaic_call(body, layout, taps, out_type, barriers, nw, staging=jnp.float32):
     """``body`` as a Mosaic GPU kernel, one program of ``nw`` warpgroups per pattern, with the
-    scratch both kernels use: the state buffers in planes ``(2, C / 4, rows, 4)``, two ``(M, C)``
+    scratch both kernels use: the state buffers in planes ``(buffers_of(C), C / 4, rows, 4)``, two ``(M, C)``
     staging slots of dtype ``staging`` per warpgroup (``z_k`` out or in), one float32 slot per
     warpgroup (states out, row-major), the taps ``(9, N, K)`` float32 swizzled,
     then ``barriers`` and a barrier for the warpgroups to meet at. Returns ``f(*buffers)``."""
@@ -450,7 +498,7 @@ def _mosaic_call(body, layout, taps, out_type, barriers, nw, staging=jnp.float32
         body,
         out_type=out_type,
         scratch_types=[
-            plgpu.SMEM((2, C // PLANE, layout.rows, PLANE), jnp.float32),
+            plgpu.SMEM((buffers_of(C), C // PLANE, layout.rows, PLANE), jnp.float32),
             plgpu.SMEM((nw, hb._slots(layout, nw), M, C), staging),
             plgpu.SMEM((nw, M, C), jnp.float32),  # each warpgroup's row-major slot for states out
             plgpu.SMEM((9, C, C), jnp.float32, transforms=taps_transforms(C)),
@@ -513,12 +561,16 @@ def _forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups):
     saved = hb.MASK_DTYPE if hb.saves_mask(activation) else jnp.float32
     states = jax.ShapeDtypeStruct(((steps + 1) if save else 1, N, layout.rows, C), jnp.float32)
     out_type = (states, jax.ShapeDtypeStruct((steps, N, layout.rows, C), saved)) if save else (states,)
-    loads = 1 + 2 * (C // PLANE) * len(hb._chunks(0, layout.rows))
+    single = buffers_of(C) == 1  # the drive then comes in tile by tile, on a barrier per warpgroup
+    loads = 1 + (1 if single else 2) * (C // PLANE) * len(hb._chunks(0, layout.rows))
+    barriers = [plgpu.Barrier(num_arrivals=loads)]
+    if single:
+        barriers.append(plgpu.Barrier(num_arrivals=1, num_barriers=warpgroups))
     body = functools.partial(_forward_kernel, layout, layout.offsets(3, 3), steps, h, activation, save, warpgroups)
     body.__name__ = "hopper_tf32_forward_kernel"  # the kernel's name in a profile
     # tap t as (N, K) = (C_out, C_in): TF32's B is K-major
     transposed = jnp.swapaxes(taps, 1, 2)
-    call = _mosaic_call(body, layout, transposed, out_type, [plgpu.Barrier(num_arrivals=loads)], warpgroups, saved)
+    call = _mosaic_call(body, layout, transposed, out_type, barriers, warpgroups, saved)
     return call(x0b, db)
 
 
