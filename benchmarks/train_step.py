@@ -83,6 +83,9 @@ VARIANTS = {
     # the wgmma blocks on hopper_block's three bfloat16 products (about 16 significant bits; the
     # default before session 29), not hopper_tf32's TF32 products with the windows as views
     "nais10_fused_unroll10_bf16x3": fused10(wgmma_tf32=False),
+    # the 64-channel blocks on hopper_tf32 too (single-buffered), their kernel gradients by XLA
+    # (fused_block.WGMMA_WIDE; prepared in session 29, not yet run on a GPU)
+    "nais10_fused_unroll10_c64_tf32": fused10(wgmma_wide=True),
     # the weight gradient on wgmma too (prototype, benchmarks/wgmma_wgrad.py; Hopper only)
     "nais10_fused_unroll10_wgmma_wgrad": fused10(wgrad="wgmma"),
     # the 64-channel blocks on wgmma too (prototype, benchmarks/wgmma_block64.py; Hopper only)
@@ -298,6 +301,10 @@ def apply_spec(spec) -> None:
         from naisnet_jax import fused_block
 
         fused_block.WGMMA_TF32 = False
+    if spec.get("wgmma_wide"):  # the 64-channel blocks on the TF32 wgmma kernels
+        from naisnet_jax import fused_block
+
+        fused_block.WGMMA_WIDE = True
     if spec.get("relu_sign") is False:  # the wgmma forward saves ReLU's z_k in float32, not its sign
         from naisnet_jax import hopper_block
 

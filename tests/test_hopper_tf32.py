@@ -165,3 +165,49 @@ def test_sixty_four_channels_single_buffered():
     bwd = jax.jit(lambda a, z, t: ht.fused_backward(layout, a, z, t, steps=3, h=1.0, activation="relu", warpgroups=2))
     for fn, args in ((fwd, (x, x, taps)), (bwd, (x, zs, taps))):
         assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_wide_path_weight_gradient_from_xla_matches_the_loop():
+    """The config of a 64-channel block on the wide path (the TF32 kernels' layout, the kernel's
+    gradient by XLA's convolution gradient on the saved states), the block kernels run in the
+    interpreter in float64: value and gradients equal the plain loop's."""
+    from naisnet_jax.block_vjp import conv_op, unroll_tied
+
+    rng = np.random.default_rng(3)
+    x0, drive, cot = (jnp.asarray(rng.standard_normal((2, 6, 6, 64))) for _ in range(3))
+    kernel = jnp.asarray(0.05 * rng.standard_normal((3, 3, 64, 64)))
+    config = fb.Config(interpret=True, tile_rows=fb.WIDE_TILE_ROWS, tf32=True, xla_wgrad=True)
+
+    def grads(run):
+        return jax.value_and_grad(lambda a, b, c: jnp.vdot(run(a, b, c), cot), argnums=(0, 1, 2))(x0, drive, kernel)
+
+    got = grads(lambda a, b, c: fb._fused(a, b, c, 3, 0.5, "relu", config))
+    want = grads(lambda a, b, c: unroll_tied(conv_op, a, b, c, steps=3, h=0.5, activation="relu"))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-10)
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("wide", [True, False])
+def test_wide_blocks_take_the_tf32_kernels_only_when_switched_on(wide, monkeypatch):
+    """With ``WGMMA_WIDE`` a 64-channel block's gradient lowers to the TF32 kernels (forward and
+    backward) and a convolution for its kernel's gradient, no Triton kernel; without it the block
+    keeps the stacked VJP (no Mosaic kernel)."""
+    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)  # as on a GPU
+    monkeypatch.setattr(fb, "WGMMA_WIDE", wide)
+    monkeypatch.setattr(fb, "gpu_kernels_available", lambda x0: True)
+    monkeypatch.setattr(hb, "hopper_available", lambda: True)
+    x = jax.ShapeDtypeStruct((4, 8, 8, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.float32)
+
+    def loss(a, b, c):
+        return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=3, activation="relu"))
+
+    with jax.default_matmul_precision(None):  # JAX's default (the tests' conftest asks "highest")
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
+    kernels = sorted(set(re.findall(r"hopper\w*_kernel", text)))
+    if wide:
+        assert kernels == ["hopper_tf32_backward_kernel", "hopper_tf32_forward_kernel"]
+        assert "triton" not in text.lower() and "convolution" in text
+    else:
+        assert kernels == [] and "mosaic_gpu" not in text

@@ -450,6 +450,9 @@ class Config(NamedTuple):
     # with warpgroups > 0: the TF32 wgmma kernels (naisnet_jax.hopper_tf32), whose layout's rows are
     # a multiple of 8; else the bfloat16 x 3 ones (naisnet_jax.hopper_block)
     tf32: bool = False
+    # the kernel's gradient from XLA's convolution gradient (cuDNN) on the saved states, not from
+    # the Triton weight-gradient kernel (which is slow at 64 channels)
+    xla_wgrad: bool = False
 
     def layout(self, H: int, W: int, kh: int, kw: int) -> Layout:
         """The buffers' layout of an ``H x W`` state for a ``kh x kw`` kernel under this config."""
@@ -656,7 +659,13 @@ def _fused_bwd(steps, h, activation, config, res, g):
     layout = config.layout(H, W, kernel.shape[0], kernel.shape[1])
     g0, ss = fused_backward(layout, g, zs, kernel, steps=steps, h=h, activation=activation, config=config)
     weight_grad = functools.partial(fused_weight_grad, layout, kernel_shape=kernel.shape, config=config)
-    if WGRAD_SUMS_STEPS:  # the drive's gradient from the same kernel, which the chain then waits for
+    if config.xla_wgrad:  # dW = sum_k x_k * s_k as one convolution gradient over the stacked steps
+        stacked = layout.interior(xs[:steps]).reshape((-1, H, W, C))
+        s_all = layout.interior(ss)
+        _, pull = jax.vjp(lambda w: conv_op(stacked, w), kernel)
+        (dW,) = pull(s_all.reshape(stacked.shape).astype(stacked.dtype))
+        s_sum = jnp.sum(s_all, axis=0)
+    elif WGRAD_SUMS_STEPS:  # the drive's gradient from the same kernel, which the chain then waits for
         dW, s_sum = weight_grad(xs, ss, sum_steps=True)
         s_sum = layout.interior(s_sum)
     else:
@@ -789,6 +798,34 @@ WGMMA_TF32 = True
 TF32_PRECISIONS = (None, "default", "fastest", "bfloat16", "tensorfloat32", "high", "TF32_TF32_F32")
 
 
+#: Prepared in session 29, off until measured on a GPU: 64-channel tied blocks (ReLU, 3x3) on a
+#: Hopper GPU at a precision that allows TF32 run :mod:`naisnet_jax.hopper_tf32`'s kernels (the
+#: state single-buffered, two 64-row tiles) with the kernel's gradient from XLA's convolution
+#: gradient on the saved states (:data:`Config` ``xla_wgrad``), not the stacked VJP. Read when a
+#: block is traced.
+WGMMA_WIDE = False
+#: Channels of the blocks :data:`WGMMA_WIDE` takes, and their tile rows.
+WIDE_CHANNELS, WIDE_TILE_ROWS = 64, 64
+
+
+def _wide_config(x0, kernel, activation, engine, interpret, warpgroups) -> Config | None:
+    """The config of a 64-channel block on the TF32 wgmma kernels (:data:`WGMMA_WIDE`), or ``None``
+    where it does not apply: another width, the Triton engine, the interpreter, a precision above
+    TF32, a block the kernels refuse, or (unless forced by ``interpret=False, engine="wgmma"``)
+    no Hopper GPU here."""
+    if not WGMMA_WIDE or x0.shape[-1] != WIDE_CHANNELS or engine == "triton" or interpret:
+        return None
+    forced = interpret is False and engine == "wgmma"
+    if not (forced or (interpret is None and gpu_kernels_available(x0) and hopper_block.hopper_available())):
+        return None
+    config = Config(tile_rows=WIDE_TILE_ROWS, tf32=True, xla_wgrad=True)
+    layout = config.layout(x0.shape[1], x0.shape[2], kernel.shape[0], kernel.shape[1])
+    if not wgmma_tf32() or hopper_tf32.unsupported(layout, x0, kernel, activation) is not None:
+        return None
+    nw = warpgroups or hopper_tf32.choose_warpgroups(layout, x0.shape[-1], activation)
+    return config._replace(warpgroups=nw)
+
+
 def wgmma_tf32() -> bool:
     """Whether a block traced now takes the TF32 wgmma kernels: :data:`WGMMA_TF32` and a default
     matmul precision in :data:`TF32_PRECISIONS`."""
@@ -886,6 +923,9 @@ def unroll_tied_conv(
         if engine != "wgmma":
             raise ValueError(f"warpgroups={warpgroups!r} tunes the wgmma kernels: pass engine='wgmma' with it.")
         check_int("warpgroups", warpgroups)
+    wide = None if why is not None else _wide_config(x0, kernel, activation, engine, interpret, warpgroups)
+    if wide is not None:
+        return _fused(x0, drive, kernel, steps, h, activation, wide)
     mode = kernel_mode("unroll_tied_conv", interpret, why, runs_here)
     if mode is None:
         return unroll_tied(conv_op, x0, drive, kernel, steps=steps, h=h, activation=activation, scan_unroll=scan_unroll)
