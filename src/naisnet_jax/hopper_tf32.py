@@ -2,7 +2,7 @@
 
 The same computation, buffers and frame as :mod:`naisnet_jax.hopper_block` (one program per
 pattern, its warpgroups sharing the 64-row tiles, the state or ``s_k`` double-buffered in shared
-memory, the drive or the gradient in registers for all K steps), with two differences:
+memory, the drive or the gradient in registers for all K steps). It differs in two ways:
 
 - **The state in planes.** Shared memory holds a state as ``C / 4`` planes of 4 channels,
   ``(C / 4, rows, 4)`` float32: rows of 16 bytes. In ``wgmma``'s unswizzled K-major layout a core
@@ -16,14 +16,25 @@ memory, the drive or the gradient in registers for all K steps), with two differ
   takes these kernels unless the default precision asks for more (``"highest"``, ``"float32"``).
 
 Global memory keeps ``fused_block.Layout``'s row-major buffers (``rows`` a multiple of 8, so
-that every TMA chunk moves whole 128-byte groups): each plane moves in and out by TMA as a
-``(rows, 4)`` box of the ``(rows, C)`` buffer. A tile's state goes from planes to registers and
-back through :func:`_load_tile` and :func:`_store_tile` (the WGMMA register layout, 8-byte
-accesses).
+that every TMA chunk moves whole 128-byte groups). The inputs move in by TMA a plane at a time,
+as ``(rows, 4)`` boxes of the ``(rows, C)`` buffer, once a kernel. The saved states and ``s_k``
+go out a tile at a time through a row-major staging slot per warpgroup: boxes of 16-byte rows
+move at a fraction of the bandwidth. A tile's state goes from planes to registers and back
+through :func:`_load_tile` and :func:`_store_tile` (the WGMMA register layout, 8-byte accesses).
 
-Measured (``benchmarks/window_views.py``, H200, batch 128, one warpgroup): a step's products
-over every tile 2.9 us at 32x32x16 and 1.7 us at 16x16x32, against 13.9 and 11.1 for
-``hopper_block``'s loaded and split windows.
+At 64 channels (prepared in session 29, not yet run on a GPU; ``fused_block.WGMMA_WIDE``) the
+float32 taps take 147 KB, so the state has one buffer (:func:`buffers_of`). A step computes every
+tile's products, the warpgroups meet, and then the step writes. The drive comes in a tile at a
+time through the staging slot.
+
+Measured (``BENCHMARKS.md``, session 29, batch 128, K = 10, ReLU, forward / backward ms):
+
+- a step's products over every tile, one warpgroup (H200, ``benchmarks/window_views.py``): 2.9 us
+  at 32x32x16 and 1.7 us at 16x16x32, against 13.9 and 11.1 for ``hopper_block``'s loaded and
+  split windows;
+- a block on an H100 (``benchmarks/wgmma_block.py``): 0.128 / 0.198 at 32x32x16 against
+  ``hopper_block``'s 0.153 / 0.175, and 0.090 / 0.118 at 16x16x32 against 0.150 / 0.152;
+- NAIS-Net10's training step: 24.33 against 26.94 ms on an H100, 23.26 against 25.92 on an H200.
 """
 
 from __future__ import annotations
