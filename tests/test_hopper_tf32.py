@@ -155,7 +155,7 @@ def test_sixty_four_channels_single_buffered():
     w = jnp.zeros((3, 3, 64, 64), jnp.float32)
     assert ht.unsupported(layout, x4, w, "relu") is None
     assert "shared memory" in ht.unsupported(layout, x4, w, "tanh")
-    assert "16, 32 or 64 channels, got 128" in ht.unsupported(layout, jnp.zeros((2, 8, 8, 128)), w, "relu")
+    assert "16, 32 or 64 channels, got 128" in ht.unsupported(layout, jnp.zeros((2, 8, 8, 128), jnp.float32), w, "relu")
     x = jax.ShapeDtypeStruct((4, layout.rows, 64), jnp.float32)
     taps = jax.ShapeDtypeStruct((9, 64, 64), jnp.float32)
     zs = jax.ShapeDtypeStruct((3, 4, layout.rows, 64), hb.MASK_DTYPE)

@@ -100,20 +100,55 @@ def choose_warpgroups(layout, C: int) -> int | None:
 def unsupported(layout, x0: Array, kernel: Array, activation: str) -> str | None:
     """``None`` if these kernels take the block, else why not (in words)."""
     C = x0.shape[-1]
+    why = unsupported_shape(layout, x0, kernel, activation, CHANNELS)
+    if why is None and choose_warpgroups(layout, C) is None:
+        need = smem_bytes(layout, C, 1)
+        return f"a {x0.shape[1]}x{x0.shape[2]}x{C} state needs {need} bytes of shared memory, more than {SMEM_BYTES}"
+    return why
+
+
+#: Channels these kernels take.
+CHANNELS = (16, 32)
+
+
+def unsupported_shape(layout, x0: Array, kernel: Array, activation: str, channels: tuple[int, ...]) -> str | None:
+    """Why a wgmma block kernel does not take this block, shared memory aside (``None``: it
+    does): a float32 state of one of ``channels``, a 3x3 kernel, an activation in
+    :data:`ACTIVATIONS`, tiles of a multiple of 64 rows."""
+    C = x0.shape[-1]
     if x0.dtype != jnp.float32:
         return f"the wgmma kernels take float32 states, got {x0.dtype}"
     if kernel.shape[:2] != (3, 3):
         return f"the wgmma kernels take 3x3 kernels, got {kernel.shape[0]}x{kernel.shape[1]}"
-    if C not in (16, 32):
-        return f"the wgmma kernels take 16 or 32 channels, got {C}"
+    if C not in channels:
+        listed = ", ".join(map(str, channels[:-1])) + f" or {channels[-1]}"
+        return f"the wgmma kernels take {listed} channels, got {C}"
     if activation not in ACTIVATIONS:
         return f"the wgmma kernels take activation in {ACTIVATIONS}, got {activation!r}"
     if layout.tile_rows % M:
         return f"the layout's tile_rows={layout.tile_rows} must be a multiple of {M}"
-    if choose_warpgroups(layout, C) is None:
-        need = smem_bytes(layout, C, 1)
-        return f"a {x0.shape[1]}x{x0.shape[2]}x{C} state needs {need} bytes of shared memory, more than {SMEM_BYTES}"
     return None
+
+
+def saved_dtype(activation: str):
+    """The dtype the forward kernel saves a pre-activation in: ReLU's sign in :data:`MASK_DTYPE`
+    (:func:`saves_mask`), else ``z_k`` in float32."""
+    return MASK_DTYPE if saves_mask(activation) else jnp.float32
+
+
+def forward_out_type(layout, N: int, C: int, steps: int, save: bool, activation: str):
+    """The forward kernel's outputs: every state ``(K + 1, N, rows, C)`` and every saved
+    pre-activation (:func:`saved_dtype`) if ``save``, else the last state."""
+    states = jax.ShapeDtypeStruct(((steps + 1) if save else 1, N, layout.rows, C), jnp.float32)
+    return (states, jax.ShapeDtypeStruct((steps, N, layout.rows, C), saved_dtype(activation))) if save else (states,)
+
+
+def backward_out_type(layout, N: int, C: int, steps: int):
+    """The backward kernel's outputs: ``g_0`` ``(N, rows, C)`` and ``s_0 .. s_{K-1}``."""
+    return (
+        jax.ShapeDtypeStruct((N, layout.rows, C), jnp.float32),
+        jax.ShapeDtypeStruct((steps, N, layout.rows, C), jnp.float32),
+    )
 
 
 def default_device():
@@ -506,9 +541,7 @@ def _forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     N, _, C = x0b.shape
-    saved = MASK_DTYPE if saves_mask(activation) else jnp.float32
-    states = jax.ShapeDtypeStruct(((steps + 1) if save else 1, N, layout.rows, C), jnp.float32)
-    out_type = (states, jax.ShapeDtypeStruct((steps, N, layout.rows, C), saved)) if save else (states,)
+    out_type, saved = forward_out_type(layout, N, C, steps, save, activation), saved_dtype(activation)
     loads = 2 + 2 * len(_chunks(0, layout.rows))
     body = functools.partial(_forward_kernel, layout, layout.offsets(3, 3), steps, h, activation, save, warpgroups)
     body.__name__ = "hopper_forward_kernel"  # the kernel's name in a profile
@@ -521,10 +554,7 @@ def _backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups):
 
     N, _, C = gb.shape
     mirrored = [-off for off in layout.offsets(3, 3)]
-    out_type = (
-        jax.ShapeDtypeStruct((N, layout.rows, C), jnp.float32),
-        jax.ShapeDtypeStruct((steps, N, layout.rows, C), jnp.float32),
-    )
+    out_type = backward_out_type(layout, N, C, steps)
     barriers = [
         plgpu.Barrier(num_arrivals=2 + len(_chunks(0, layout.rows))),
         plgpu.Barrier(num_arrivals=1, num_barriers=_slots(layout, warpgroups) * warpgroups),

@@ -53,9 +53,8 @@ PLANE = 4
 
 
 def saved_bytes(activation: str) -> int:
-    """Bytes of a saved pre-activation: ReLU's sign in :data:`naisnet_jax.hopper_block.MASK_DTYPE`,
-    else ``z_k`` in float32."""
-    return jnp.dtype(hb.MASK_DTYPE).itemsize if hb.saves_mask(activation) else 4
+    """Bytes of a saved pre-activation (:func:`naisnet_jax.hopper_block.saved_dtype`)."""
+    return jnp.dtype(hb.saved_dtype(activation)).itemsize
 
 
 #: Channels the kernels take. At 64 the float32 taps take 147 KB of shared memory, so the state
@@ -87,19 +86,11 @@ def choose_warpgroups(layout, C: int, activation: str = "relu") -> int | None:
 
 def unsupported(layout, x0, kernel, activation: str) -> str | None:
     """``None`` if these kernels take the block (``layout`` with rows a multiple of 8), else why not
-    (``hopper_block``'s rules, with 64 channels too)."""
+    (``hopper_block``'s rules with :data:`CHANNELS`, and this module's shared memory)."""
     C = x0.shape[-1]
-    if C == 64:  # hopper_block's rules but its channels, and the shared memory is this module's
-        stand_in = jax.ShapeDtypeStruct(x0.shape[:-1] + (16,), x0.dtype)
-        why = hb.unsupported(layout, stand_in, kernel, activation)
-        why = None if why is not None and "shared memory" in why else why
-    elif C in CHANNELS:
-        why = hb.unsupported(layout, x0, kernel, activation)
-    else:
-        listed = ", ".join(map(str, CHANNELS[:-1])) + f" or {CHANNELS[-1]}"
-        return f"the TF32 wgmma kernels take {listed} channels, got {C}"
+    why = hb.unsupported_shape(layout, x0, kernel, activation, CHANNELS)
     if why is None and choose_warpgroups(layout, C, activation) is None:
-        need = smem_bytes(layout, x0.shape[-1], 1, activation)
+        need = smem_bytes(layout, C, 1, activation)
         shape = "x".join(str(d) for d in x0.shape[1:])
         return f"a {shape} state needs {need} bytes of shared memory, more than {hb.SMEM_BYTES}"
     return why
@@ -569,9 +560,7 @@ def _forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     N, _, C = x0b.shape
-    saved = hb.MASK_DTYPE if hb.saves_mask(activation) else jnp.float32
-    states = jax.ShapeDtypeStruct(((steps + 1) if save else 1, N, layout.rows, C), jnp.float32)
-    out_type = (states, jax.ShapeDtypeStruct((steps, N, layout.rows, C), saved)) if save else (states,)
+    out_type, saved = hb.forward_out_type(layout, N, C, steps, save, activation), hb.saved_dtype(activation)
     single = buffers_of(C) == 1  # the drive then comes in tile by tile, on a barrier per warpgroup
     loads = 1 + (1 if single else 2) * (C // PLANE) * len(hb._chunks(0, layout.rows))
     barriers = [plgpu.Barrier(num_arrivals=loads)]
@@ -590,10 +579,7 @@ def _backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups):
 
     N, _, C = gb.shape
     mirrored = [-off for off in layout.offsets(3, 3)]
-    out_type = (
-        jax.ShapeDtypeStruct((N, layout.rows, C), jnp.float32),
-        jax.ShapeDtypeStruct((steps, N, layout.rows, C), jnp.float32),
-    )
+    out_type = hb.backward_out_type(layout, N, C, steps)
     barriers = [
         plgpu.Barrier(num_arrivals=1 + (C // PLANE) * len(hb._chunks(0, layout.rows))),
         plgpu.Barrier(num_arrivals=1, num_barriers=hb._slots(layout, warpgroups) * warpgroups),

@@ -1,4 +1,8 @@
-"""Where the TF32 views kernels' time goes: sends of every state by plane, or not."""
+"""Where the TF32 views kernels' time goes: sends of every state by plane, or not.
+
+Run at commit d6089b7, when the TF32 kernels still sent every saved state out by planes
+(``_planes_out``); they now send saved states and ``s_k`` a tile at a time, row-major, and
+``_planes_out`` only sends the last state and ``g_0``."""
 
 import sys
 
