@@ -83,9 +83,11 @@ VARIANTS = {
     # the wgmma blocks on hopper_block's three bfloat16 products (about 16 significant bits; the
     # default before session 29), not hopper_tf32's TF32 products with the windows as views
     "nais10_fused_unroll10_bf16x3": fused10(wgmma_tf32=False),
-    # the 64-channel blocks on hopper_tf32 too (single-buffered), their kernel gradients by XLA
-    # (fused_block.WGMMA_WIDE; prepared in session 29, not yet run on a GPU)
-    "nais10_fused_unroll10_c64_tf32": fused10(wgmma_wide=True),
+    # the 64-channel blocks on the stacked VJP (cuDNN), as before session 30, not on hopper_tf32's
+    # kernels with their kernel gradients by XLA (fused_block.WGMMA_WIDE)
+    "nais10_fused_unroll10_c64_xla": fused10(wgmma_wide=False),
+    # the 64-channel blocks' kernel gradients (XLA's, cuDNN) on the second stream
+    "nais10_fused_unroll10_c64_wgrad_side": fused10(wide_wgrad_side=True),
     # the weight gradient on wgmma too (prototype, benchmarks/wgmma_wgrad.py; Hopper only)
     "nais10_fused_unroll10_wgmma_wgrad": fused10(wgrad="wgmma"),
     # the 64-channel blocks on wgmma too (prototype, benchmarks/wgmma_block64.py; Hopper only)
@@ -131,8 +133,9 @@ VARIANTS = {
     "nais10_fused_unroll10_conv_fusion": fused10(conv_fusion=True),
     # every block's K steps from x_0 = 0, as before session 24 (not from x_1 = h act(drive))
     "nais10_fused_unroll10_from_zero": fused10(first_step=False),
-    # the drive convolutions' kernel gradients by cuDNN, as before session 24 (not the fused kernel)
-    "nais10_fused_unroll10_xla_drive_wgrad": fused10(drive_wgrad="xla"),
+    # the drive convolutions' kernel gradients by the fused weight-gradient kernel, as in sessions
+    # 24 to 29 (not cuDNN's on the second stream: fused_block.DRIVE_WGRAD_KERNEL)
+    "nais10_fused_unroll10_drive_wgrad_kernel": fused10(drive_wgrad="kernel"),
     # the weight-gradient kernel's chunks and stages from benchmarks/wgrad_tiling.py --best=FILE
     # (read from the environment's WGRAD_BEST=FILE)
     "nais10_fused_unroll10_wgrad_best": fused10(wgrad_tiling="WGRAD_BEST"),
@@ -301,10 +304,14 @@ def apply_spec(spec) -> None:
         from naisnet_jax import fused_block
 
         fused_block.WGMMA_TF32 = False
-    if spec.get("wgmma_wide"):  # the 64-channel blocks on the TF32 wgmma kernels
+    if spec.get("wgmma_wide") is False:  # the 64-channel blocks on the stacked VJP, not the TF32 wgmma kernels
         from naisnet_jax import fused_block
 
-        fused_block.WGMMA_WIDE = True
+        fused_block.WGMMA_WIDE = False
+    if spec.get("wide_wgrad_side"):  # the 64-channel blocks' kernel gradients on the second stream
+        from naisnet_jax import fused_block
+
+        fused_block.WIDE_WGRAD_SIDE = True
     if spec.get("relu_sign") is False:  # the wgmma forward saves ReLU's z_k in float32, not its sign
         from naisnet_jax import hopper_block
 
@@ -337,10 +344,10 @@ def apply_spec(spec) -> None:
         from naisnet_jax import models
 
         models._from_first_step = lambda tied_run, drive, h, activation, steps: functools.partial(tied_run, steps=steps)
-    if spec.get("drive_wgrad") == "xla":  # drive kernel gradients by XLA (cuDNN), not the fused kernel
+    if spec.get("drive_wgrad"):  # drive kernel gradients by XLA (cuDNN) or the fused kernel
         from naisnet_jax import fused_block
 
-        fused_block.same_conv_weight_grad = lambda *args: None
+        fused_block.DRIVE_WGRAD_KERNEL = spec["drive_wgrad"] == "kernel"
     if spec.get("wgrad_tiling"):  # the weight-gradient kernel's knobs from wgrad_tiling.py's JSON
         import json
 

@@ -281,10 +281,11 @@ def test_conv_weight_grad_matches_the_transposed_convolution(shape):
 
 
 def test_drive_convolution_kernel_gradient_by_the_fused_kernel(monkeypatch):
-    """``block_vjp.side_stream_conv`` takes the fused weight-gradient kernel for the convolutions it
-    fits (3x3 SAME, stride 1, C -> C, 16 or 32 channels, default precision), inside
-    :func:`fb.interpreted` here (on a CUDA GPU: always): same values and float64 gradients as
-    ``lax.conv_general_dilated``; any other convolution keeps XLA's kernel gradient."""
+    """With ``DRIVE_WGRAD_KERNEL`` on, ``block_vjp.side_stream_conv`` takes the fused
+    weight-gradient kernel for the convolutions it fits (3x3 SAME, stride 1, C -> C, 16 or 32
+    channels, default precision), inside :func:`fb.interpreted` here (on a CUDA GPU: always): same
+    values and float64 gradients as ``lax.conv_general_dilated``; any other convolution keeps
+    XLA's kernel gradient. Off (the default), every convolution keeps XLA's."""
     rng = np.random.default_rng(12)
     dn = ("NHWC", "HWIO", "NHWC")
     lhs = jnp.asarray(rng.standard_normal((2, 6, 6, 16)))
@@ -307,6 +308,11 @@ def test_drive_convolution_kernel_gradient_by_the_fused_kernel(monkeypatch):
         return str(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(*a)).count("pallas_call")
 
     assert pallas_calls(loss(side, **taken), lhs, rhs) == 0  # a CPU, outside the interpreter
+    assert fb.DRIVE_WGRAD_KERNEL is False
+    with fb.interpreted():  # the default: XLA's kernel gradient, even where the kernel would fit
+        assert fb.same_conv_weight_grad(lhs, rhs, taken["args"], taken["kwargs"]) is None
+        assert pallas_calls(loss(side, **taken), lhs, rhs) == 0
+    monkeypatch.setattr(fb, "DRIVE_WGRAD_KERNEL", True)
     with fb.interpreted():
         assert fb.same_conv_weight_grad(lhs, rhs, taken["args"], taken["kwargs"]) is not None
         assert fb.same_conv_weight_grad(lhs, rhs, ((1, 1), [(1, 1), (1, 1)]), dict(dimension_numbers=dn))

@@ -78,10 +78,11 @@ def on_side_stream(f: Callable, enabled: bool | None = None) -> Callable:
 def side_stream_conv(lhs: Array, rhs: Array, *args, **kwargs) -> Array:
     """``lax.conv_general_dilated(lhs, rhs, *args, **kwargs)`` with a kernel gradient that feeds
     only the optimiser, so it can run off the input-gradient chain: on the second stream
-    (:func:`on_side_stream`) on a GPU with :data:`SIDE_STREAM` set, and by the fused
-    weight-gradient kernel where it takes the convolution
-    (:func:`naisnet_jax.fused_block.same_conv_weight_grad`: the 3x3 SAME drives of 16 and 32
-    channels, on a CUDA GPU; TF32 products, as cuDNN's). Elsewhere the plain convolution. A
+    (:func:`on_side_stream`) on a GPU with :data:`SIDE_STREAM` set, or by the fused
+    weight-gradient kernel where it takes the convolution and
+    ``fused_block.DRIVE_WGRAD_KERNEL`` is set (:func:`naisnet_jax.fused_block.same_conv_weight_grad`:
+    the 3x3 SAME drives of 16 and 32 channels, on a CUDA GPU; TF32 products, as cuDNN's).
+    Elsewhere the plain convolution. A
     drop-in for ``flax.linen.Conv(conv_general_dilated=...)``: the fast paths (``block_vjp``
     other than ``"autodiff"``) give it to their blocks' drive convolutions."""
     from naisnet_jax.fused_block import same_conv_weight_grad  # it imports this module

@@ -660,11 +660,15 @@ def _fused_bwd(steps, h, activation, config, res, g):
     g0, ss = fused_backward(layout, g, zs, kernel, steps=steps, h=h, activation=activation, config=config)
     weight_grad = functools.partial(fused_weight_grad, layout, kernel_shape=kernel.shape, config=config)
     if config.xla_wgrad:  # dW = sum_k x_k * s_k as one convolution gradient over the stacked steps
-        stacked = layout.interior(xs[:steps]).reshape((-1, H, W, C))
-        s_all = layout.interior(ss)
-        _, pull = jax.vjp(lambda w: conv_op(stacked, w), kernel)
-        (dW,) = pull(s_all.reshape(stacked.shape).astype(stacked.dtype))
-        s_sum = jnp.sum(s_all, axis=0)
+
+        def xla_weight_grad(xs, ss):
+            stacked = layout.interior(xs[:steps]).reshape((-1, H, W, C))
+            _, pull = jax.vjp(lambda w: conv_op(stacked, w), kernel)
+            return pull(layout.interior(ss).reshape(stacked.shape).astype(stacked.dtype))[0]
+
+        side = WIDE_WGRAD_SIDE and not config.interpret
+        dW = on_side_stream(xla_weight_grad, None if side else False)(xs, ss)
+        s_sum = jnp.sum(layout.interior(ss), axis=0)
     elif WGRAD_SUMS_STEPS:  # the drive's gradient from the same kernel, which the chain then waits for
         dW, s_sum = weight_grad(xs, ss, sum_steps=True)
         s_sum = layout.interior(s_sum)
@@ -705,14 +709,22 @@ def conv_weight_grad(
     return on_side_stream(weight_grad, side_stream and not config.interpret)(xs, ss)
 
 
+#: The drive convolutions' kernel gradients by the weight-gradient kernel
+#: (:func:`same_conv_weight_grad`), not by XLA (cuDNN, on the second stream). Off since session 30:
+#: with the wgmma block kernels, NAIS-Net10's step on an H100 took 22.58 ms with cuDNN's against
+#: 23.26 with the kernel, whose inputs must first be copied into buffers (``BENCHMARKS.md``).
+DRIVE_WGRAD_KERNEL = False
+
+
 def same_conv_weight_grad(lhs: Array, rhs: Array, args: tuple, kwargs: dict):
     """:func:`conv_weight_grad` as ``(lhs, g, rhs, side_stream) -> dK`` for the convolution
-    ``lax.conv_general_dilated(lhs, rhs, *args, **kwargs)`` if it is one the kernel takes and runs
-    here (as :func:`unroll_tied_conv` chooses: a float32 NHWC input, an HWIO kernel mapping ``C``
-    channels to ``C`` that :func:`kernel_supported` takes, ``C`` at most :data:`AUTO_MAX_CHANNELS`,
-    stride 1, SAME zero padding, no dilation or groups, the default precision; a CUDA GPU, or the
-    interpreter inside :func:`interpreted`), else ``None``."""
-    if lhs.ndim != 4 or rhs.ndim != 4:
+    ``lax.conv_general_dilated(lhs, rhs, *args, **kwargs)`` if :data:`DRIVE_WGRAD_KERNEL` is set
+    and it is one the kernel takes and runs here (as :func:`unroll_tied_conv` chooses: a float32
+    NHWC input, an HWIO kernel mapping ``C`` channels to ``C`` that :func:`kernel_supported`
+    takes, ``C`` at most :data:`AUTO_MAX_CHANNELS`, stride 1, SAME zero padding, no dilation or
+    groups, the default precision; a CUDA GPU, or the interpreter inside :func:`interpreted`),
+    else ``None``."""
+    if not DRIVE_WGRAD_KERNEL or lhs.ndim != 4 or rhs.ndim != 4:
         return None
     try:
         bound = inspect.signature(lax.conv_general_dilated).bind(lhs, rhs, *args, **kwargs).arguments
@@ -798,12 +810,16 @@ WGMMA_TF32 = True
 TF32_PRECISIONS = (None, "default", "fastest", "bfloat16", "tensorfloat32", "high", "TF32_TF32_F32")
 
 
-#: Prepared in session 29, off until measured on a GPU: 64-channel tied blocks (ReLU, 3x3) on a
-#: Hopper GPU at a precision that allows TF32 run :mod:`naisnet_jax.hopper_tf32`'s kernels (the
-#: state single-buffered, two 64-row tiles) with the kernel's gradient from XLA's convolution
-#: gradient on the saved states (:data:`Config` ``xla_wgrad``), not the stacked VJP. Read when a
-#: block is traced.
-WGMMA_WIDE = False
+#: 64-channel tied blocks (ReLU, 3x3) on a Hopper GPU at a precision that allows TF32 run
+#: :mod:`naisnet_jax.hopper_tf32`'s kernels (the state single-buffered, 64-row tiles) with the
+#: kernel's gradient from XLA's convolution gradient on the saved states (:data:`Config`
+#: ``xla_wgrad``); ``False``: the stacked VJP, as before session 30 (on an H100 the 8x8x64 block
+#: of NAIS-Net10 takes 0.095 / 0.114 ms forward / backward against the Triton kernels' 1.00 /
+#: 0.98, and the training step 23.18 against 24.51 ms). Read when a block is traced.
+WGMMA_WIDE = True
+#: Those blocks' kernel gradients (XLA's, on the saved states) on the second stream
+#: (:func:`naisnet_jax.block_vjp.on_side_stream`), not the main one.
+WIDE_WGRAD_SIDE = False
 #: Channels of the blocks :data:`WGMMA_WIDE` takes, and their tile rows.
 WIDE_CHANNELS, WIDE_TILE_ROWS = 64, 64
 
