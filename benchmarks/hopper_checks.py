@@ -6,7 +6,8 @@ Two questions, one run:
    and gradients (``x_0``, drive, kernel) of ``<x_K, cotangent>`` with ``engine="wgmma"`` and
    ``engine="triton"``, each against the stacked pure-JAX VJP at the highest matmul precision
    (relative max error); and the vmapped wgmma gradients against each seed run alone. At 16 and
-   32 channels, ReLU and tanh.
+   32 channels, ReLU and tanh; at 64, ReLU (the wide path: states and ``s_k`` saved as images, the
+   kernel gradient by XLA).
 2. **The NAIS-Net10 step** (``block_vjp="fused"``, ``scan_unroll=10``, batch 128, float32),
    both engines compiled in one process and timed in alternating rounds of 10 steps (best and
    median ms a step), with the losses of the first 30 steps from the same state.
@@ -37,8 +38,8 @@ def value_rows(batch: int, steps: int, seeds: int = 3) -> list[dict]:
     from naisnet_jax.block_vjp import conv_op, unroll_tied
 
     rows = []
-    for H, C in ((32, 16), (16, 32)):
-        for activation in ("relu", "tanh"):
+    for H, C in ((32, 16), (16, 32), (8, 64)):
+        for activation in ("relu", "tanh") if C < 64 else ("relu",):  # 64 channels: ReLU (fused_block.WGMMA_WIDE)
             k = jax.random.split(jax.random.key(0), 4)
             x0 = jax.random.normal(k[0], (seeds, batch, H, H, C))
             drive = jax.random.normal(k[1], (seeds, batch, H, H, C))
@@ -150,6 +151,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--smoke", action="store_true", help="lower both engines for CUDA only (any machine)")
     parser.add_argument("--skip-values", action="store_true")
+    parser.add_argument("--skip-steps", action="store_true", help="the value checks only")
     args = parser.parse_args(argv)
     _common.importable()
     if args.smoke:
@@ -159,7 +161,7 @@ def main(argv=None):
     if not _common.hopper_here(args.out, "hopper_checks"):
         return
     values = [] if args.skip_values else value_rows(args.value_batch, args.steps)
-    steps = step_rows(args.batch, args.rounds)
+    steps = [] if args.skip_steps else step_rows(args.batch, args.rounds)
     device = _common.device_summary()
     text_v, md_v = _common.table(
         values,

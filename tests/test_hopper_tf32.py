@@ -211,3 +211,74 @@ def test_wide_blocks_take_the_tf32_kernels_only_when_switched_on(wide, monkeypat
         assert "triton" not in text.lower() and "convolution" in text
     else:
         assert kernels == [] and "mosaic_gpu" not in text
+
+
+@pytest.mark.parametrize("H, W, warpgroups", [(8, 8, 2), (8, 8, 1), (16, 16, 3), (5, 7, 1)])
+def test_interior_runs_cover_the_image_once(H, W, warpgroups):
+    """``interior_runs``: the copies each warpgroup's tiles send with ``interior=True`` (a run of
+    the staging slot's rows to a row of the image), replayed in numpy over every tile, rebuild
+    exactly ``Layout.interior`` of the buffer, every pixel written once."""
+    layout = fb.Layout.of(H, W, 3, 3, 64, align=8)
+    C = 4
+    buf = np.arange(layout.rows * C, dtype=np.float64).reshape(layout.rows, C)
+    image, writes = np.full((H, W, C), np.nan), np.zeros((H, W), int)
+    per = hb.tiles_of(layout) // warpgroups
+    for w in range(warpgroups):
+        for j in range(per):
+            q0 = (w * per + j) * 64
+            stage = buf[layout.slack + q0 : layout.slack + q0 + 64]  # the tile's rows, as staged
+            for a, i, c0, length in ht.interior_runs(layout, q0):
+                assert 0 <= a and a + length <= 64 and 0 <= c0 and c0 + length <= W
+                image[i, c0 : c0 + length] = stage[a : a + length]
+                writes[i, c0 : c0 + length] += 1
+    np.testing.assert_array_equal(writes, 1)
+    np.testing.assert_array_equal(image, np.asarray(layout.interior(jnp.asarray(buf))))
+
+
+def test_interior_outputs_need_rows_of_128_bytes():
+    """``interior=True`` sends runs from any row of the staging slot, which TMA takes only at
+    128-byte boundaries: 16 channels (64-byte rows) are refused by name, before anything is built."""
+    layout = fb.Layout.of(8, 8, 3, 3, 64, align=8)
+    x = jnp.zeros((2, layout.rows, 16), jnp.float32)
+    with pytest.raises(ValueError, match="interior=True.*64 bytes"):
+        ht.fused_forward(
+            layout,
+            x,
+            x,
+            jnp.zeros((9, 16, 16)),
+            steps=2,
+            h=1.0,
+            activation="relu",
+            save=True,
+            warpgroups=1,
+            interior=True,
+        )
+
+
+def test_wide_block_saves_states_as_images_for_the_weight_gradient(monkeypatch):
+    """On the wide path the TF32 kernels write the saved states and ``s_k`` as images: the
+    lowered gradient of a 64-channel block (as on a Hopper GPU) takes its kernel gradient from a
+    convolution over ``(K - 1) N`` images with no copy of the buffers' interiors before it (XLA
+    would slice ``(K, N, rows, C)`` buffers otherwise)."""
+    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
+    monkeypatch.setattr(fb, "gpu_kernels_available", lambda x0: True)
+    monkeypatch.setattr(hb, "hopper_available", lambda: True)
+    N, steps = 4, 3
+    x = jax.ShapeDtypeStruct((N, 8, 8, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.float32)
+
+    def loss(a, b, c):
+        return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=steps, activation="relu"))
+
+    with jax.default_matmul_precision(None):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
+    kernels = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    forward = next(line for line in kernels if "xi8>)" in line.split("->")[-1])
+    images = f"tensor<{steps}x{N}x8x8x64xf32>"
+    assert f"-> ({images}, tensor<{N}x8x8x64xf32>, tensor<{steps}x{N}x152x64xi8>)" in forward  # x_K apart
+    assert any(line.endswith(f"tensor<{N}x152x64xf32>, {images})") for line in kernels)  # (g_0, the s_k)
+    convs = [line for line in text.splitlines() if "stablehlo.convolution" in line]
+    assert any(f"(tensor<{steps * N}x8x8x64xf32>, tensor<{steps * N}x8x8x64xf32>)" in line for line in convs)
+    slices = [line.split(" : ")[-1] for line in text.splitlines() if "stablehlo.slice" in line]
+    # only g_0's interior is cut out of its buffer: no stack of K states or s_k is sliced
+    assert slices and all(operand.startswith(f"(tensor<{N}x") for operand in slices), slices

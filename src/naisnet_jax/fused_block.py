@@ -505,8 +505,10 @@ def fused_forward(x0, drive, kernel, *, steps, h, activation, save=True, config=
     """The block's states as buffers (``layout.interior`` gives the images).
 
     ``save=True`` returns ``(layout, xs, zs)``: every state ``x_0 .. x_K``, shape
-    ``(K + 1, N, rows, C)``, and every pre-activation ``z_0 .. z_{K-1}``, shape
-    ``(K, N, rows, C)``. ``save=False`` returns ``(layout, x_K)`` only.
+    ``(K + 1, N, rows, C)`` (with :data:`Config` ``xla_wgrad`` as images, the pair ``x_0 ..
+    x_{K-1}`` ``(K, N, H, W, C)`` and ``x_K`` ``(N, H, W, C)``: the TF32 wgmma kernels write
+    them so), and every pre-activation ``z_0 .. z_{K-1}``, shape ``(K, N, rows, C)``.
+    ``save=False`` returns ``(layout, x_K)`` only.
     """
     N, H, W, C = x0.shape
     kh, kw = kernel.shape[:2]
@@ -524,21 +526,34 @@ def fused_forward(x0, drive, kernel, *, steps, h, activation, save=True, config=
             activation=activation,
             save=save,
             warpgroups=config.warpgroups,
+            **(dict(interior=config.xla_wgrad) if config.tf32 else {}),
         )
+        if save and config.xla_wgrad:  # hopper_block writes buffers only
+            out = ((out[0], out[1]), out[2]) if config.tf32 else (_states_apart(layout, out[0], steps), out[1])
         return (layout, *out) if save else (layout, out[0][0])
     body = functools.partial(_forward_kernel, layout, layout.offsets(kh, kw), steps, h, activation, save, config)
     states = jax.ShapeDtypeStruct(((steps + 1) if save else 2, N, layout.rows, C), x0.dtype)
     out_shape = (states, jax.ShapeDtypeStruct((steps, N, layout.rows, C), x0.dtype)) if save else (states,)
     out = _pallas(body, out_shape, N, config)(x0b, db, _taps(kernel.astype(x0.dtype)))
+    if save and config.xla_wgrad:
+        out = (_states_apart(layout, out[0], steps), out[1])
     return (layout, *out) if save else (layout, out[0][steps % 2])
 
 
+def _states_apart(layout, xs, steps):
+    """Buffers ``x_0 .. x_K`` as :func:`fused_forward` gives them with ``xla_wgrad``: images, the
+    first ``K`` apart from ``x_K``."""
+    images = layout.interior(xs)
+    return images[:steps], images[steps]
+
+
 def fused_backward(layout, g, zs, kernel, *, steps, h, activation, config=GPU):
-    """``(g_0, s_0 .. s_{K-1})`` as buffers from the gradient ``g`` at ``x_K``."""
+    """``(g_0, s_0 .. s_{K-1})`` as buffers from the gradient ``g`` at ``x_K`` (with :data:`Config`
+    ``xla_wgrad`` the ``s_k`` as images, as :func:`fused_forward`'s states)."""
     N, C = g.shape[0], g.shape[-1]
     kh, kw = kernel.shape[:2]
     if config.warpgroups and not config.interpret:
-        return config.hopper().fused_backward(
+        g0, ss = config.hopper().fused_backward(
             layout,
             layout.to_buffer(g),
             zs,
@@ -547,14 +562,17 @@ def fused_backward(layout, g, zs, kernel, *, steps, h, activation, config=GPU):
             h=h,
             activation=activation,
             warpgroups=config.warpgroups,
+            **(dict(interior=config.xla_wgrad) if config.tf32 else {}),
         )
+        return (g0, layout.interior(ss)) if config.xla_wgrad and not config.tf32 else (g0, ss)
     transposed = jnp.swapaxes(_taps(kernel.astype(g.dtype)), 1, 2)  # tap t's C_out x C_in
     body = functools.partial(_backward_kernel, layout, layout.offsets(kh, kw), steps, h, activation, config)
     out_shape = (
         jax.ShapeDtypeStruct((N, layout.rows, C), g.dtype),
         jax.ShapeDtypeStruct((steps, N, layout.rows, C), g.dtype),
     )
-    return _pallas(body, out_shape, N, config)(layout.to_buffer(g), zs, transposed)
+    g0, ss = _pallas(body, out_shape, N, config)(layout.to_buffer(g), zs, transposed)
+    return (g0, layout.interior(ss)) if config.xla_wgrad else (g0, ss)
 
 
 #: Rows per tile of the weight-gradient kernel (on an H100, 32 rows: a 32x32x16 block forward +
@@ -649,7 +667,11 @@ def _fused(x0, drive, kernel, steps, h, activation, config):
 
 def _fused_fwd(x0, drive, kernel, steps, h, activation, config):
     layout, xs, zs = fused_forward(x0, drive, kernel, steps=steps, h=h, activation=activation, config=config)
-    return layout.interior(xs[steps]), (xs, zs, drive, kernel)
+    if config.xla_wgrad:  # the states as images, x_K apart
+        xs, x = xs
+    else:
+        x = layout.interior(xs[steps])
+    return x, (xs, zs, drive, kernel)
 
 
 def _fused_bwd(steps, h, activation, config, res, g):
@@ -661,14 +683,14 @@ def _fused_bwd(steps, h, activation, config, res, g):
     weight_grad = functools.partial(fused_weight_grad, layout, kernel_shape=kernel.shape, config=config)
     if config.xla_wgrad:  # dW = sum_k x_k * s_k as one convolution gradient over the stacked steps
 
-        def xla_weight_grad(xs, ss):
-            stacked = layout.interior(xs[:steps]).reshape((-1, H, W, C))
+        def xla_weight_grad(xs, ss):  # x_0 .. x_{K-1} and the s_k as images
+            stacked = xs.reshape((-1, H, W, C))
             _, pull = jax.vjp(lambda w: conv_op(stacked, w), kernel)
-            return pull(layout.interior(ss).reshape(stacked.shape).astype(stacked.dtype))[0]
+            return pull(ss.reshape(stacked.shape).astype(stacked.dtype))[0]
 
         side = WIDE_WGRAD_SIDE and not config.interpret
         dW = on_side_stream(xla_weight_grad, None if side else False)(xs, ss)
-        s_sum = jnp.sum(layout.interior(ss), axis=0)
+        s_sum = jnp.sum(ss, axis=0)
     elif WGRAD_SUMS_STEPS:  # the drive's gradient from the same kernel, which the chain then waits for
         dW, s_sum = weight_grad(xs, ss, sum_steps=True)
         s_sum = layout.interior(s_sum)

@@ -289,6 +289,44 @@ def _out_rows(layout) -> list[tuple[int, int]]:
     return hb._chunks(start, stop)
 
 
+def interior_runs(layout, q0: int) -> list[tuple[int, int, int, int]]:
+    """The image's pixels among a tile's rows (the tile from row ``q0`` of the padded image): a
+    ``(tile row, image row, first column, length)`` for each run of them, in order."""
+    runs = []
+    for i in range(layout.height):
+        start = (i + layout.pad_h) * layout.padded_width + layout.pad_w
+        lo, hi = max(start, q0), min(start + layout.width, q0 + M)
+        if lo < hi:
+            runs.append((lo - q0, i, lo - start, hi - lo))
+    return runs
+
+
+def _send_tile(layout, stage, dst, j, per, wg, nw, interior):
+    """Sends the staging slot ``stage`` ``(M, C)``, this warpgroup's tile ``j``, to ``dst``: the
+    buffer ``(rows, C)`` of a pattern, or with ``interior`` its image ``(H, W, C)`` (the tile's
+    runs of pixels, one copy each, committed as one group)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if not interior:
+        q0 = (wg * per + j) * M
+        plgpu.copy_smem_to_gmem(stage, dst.at[pl.ds(layout.slack + q0, M)])
+        return
+    for w in range(nw):  # a tile's runs are static: one branch a warpgroup
+
+        def send(w=w):
+            runs = interior_runs(layout, (w * per + j) * M)
+            for r, (a, i, c0, length) in enumerate(runs):
+                plgpu.copy_smem_to_gmem(
+                    stage.at[pl.ds(a, length)], dst.at[i, pl.ds(c0, length)], commit_group=r == len(runs) - 1
+                )
+
+        if nw == 1:
+            send()
+        else:
+            pl.when(wg == w)(send)
+
+
 def _planes_in(src, planes, bar, chunks):
     """``src`` ``(rows, C)`` in global memory into ``planes`` ``(C / 4, rows, 4)`` by TMA."""
     from jax.experimental import pallas as pl
@@ -311,16 +349,17 @@ def _planes_out(planes, dst, chunks):
             plgpu.copy_smem_to_gmem(planes.at[g, pl.ds(s0, size)], dst.at[pl.ds(s0, size), pl.ds(PLANE * g, PLANE)])
 
 
-def _forward_kernel(layout, offsets, steps, h, activation, save, nw, x0_ref, d_ref, taps_g, xs_ref, *rest):
+def _forward_kernel(layout, offsets, steps, h, activation, save, nw, interior, x0_ref, d_ref, taps_g, xs_ref, *rest):
     """``hopper_block._forward_kernel`` with the state in planes and the windows as views. Saved
     states go out tile by tile through a row-major staging slot (a box of 16-byte rows, one a
-    plane, would move at a fraction of the bandwidth); without ``save`` the last state goes out
-    by planes."""
+    plane, would move at a fraction of the bandwidth), with ``interior`` as images; without
+    ``save`` the last state goes out by planes."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from naisnet_jax.fused_block import _act  # fused_block imports this module
 
+    xk_ref, rest = (rest[0], rest[1:]) if interior else (None, rest)  # images: x_K apart from x_0 .. x_{K-1}
     zs_ref, scratch = (rest[0], rest[1:]) if save else (None, rest)
     state, zstage, xstage, taps, bar, *dbar, sync = scratch
     single = state.shape[0] == 1  # one buffer: a step's products first, then (after a meeting) its writes
@@ -355,15 +394,19 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, x0_ref, d_r
         first = tiles()
         drive = [_load_tile(_tile(state, 1, S + q0)) for q0 in first]
 
-    def send_x(value, k, q0, pending):  # a tile of x_k out through the staging slot
+    def send_x(value, k, j, pending):  # this warpgroup's tile j of x_k out through the staging slot
         plgpu.wait_smem_to_gmem(pending, wait_read_only=True)  # the slot's last copy has read it
         xstage[wg] = value
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(xstage.at[wg], xs_ref.at[k, n, pl.ds(S + q0, M)])
+        if not interior or isinstance(k, int):
+            _send_tile(layout, xstage.at[wg], xs_ref.at[k, n], j, per, wg, nw, interior)
+            return
+        pl.when(k < steps)(lambda: _send_tile(layout, xstage.at[wg], xs_ref.at[k, n], j, per, wg, nw, True))
+        pl.when(k == steps)(lambda: _send_tile(layout, xstage.at[wg], xk_ref.at[n], j, per, wg, nw, True))
 
     if save:  # xs[0] = x_0
-        for q0 in first:
-            send_x(_load_tile(_tile(state, 0, S + q0)), 0, q0, 0)
+        for j, q0 in enumerate(first):
+            send_x(_load_tile(_tile(state, 0, S + q0)), 0, j, 0)
 
     plgpu.commit_smem()
     everyone(sync)  # every warpgroup holds its drive before step 0 overwrites buffer 1
@@ -382,7 +425,7 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, x0_ref, d_r
             _store_tile(new, _tile(state, dst, S + q0))
             if save:
                 # copies in flight, newest first: z of the tile before (if any), then older ones
-                send_x(new, k + 1, q0, 1)
+                send_x(new, k + 1, j, 1)
                 # in flight: x of this tile, z of the one before; the slot's last user is older
                 plgpu.wait_smem_to_gmem(slots, wait_read_only=True)
                 saved = jnp.where(keep, jnp.where(z > 0, jnp.ones_like(z), zero) if mask else z, zero)
@@ -403,9 +446,12 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, x0_ref, d_r
     plgpu.wait_smem_to_gmem(0)
 
 
-def _backward_kernel(layout, offsets, steps, h, activation, nw, gk_ref, zs_ref, taps_g, g0_ref, ss_ref, *rest):
+def _backward_kernel(
+    layout, offsets, steps, h, activation, nw, interior, gk_ref, zs_ref, taps_g, g0_ref, ss_ref, *rest
+):
     """``hopper_block._backward_kernel`` with ``s_k`` in planes and the windows as views; each
-    ``s_k`` goes out tile by tile through a row-major staging slot, ``g_0`` by planes."""
+    ``s_k`` goes out tile by tile through a row-major staging slot (with ``interior`` as images),
+    ``g_0`` by planes."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -434,7 +480,7 @@ def _backward_kernel(layout, offsets, steps, h, activation, nw, gk_ref, zs_ref, 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging slot's last copy has read it
         sstage[wg] = s
         plgpu.commit_smem()  # also: every thread is done with z's slot j % slots before it is refilled
-        plgpu.copy_smem_to_gmem(sstage.at[wg], ss_ref.at[k, n, pl.ds(S + first[j], M)])
+        _send_tile(layout, sstage.at[wg], ss_ref.at[k, n], j, per, wg, nw, interior)
 
     into = 0 if single else 1
 
@@ -487,7 +533,7 @@ def _backward_kernel(layout, offsets, steps, h, activation, nw, gk_ref, zs_ref, 
     plgpu.wait_smem_to_gmem(0)
 
 
-def _mosaic_call(body, layout, taps, out_type, barriers, nw, staging=jnp.float32):
+def _mosaic_call(body, layout, taps, out_type, barriers, nw, N, staging=jnp.float32):
     """``body`` as a Mosaic GPU kernel, one program of ``nw`` warpgroups per pattern, with the
     scratch both kernels use: the state buffers in planes ``(buffers_of(C), C / 4, rows, 4)``, two ``(M, C)``
     staging slots of dtype ``staging`` per warpgroup (``z_k`` out or in), one float32 slot per
@@ -507,7 +553,7 @@ def _mosaic_call(body, layout, taps, out_type, barriers, nw, staging=jnp.float32
             *barriers,
             plgpu.Barrier(num_arrivals=nw),
         ],
-        grid=(out_type[0].shape[-3],),  # the patterns: every output is (..., N, rows, C)
+        grid=(N,),  # one program a pattern
         grid_names=("n",),
         **(dict(num_threads=nw, thread_name="wg") if nw > 1 else {}),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -529,62 +575,106 @@ def _check_program(layout, warpgroups: int, C: int, activation: str) -> None:
         )
 
 
-def fused_forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups):
-    """As :func:`naisnet_jax.hopper_block.fused_forward`, in TF32 (``layout.rows`` a multiple of 8)."""
+def _check_interior(layout, C: int, interior: bool) -> None:
+    if interior and C * 4 % 128:  # each run of pixels leaves the staging slot from its own row
+        raise ValueError(
+            f"interior=True sends runs of pixels from any row of a tile, which TMA needs 128-byte aligned: "
+            f"rows of {C} float32 channels ({C * 4} bytes) are not; use interior=False"
+        )
+
+
+def fused_forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups, interior=False):
+    """As :func:`naisnet_jax.hopper_block.fused_forward`, in TF32 (``layout.rows`` a multiple of 8).
+    ``interior`` (with ``save``; at least 32 channels): the states as images, not buffers, and
+    ``x_K`` apart: ``(x_0 .. x_{K-1} (K, N, H, W, C), x_K (N, H, W, C), zs)`` (XLA's weight
+    gradient takes the first as it is: no copy out of the buffers)."""
     _check_program(layout, warpgroups, x0b.shape[-1], activation)
-    return _forward_call(layout, steps, float(h), activation, bool(save), warpgroups)(x0b, db, taps)
+    _check_interior(layout, x0b.shape[-1], interior and save)
+    call = _forward_call(layout, steps, float(h), activation, bool(save), warpgroups, bool(interior and save))
+    return call(x0b, db, taps)
 
 
-def fused_backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups):
+def fused_backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups, interior=False):
     """As :func:`naisnet_jax.hopper_block.fused_backward`, in TF32 (for ReLU, ``zs`` the saved
-    signs, or ``z_k`` itself, reduced to its sign first)."""
+    signs, or ``z_k`` itself, reduced to its sign first). ``interior``: the ``s_k`` as images
+    ``(K, N, H, W, C)``, as :func:`fused_forward`'s."""
     if hb.saves_mask(activation) and zs.dtype != hb.MASK_DTYPE:  # z_k given: ReLU needs only its sign
         zs = (zs > 0).astype(hb.MASK_DTYPE)
     _check_program(layout, warpgroups, gb.shape[-1], activation)
-    return _backward_call(layout, steps, float(h), activation, warpgroups)(gb, zs, taps)
+    _check_interior(layout, gb.shape[-1], interior)
+    return _backward_call(layout, steps, float(h), activation, warpgroups, bool(interior))(gb, zs, taps)
 
 
 @functools.cache
-def _forward_call(layout, steps, h, activation, save, warpgroups):
+def _forward_call(layout, steps, h, activation, save, warpgroups, interior):
     return jax.jit(
-        functools.partial(_forward, layout, steps=steps, h=h, activation=activation, save=save, warpgroups=warpgroups)
+        functools.partial(
+            _forward,
+            layout,
+            steps=steps,
+            h=h,
+            activation=activation,
+            save=save,
+            warpgroups=warpgroups,
+            interior=interior,
+        )
     )
 
 
 @functools.cache
-def _backward_call(layout, steps, h, activation, warpgroups):
-    return jax.jit(functools.partial(_backward, layout, steps=steps, h=h, activation=activation, warpgroups=warpgroups))
+def _backward_call(layout, steps, h, activation, warpgroups, interior):
+    return jax.jit(
+        functools.partial(
+            _backward, layout, steps=steps, h=h, activation=activation, warpgroups=warpgroups, interior=interior
+        )
+    )
 
 
-def _forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups):
+def _images(layout, out: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """``(..., N, rows, C)`` -> the same as images ``(..., N, H, W, C)``."""
+    return jax.ShapeDtypeStruct(out.shape[:-2] + (layout.height, layout.width, out.shape[-1]), out.dtype)
+
+
+def _forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups, interior=False):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     N, _, C = x0b.shape
     out_type, saved = hb.forward_out_type(layout, N, C, steps, save, activation), hb.saved_dtype(activation)
+    if interior:  # x_0 .. x_{K-1} and x_K as images (the first for XLA's weight gradient as they are)
+        images = _images(layout, out_type[0])
+        out_type = (
+            _images(layout, out_type[0].update(shape=(steps,) + out_type[0].shape[1:])),
+            jax.ShapeDtypeStruct(images.shape[1:], images.dtype),
+            *out_type[1:],
+        )
     single = buffers_of(C) == 1  # the drive then comes in tile by tile, on a barrier per warpgroup
     loads = 1 + (1 if single else 2) * (C // PLANE) * len(hb._chunks(0, layout.rows))
     barriers = [plgpu.Barrier(num_arrivals=loads)]
     if single:
         barriers.append(plgpu.Barrier(num_arrivals=1, num_barriers=warpgroups))
-    body = functools.partial(_forward_kernel, layout, layout.offsets(3, 3), steps, h, activation, save, warpgroups)
+    body = functools.partial(
+        _forward_kernel, layout, layout.offsets(3, 3), steps, h, activation, save, warpgroups, interior
+    )
     body.__name__ = "hopper_tf32_forward_kernel"  # the kernel's name in a profile
     # tap t as (N, K) = (C_out, C_in): TF32's B is K-major
     transposed = jnp.swapaxes(taps, 1, 2)
-    call = _mosaic_call(body, layout, transposed, out_type, barriers, warpgroups, saved)
+    call = _mosaic_call(body, layout, transposed, out_type, barriers, warpgroups, N, saved)
     return call(x0b, db)
 
 
-def _backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups):
+def _backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups, interior=False):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     N, _, C = gb.shape
     mirrored = [-off for off in layout.offsets(3, 3)]
     out_type = hb.backward_out_type(layout, N, C, steps)
+    if interior:
+        out_type = (out_type[0], _images(layout, out_type[1]))
     barriers = [
         plgpu.Barrier(num_arrivals=1 + (C // PLANE) * len(hb._chunks(0, layout.rows))),
         plgpu.Barrier(num_arrivals=1, num_barriers=hb._slots(layout, warpgroups) * warpgroups),
     ]
-    body = functools.partial(_backward_kernel, layout, mirrored, steps, h, activation, warpgroups)
+    body = functools.partial(_backward_kernel, layout, mirrored, steps, h, activation, warpgroups, interior)
     body.__name__ = "hopper_tf32_backward_kernel"
     # the transposed convolution's tap t is W_t^T, (K, N) = (C_out, C_in); stored (N, K): W_t itself
-    return _mosaic_call(body, layout, taps, out_type, barriers, warpgroups, staging=zs.dtype)(gb, zs)
+    return _mosaic_call(body, layout, taps, out_type, barriers, warpgroups, N, staging=zs.dtype)(gb, zs)
