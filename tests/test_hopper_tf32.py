@@ -282,3 +282,26 @@ def test_wide_block_saves_states_as_images_for_the_weight_gradient(monkeypatch):
     slices = [line.split(" : ")[-1] for line in text.splitlines() if "stablehlo.slice" in line]
     # only g_0's interior is cut out of its buffer: no stack of K states or s_k is sliced
     assert slices and all(operand.startswith(f"(tensor<{N}x") for operand in slices), slices
+
+
+def test_wide_block_lowers_under_vmap(monkeypatch):
+    """A sweep vmaps the blocks over seeds: at 64 channels the vmapped gradient still lowers for
+    CUDA (the taps come in a tap at a time and the saved images flat, so no TMA copy needs more
+    than five dimensions), with the TF32 kernels."""
+    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
+    monkeypatch.setattr(fb, "gpu_kernels_available", lambda x0: True)
+    monkeypatch.setattr(hb, "hopper_available", lambda: True)
+    assert [ht.tap_copies(C) for C in (16, 32, 64)] == [1, 1, 9]
+    x = jax.ShapeDtypeStruct((3, 4, 8, 8, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((3, 3, 3, 64, 64), jnp.float32)
+
+    def loss(a, b, c):
+        return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=3, activation="relu"))
+
+    with jax.default_matmul_precision(None):
+        grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))
+        text = grad.trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert sorted(set(re.findall(r"hopper\w*_kernel", text))) == [
+        "hopper_tf32_backward_kernel",
+        "hopper_tf32_forward_kernel",
+    ]

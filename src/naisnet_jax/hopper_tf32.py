@@ -303,8 +303,9 @@ def interior_runs(layout, q0: int) -> list[tuple[int, int, int, int]]:
 
 def _send_tile(layout, stage, dst, j, per, wg, nw, interior):
     """Sends the staging slot ``stage`` ``(M, C)``, this warpgroup's tile ``j``, to ``dst``: the
-    buffer ``(rows, C)`` of a pattern, or with ``interior`` its image ``(H, W, C)`` (the tile's
-    runs of pixels, one copy each, committed as one group)."""
+    buffer ``(rows, C)`` of a pattern, or with ``interior`` its image's pixels ``(H W, C)`` (the
+    tile's runs of pixels, one copy each, committed as one group). Flat images keep a vmapped
+    kernel's outputs within TMA's five dimensions."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -318,13 +319,33 @@ def _send_tile(layout, stage, dst, j, per, wg, nw, interior):
             runs = interior_runs(layout, (w * per + j) * M)
             for r, (a, i, c0, length) in enumerate(runs):
                 plgpu.copy_smem_to_gmem(
-                    stage.at[pl.ds(a, length)], dst.at[i, pl.ds(c0, length)], commit_group=r == len(runs) - 1
+                    stage.at[pl.ds(a, length)],
+                    dst.at[pl.ds(i * layout.width + c0, length)],
+                    commit_group=r == len(runs) - 1,
                 )
 
         if nw == 1:
             send()
         else:
             pl.when(wg == w)(send)
+
+
+def tap_copies(C: int) -> int:
+    """TMA copies that bring the taps in: one, or one a tap at 64 channels, whose swizzled
+    ``(9, C, C)`` tiles into five dimensions (two swizzle groups a row), six under ``vmap``: more
+    than TMA takes."""
+    return 9 if C > 32 else 1
+
+
+def _taps_in(src, taps, bar):
+    """The taps ``(9, C, C)`` from global into shared memory, as :func:`tap_copies` says."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if tap_copies(taps.shape[-1]) == 1:
+        plgpu.copy_gmem_to_smem(src, taps, bar)
+        return
+    for t in range(taps.shape[0]):
+        plgpu.copy_gmem_to_smem(src.at[t], taps.at[t], bar)
 
 
 def _planes_in(src, planes, bar, chunks):
@@ -376,7 +397,7 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, interior, x
 
     @lead_only
     def _():  # x_0 into buffer 0, the drive into buffer 1 (free until step 0 writes it)
-        plgpu.copy_gmem_to_smem(taps_g, taps, bar)  # TMA swizzles them on the way in
+        _taps_in(taps_g, taps, bar)  # TMA swizzles them on the way in
         _planes_in(x0_ref.at[n], state.at[0], bar, region)
         if not single:
             _planes_in(d_ref.at[n], state.at[1], bar, region)
@@ -486,7 +507,7 @@ def _backward_kernel(
 
     @lead_only
     def _():
-        plgpu.copy_gmem_to_smem(taps_g, taps, bar)
+        _taps_in(taps_g, taps, bar)
         _planes_in(gk_ref.at[n], sbuf.at[into], bar, region)  # g_K through buffer 1 into registers
 
     plgpu.barrier_wait(bar)
@@ -630,9 +651,14 @@ def _backward_call(layout, steps, h, activation, warpgroups, interior):
     )
 
 
-def _images(layout, out: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    """``(..., N, rows, C)`` -> the same as images ``(..., N, H, W, C)``."""
-    return jax.ShapeDtypeStruct(out.shape[:-2] + (layout.height, layout.width, out.shape[-1]), out.dtype)
+def _pixels(layout, out: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """``(..., N, rows, C)`` -> the images' pixels, ``(..., N, H W, C)``."""
+    return jax.ShapeDtypeStruct(out.shape[:-2] + (layout.height * layout.width, out.shape[-1]), out.dtype)
+
+
+def _as_images(layout, pixels):
+    """``(..., H W, C)`` -> ``(..., H, W, C)``."""
+    return pixels.reshape(pixels.shape[:-2] + (layout.height, layout.width, pixels.shape[-1]))
 
 
 def _forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups, interior=False):
@@ -641,14 +667,10 @@ def _forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups, i
     N, _, C = x0b.shape
     out_type, saved = hb.forward_out_type(layout, N, C, steps, save, activation), hb.saved_dtype(activation)
     if interior:  # x_0 .. x_{K-1} and x_K as images (the first for XLA's weight gradient as they are)
-        images = _images(layout, out_type[0])
-        out_type = (
-            _images(layout, out_type[0].update(shape=(steps,) + out_type[0].shape[1:])),
-            jax.ShapeDtypeStruct(images.shape[1:], images.dtype),
-            *out_type[1:],
-        )
+        head = _pixels(layout, out_type[0].update(shape=(steps,) + out_type[0].shape[1:]))
+        out_type = (head, head.update(shape=head.shape[1:]), *out_type[1:])
     single = buffers_of(C) == 1  # the drive then comes in tile by tile, on a barrier per warpgroup
-    loads = 1 + (1 if single else 2) * (C // PLANE) * len(hb._chunks(0, layout.rows))
+    loads = tap_copies(C) + (1 if single else 2) * (C // PLANE) * len(hb._chunks(0, layout.rows))
     barriers = [plgpu.Barrier(num_arrivals=loads)]
     if single:
         barriers.append(plgpu.Barrier(num_arrivals=1, num_barriers=warpgroups))
@@ -658,8 +680,8 @@ def _forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups, i
     body.__name__ = "hopper_tf32_forward_kernel"  # the kernel's name in a profile
     # tap t as (N, K) = (C_out, C_in): TF32's B is K-major
     transposed = jnp.swapaxes(taps, 1, 2)
-    call = _mosaic_call(body, layout, transposed, out_type, barriers, warpgroups, N, saved)
-    return call(x0b, db)
+    out = _mosaic_call(body, layout, transposed, out_type, barriers, warpgroups, N, saved)(x0b, db)
+    return (_as_images(layout, out[0]), _as_images(layout, out[1]), out[2]) if interior else out
 
 
 def _backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups, interior=False):
@@ -669,12 +691,13 @@ def _backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups, interio
     mirrored = [-off for off in layout.offsets(3, 3)]
     out_type = hb.backward_out_type(layout, N, C, steps)
     if interior:
-        out_type = (out_type[0], _images(layout, out_type[1]))
+        out_type = (out_type[0], _pixels(layout, out_type[1]))
     barriers = [
-        plgpu.Barrier(num_arrivals=1 + (C // PLANE) * len(hb._chunks(0, layout.rows))),
+        plgpu.Barrier(num_arrivals=tap_copies(C) + (C // PLANE) * len(hb._chunks(0, layout.rows))),
         plgpu.Barrier(num_arrivals=1, num_barriers=hb._slots(layout, warpgroups) * warpgroups),
     ]
     body = functools.partial(_backward_kernel, layout, mirrored, steps, h, activation, warpgroups, interior)
     body.__name__ = "hopper_tf32_backward_kernel"
     # the transposed convolution's tap t is W_t^T, (K, N) = (C_out, C_in); stored (N, K): W_t itself
-    return _mosaic_call(body, layout, taps, out_type, barriers, warpgroups, N, staging=zs.dtype)(gb, zs)
+    g0, ss = _mosaic_call(body, layout, taps, out_type, barriers, warpgroups, N, staging=zs.dtype)(gb, zs)
+    return g0, (_as_images(layout, ss) if interior else ss)
