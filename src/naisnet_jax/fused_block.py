@@ -934,7 +934,8 @@ def unroll_tied_conv(
 
     ``engine`` picks the GPU kernels' implementation: ``"triton"``, or ``"wgmma"`` for the
     forward and backward kernels on Hopper's ``wgmma`` (Hopper GPUs; 3x3 kernels, 16 or 32
-    channels, ReLU or tanh): at JAX's default matmul precision those of
+    channels, ReLU or tanh; 64 channels with ReLU at a precision that allows TF32, see
+    :data:`WGMMA_WIDE`): at JAX's default matmul precision those of
     :mod:`naisnet_jax.hopper_tf32` (TF32 products, as XLA's convolutions), where the precision
     asks for more (``jax.default_matmul_precision("float32")``) or :data:`WGMMA_TF32` is off those
     of :mod:`naisnet_jax.hopper_block` (products split in bfloat16 halves, about 16 significant

@@ -22,10 +22,11 @@ go out a tile at a time through a row-major staging slot per warpgroup: boxes of
 move at a fraction of the bandwidth. A tile's state goes from planes to registers and back
 through :func:`_load_tile` and :func:`_store_tile` (the WGMMA register layout, 8-byte accesses).
 
-At 64 channels (prepared in session 29, not yet run on a GPU; ``fused_block.WGMMA_WIDE``) the
-float32 taps take 147 KB, so the state has one buffer (:func:`buffers_of`). A step computes every
-tile's products, the warpgroups meet, and then the step writes. The drive comes in a tile at a
-time through the staging slot.
+At 64 channels (``fused_block.WGMMA_WIDE``, ReLU) the float32 taps take 147 KB, so the state has
+one buffer (:func:`buffers_of`). A step computes every tile's products, the warpgroups meet, and
+then the step writes. The drive comes in a tile at a time through the staging slot, the taps
+one copy a tap (:func:`tap_copies`). For XLA's weight gradient the saved states and ``s_k``
+leave as images (``interior=True``: :func:`interior_runs`, a copy a run of pixels).
 
 Measured (``BENCHMARKS.md``, session 29, batch 128, K = 10, ReLU, forward / backward ms):
 
@@ -34,7 +35,10 @@ Measured (``BENCHMARKS.md``, session 29, batch 128, K = 10, ReLU, forward / back
   split windows;
 - a block on an H100 (``benchmarks/wgmma_block.py``): 0.128 / 0.198 at 32x32x16 against
   ``hopper_block``'s 0.153 / 0.175, and 0.090 / 0.118 at 16x16x32 against 0.150 / 0.152;
-- NAIS-Net10's training step: 24.33 against 26.94 ms on an H100, 23.26 against 25.92 on an H200.
+- NAIS-Net10's training step: 24.33 against 26.94 ms on an H100, 23.26 against 25.92 on an H200;
+- session 30 (H100): the 8x8x64 block 0.095 / 0.114 against the Triton kernels' 1.000 / 0.983;
+  the step 23.18 against 24.51 ms with the 64-channel stage on it, 21.69 to 21.96 ms with the
+  states as images and the drives' kernel gradients on cuDNN.
 """
 
 from __future__ import annotations
