@@ -305,3 +305,25 @@ def test_wide_block_lowers_under_vmap(monkeypatch):
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     assert len(calls) == 2 and "triton" not in text.lower()  # the forward and backward kernels
     assert any("-> (tensor<3x3x4x64x64xf32>, tensor<3x4x64x64xf32>, tensor<3x3x4x152x64xi8>)" in c for c in calls)
+
+
+@pytest.mark.parametrize("side", [False, True])
+def test_wide_weight_gradient_stream(side, monkeypatch):
+    """``WIDE_WGRAD_SIDE``: the 64-channel blocks' kernel gradient (XLA's convolution gradient)
+    in a computation annotated for the second stream, or (the default) on the main one."""
+    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
+    monkeypatch.setattr(fb, "gpu_kernels_available", lambda x0: True)
+    monkeypatch.setattr(hb, "hopper_available", lambda: True)
+    monkeypatch.setattr(fb, "WIDE_WGRAD_SIDE", side)
+    x = jax.ShapeDtypeStruct((4, 8, 8, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.float32)
+
+    def loss(a, b, c):
+        return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=3, activation="relu"))
+
+    with jax.default_matmul_precision(None):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert fb.WIDE_WGRAD_SIDE is side and ("@compute_on" in text) is side
+    if side:
+        region = text[text.index("func.func private @compute_on") :].split("\n  }")[0]
+        assert "stablehlo.convolution" in region and '_xla_stream_annotation = "1"' in text
