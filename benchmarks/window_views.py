@@ -72,31 +72,24 @@ def _view_products(offsets, C, start):
     """The mgpu function of one tile's products: ``(ctx, planes, w_hi, w_lo) -> z`` (WGMMA
     layout), ``planes`` the ``(2, C / 8, rows, 8)`` bfloat16 halves in shared memory, the taps
     ``(9, C, C)`` split and swizzled as ``hopper_block`` keeps them; ``start`` the tile's first row."""
-    import importlib
-    import inspect
-
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import nvvm
-    from jax.experimental.mosaic import gpu as mgpu
+    from naisnet_jax import hopper_tf32
 
     # the modules, not the package's functions of the same names
-    mma_utils, utils, wgmma = (
-        importlib.import_module(f"jax.experimental.mosaic.gpu.{m}") for m in ("mma_utils", "utils", "wgmma")
-    )
+    ir, _, _, _, _, mma_utils, utils, wgmma, _ = hopper_tf32._mgpu()
 
     swizzle = min(128, 2 * C)  # the taps' rows: C bfloat16
     k_group = swizzle // 2  # K of one wgmma_m64 call (its instructions: k_group / 16 of them)
-    # jax 0.10 names one element type, later versions one for each operand
-    typed = "element_type" in inspect.signature(wgmma.wgmma_m64).parameters
 
     def products(ctx, planes, w_hi, w_lo):
         del ctx
-        bf16, i8 = ir.BF16Type.get(), ir.IntegerType.get_signless(8)
+        i8 = ir.IntegerType.get_signless(8)
         rows = ir.MemRefType(planes.type).shape[2]
-        plane_bytes = rows * PLANE * 2
         base = utils.memref_ptr(planes)
-        acc = wgmma.WGMMAAccumulator.zero(M, C)
-        regs = acc._value.registers.copy()
+        issue = functools.partial(issue_products, w_hi, w_lo, i8, rows, base)
+        return hopper_tf32.wgmma_sum(C, ir.BF16Type.get(), issue)  # the library's frame and JAX shim
+
+    def issue_products(w_hi, w_lo, i8, rows, base, regs, types):
+        plane_bytes = rows * PLANE * 2
         for t, off in enumerate(offsets):
             for half, w in ((0, w_hi), (1, w_hi), (0, w_lo)):  # hi w_hi + lo w_hi + hi w_lo
                 # A, the window: K-major and unswizzled, core matrices of 8 rows x 16 B, 128 B
@@ -121,16 +114,12 @@ def _view_products(offsets, C, start):
                     b_desc,
                     swizzle=swizzle,
                     n=C,
-                    **({"element_type": bf16} if typed else {"a_element_type": bf16, "b_element_type": bf16}),
+                    **types,
                     a_transpose=False,
                     a_k_stride=2 * plane_bytes,  # the next 16 channels: two planes on
                     b_transpose=b_fastest != mma_utils.Dim.K,
                     b_k_stride=b_k_stride[1][0],
                 )
-        nvvm.wgmma_commit_group_sync_aligned()
-        nvvm.wgmma_wait_group_sync_aligned(0)
-        value = mgpu.FragmentedArray(_registers=regs, _layout=acc._value.layout, _is_signed=None)
-        return wgmma.WGMMAAccumulator(_value=value, _original_layout=acc._original_layout, _sync=False).value
 
     return products
 

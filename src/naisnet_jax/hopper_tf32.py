@@ -139,28 +139,48 @@ def window_fields(reach: int, offset: int, plane_bytes: int, first_channel: int 
     return dict(start=start, lbo=plane_bytes, sbo=8 * row, k_step=2 * plane_bytes)
 
 
+def wgmma_sum(C: int, element_type, issue):
+    """In an mgpu function: the ``(M, C)`` float32 sum that ``issue(regs, types)`` accumulates
+    by ``wgmma_m64`` calls on ``regs``, a zeroed accumulator's registers, updated in place
+    (``regs[0:1] = wgmma_m64(regs[0:1], ..., **types)``); awaited, and back from the
+    accumulator's register tiling to the WGMMA layout. ``types`` names the operands'
+    ``element_type`` as this JAX's ``wgmma_m64`` takes it (one in jax 0.10, one an operand
+    later)."""
+    import inspect
+
+    _, _, nvvm, _, mgpu, _, _, wgmma, _ = _mgpu()
+    if "element_type" in inspect.signature(wgmma.wgmma_m64).parameters:
+        types = {"element_type": element_type}
+    else:
+        types = {"a_element_type": element_type, "b_element_type": element_type}
+    acc = wgmma.WGMMAAccumulator.zero(M, C)
+    regs = acc._value.registers.copy()
+    issue(regs, types)
+    nvvm.wgmma_commit_group_sync_aligned()
+    nvvm.wgmma_wait_group_sync_aligned(0)
+    value = mgpu.FragmentedArray(_registers=regs, _layout=acc._value.layout, _is_signed=None)
+    return wgmma.WGMMAAccumulator(_value=value, _original_layout=acc._original_layout, _sync=False).value
+
+
 def _tile_products(offsets, C: int, reach: int, plane_bytes: int):
     """The mgpu function ``(ctx, span, taps) -> z`` of one tile: ``z = sum_t window_t @ B_t`` in
     TF32, ``span`` the planes' rows from ``reach`` before the tile to ``reach`` after it
     (``(C / 4, M + 2 reach, 4)``), tap ``t``'s window the ``M`` rows from ``reach + offsets[t]``;
     ``taps`` ``(9, N, K)`` swizzled (``B_t`` transposed). A tap's K runs in groups of one swizzle
     width (32 channels at most): one ``wgmma_m64`` call a group, its 8 planes on for the next."""
-    ir, _, nvvm, _, mgpu, mma_utils, utils, wgmma, _ = _mgpu()
-    import inspect
-
+    ir, _, _, _, _, mma_utils, utils, wgmma, _ = _mgpu()
     from jax._src.lib.mlir.dialects import llvm
 
     swizzle = swizzle_of(C)
     k_group = swizzle // 4  # channels of one wgmma_m64 call
-    typed = "element_type" in inspect.signature(wgmma.wgmma_m64).parameters  # jax 0.10; later: a_/b_
 
     def products(ctx, span, taps):
         del ctx
-        tf32, i8, i64 = ir.FloatTF32Type.get(), ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(64)
-        types = {"element_type": tf32} if typed else {"a_element_type": tf32, "b_element_type": tf32}
+        i8, i64 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(64)
         base = utils.memref_ptr(span)
-        acc = wgmma.WGMMAAccumulator.zero(M, C)
-        regs = acc._value.registers.copy()
+        return wgmma_sum(C, ir.FloatTF32Type.get(), functools.partial(issue, base, taps, i8, i64))
+
+    def issue(base, taps, i8, i64, regs, types):
         for t, off in enumerate(offsets):
             # A, the window: K-major, unswizzled; core matrices 8 rows x 16 B, 128 B apart along M,
             # a plane apart along K
@@ -194,11 +214,6 @@ def _tile_products(offsets, C: int, reach: int, plane_bytes: int):
                     b_transpose=False,
                     b_k_stride=b_k_stride[1][-1],
                 )
-        nvvm.wgmma_commit_group_sync_aligned()
-        nvvm.wgmma_wait_group_sync_aligned(0)
-        value = mgpu.FragmentedArray(_registers=regs, _layout=acc._value.layout, _is_signed=None)
-        # back from the accumulator's register tiling to the WGMMA layout
-        return wgmma.WGMMAAccumulator(_value=value, _original_layout=acc._original_layout, _sync=False).value
 
     return products
 
@@ -335,10 +350,10 @@ def _send_tile(layout, stage, dst, j, per, wg, nw, interior):
 
 
 def tap_copies(C: int) -> int:
-    """TMA copies that bring the taps in: one, or one a tap at 64 channels, whose swizzled
-    ``(9, C, C)`` tiles into five dimensions (two swizzle groups a row), six under ``vmap``: more
-    than TMA takes."""
-    return 9 if C > 32 else 1
+    """TMA copies that bring the taps in: one, or one a tap where a row spans more than one
+    swizzle group (64 channels): the swizzled ``(9, C, C)`` then tiles into five dimensions, six
+    under ``vmap``, more than TMA takes."""
+    return 1 if 4 * C <= swizzle_of(C) else 9
 
 
 def _taps_in(src, taps, bar):
@@ -600,7 +615,7 @@ def _check_program(layout, warpgroups: int, C: int, activation: str) -> None:
         )
 
 
-def _check_interior(layout, C: int, interior: bool) -> None:
+def _check_interior(C: int, interior: bool) -> None:
     if interior and C * 4 % 128:  # each run of pixels leaves the staging slot from its own row
         raise ValueError(
             f"interior=True sends runs of pixels from any row of a tile, which TMA needs 128-byte aligned: "
@@ -614,7 +629,7 @@ def fused_forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgrou
     ``x_K`` apart: ``(x_0 .. x_{K-1} (K, N, H, W, C), x_K (N, H, W, C), zs)`` (XLA's weight
     gradient takes the first as it is: no copy out of the buffers)."""
     _check_program(layout, warpgroups, x0b.shape[-1], activation)
-    _check_interior(layout, x0b.shape[-1], interior and save)
+    _check_interior(x0b.shape[-1], interior and save)
     call = _forward_call(layout, steps, float(h), activation, bool(save), warpgroups, bool(interior and save))
     return call(x0b, db, taps)
 
@@ -626,7 +641,7 @@ def fused_backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups, in
     if hb.saves_mask(activation) and zs.dtype != hb.MASK_DTYPE:  # z_k given: ReLU needs only its sign
         zs = (zs > 0).astype(hb.MASK_DTYPE)
     _check_program(layout, warpgroups, gb.shape[-1], activation)
-    _check_interior(layout, gb.shape[-1], interior)
+    _check_interior(gb.shape[-1], interior)
     return _backward_call(layout, steps, float(h), activation, warpgroups, bool(interior))(gb, zs, taps)
 
 
