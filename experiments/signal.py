@@ -1,0 +1,426 @@
+"""Why the CIFAR-shaped nets learn or sit at chance: the first steps of training, block by block.
+
+    python -m experiments.signal --workdir=runs/signal [--variants=a,b] [--dataset=mnist_pinned]
+    python -m experiments.signal --workdir=runs/signal --report     # the table and figure only
+    python -m experiments.signal --smoke --workdir=/tmp/signal      # tiny nets on digits, a CPU
+
+Each variant (:data:`VARIANTS`: the paper's 3 x 18 blocks of 16/32/64 filters, ``h = 1``, in
+the shipped form and in the other readings of the paper) is trained with SGD at the paper's
+learning rate 0.1 (momentum 0.9, weight decay 2e-4, batch 128, standardised inputs, no
+augmentation), the first ``--steps`` steps one at a time with, at every step and for every
+block:
+
+- the spread (std) of the block's output ``x_K``;
+- the share of active ReLU units in the block's first and last step (a unit is active in step
+  ``k`` when ``x_{k+1} - x_k > 0``; from ``x_0 = 0`` the first step's share is that of
+  ``relu(drive) > 0``);
+- the gradient norms of the drive kernel ``D`` and the state kernel, and the norm of ``D``;
+- what the projection (Algorithm 2) undoes of the SGD step on the state kernel:
+  ``||P(c) - c|| / ||c - theta||`` for the momentum-free candidate ``c = theta - lr (g + wd theta)``;
+- the loss, the accuracy and the logits' spread.
+
+Then the run goes on to ``--epochs`` epochs (``--schedule=constant``: 0.1 throughout, as a user's
+two-epoch try; ``paper``: the paper's drops at the same fractions of the run,
+``conv_paper.scaled_boundaries``) and is tested: test accuracy with BatchNorm's running averages
+(evaluation mode, as every reported accuracy), with the batches' own statistics, and evaluation
+mode on 10,000 training images, which separates BatchNorm's train/eval mismatch from
+generalisation.
+
+Writes ``<workdir>/<variant>.json`` per variant (resumable: a variant with its file is not run
+again) and, from all of them, ``results.json``, ``results.md`` and ``signal.png`` (per block at
+step 0 and at the last measured step: spread, active share, drive gradient; and the loss).
+Variants can run as separate processes, one a GPU, into one workdir; ``--report`` merges them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+# variant -> (label, model, model_kwargs). The shipped forms first, then the other readings.
+VARIANTS = {
+    "nais10": ("NAIS-Net10 (shipped: x(0) = 0, BN on every drive)", "naisnet_cifar10", {}),
+    "nais1": ("NAIS-Net1 (shipped: x(0) = u, BN on every drive)", "naisnet_cifar1", {}),
+    "resnet": ("ResNet, one convolution a block", "resnet_cifar", {}),
+    "nais10_transitions_lecun": (
+        "NAIS-Net10, BN at stage changes only, LeCun drives (the former form)",
+        "naisnet_cifar10",
+        {"drive_norm": "transitions", "drive_init": "lecun"},
+    ),
+    "nais10_transitions": (
+        "NAIS-Net10, BN at stage changes only, He drives",
+        "naisnet_cifar10",
+        {"drive_norm": "transitions"},
+    ),
+    "nais10_none": ("NAIS-Net10, no BN on any drive, He drives", "naisnet_cifar10", {"drive_norm": "none"}),
+    "nais10_input": ("NAIS-Net10, x(0) = u", "naisnet_cifar10", {"initial_state": "input"}),
+    "nais1_zero": ("NAIS-Net1, x(0) = 0", "naisnet_cifar1", {"initial_state": "zero"}),
+    "nais1_zero_transitions": (
+        "NAIS-Net1, x(0) = 0, BN at stage changes only, He drives",
+        "naisnet_cifar1",
+        {"initial_state": "zero", "drive_norm": "transitions"},
+    ),
+    "nais1_input_transitions": (
+        "NAIS-Net1, x(0) = u, BN at stage changes only",
+        "naisnet_cifar1",
+        {"drive_norm": "transitions"},
+    ),
+}
+# --smoke: the same forms as miniatures (2 stages x 2 blocks of 4/8 filters) on digits
+SMOKE_MODELS = {
+    "naisnet_cifar10": ("naisnet_conv_tiny", {"stage_sizes": (2, 2), "steps": 3}),
+    "naisnet_cifar1": ("naisnet_conv_tiny", {"stage_sizes": (2, 2), "steps": 1, "initial_state": "input"}),
+    "resnet_cifar": ("resnet_conv_tiny", {"stage_sizes": (2, 2)}),
+}
+SCHEDULES = ("constant", "paper")
+
+
+def make_config(model: str, kwargs: dict, *, dataset: str, epochs: int, schedule: str, seed: int = 0):
+    """The paper's CIFAR optimisation on ``dataset``: SGD 0.1, momentum 0.9, weight decay 2e-4,
+    batch 128, ``h = 1``; ``schedule`` constant or the paper's drops scaled to ``epochs``."""
+    from experiments.configs import conv_paper
+    from naisnet_jax.configs import default
+
+    config = default.get_config()
+    config.model, config.dataset, config.seed = model, dataset, seed
+    config.model_kwargs.update(kwargs)
+    config.h, config.learning_rate, config.momentum, config.weight_decay = 1.0, 0.1, 0.9, 2e-4
+    config.batch_size, config.eval_batch_size, config.num_epochs = 128, 1000, epochs
+    config.lr_boundaries_epochs = conv_paper.scaled_boundaries(epochs) if schedule == "paper" else []
+    config.augment, config.standardize = False, True
+    return config
+
+
+def _block_names(params) -> list[str]:
+    names = [k for k in params if k.startswith("stage")]
+    return sorted(names, key=lambda s: tuple(int(p) for p in s.replace("stage", "").split("_block")))
+
+
+def _diagnostic_step(state, config, blocks):
+    """``(state, x, y) -> (state, record)``: :func:`naisnet_jax.train.train_step` and the
+    measurements of the module docstring, taken on the same batch before the step."""
+    import jax
+    import jax.numpy as jnp
+
+    from naisnet_jax import train
+    from naisnet_jax.projection import project_params
+
+    lr, wd = config.learning_rate, config.weight_decay
+    drive = "input" if "input" in state.params[blocks[0]] else "conv"  # ResNet blocks: "conv"
+
+    def loss_fn(params, x, y):
+        variables = {"params": params, "batch_stats": state.batch_stats}
+        (logits, aux), _ = state.apply_fn(variables, x, train=True, return_aux=True, mutable=["batch_stats"])
+        return jnp.mean(train.cross_entropy(logits, y)), (logits, aux["trajectory"])
+
+    def active(states, k):  # share of units that moved up in step k (x_0 = 0 before the first)
+        before = jnp.zeros_like(states[0]) if k == 0 else states[k - 1]
+        return jnp.mean(states[k] - before > 0)
+
+    @jax.jit
+    def step(state, x, y):
+        (loss, (logits, traj)), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, x, y)
+        norm = lambda tree: jnp.sqrt(sum(jnp.sum(jnp.square(a)) for a in jax.tree.leaves(tree)))  # noqa: E731
+        p = state.params
+        rec = {
+            "loss": loss,
+            "accuracy": jnp.mean(jnp.argmax(logits, -1) == y),
+            "logits_std": jnp.std(logits),
+            "out_std": jnp.stack([jnp.std(t[-1]) for t in traj]),
+            "active_first": jnp.stack([active(t, 0) for t in traj]),
+            "active_last": jnp.stack([active(t, t.shape[0] - 1) for t in traj]),
+            "g_drive": jnp.stack([norm(g[b][drive]["kernel"]) for b in blocks]),
+            "w_drive": jnp.stack([norm(p[b][drive]["kernel"]) for b in blocks]),
+        }
+        if "state_kernel" in p[blocks[0]]:
+            rec["g_state"] = jnp.stack([norm(g[b]["state_kernel"]) for b in blocks])
+            cand = jax.tree.map(lambda w, d: w - lr * (d + wd * w), p, g)
+            proj = project_params(cand, eps=config.eps, eta=config.eta)
+            rec["projection_undoes"] = jnp.stack(
+                [
+                    norm(proj[b]["state_kernel"] - cand[b]["state_kernel"])
+                    / (norm(cand[b]["state_kernel"] - p[b]["state_kernel"]) + 1e-30)
+                    for b in blocks
+                ]
+            )
+        state, _ = train.train_step(state, (x, y))
+        return state, rec
+
+    return step
+
+
+def measure(variant: str, *, workdir: str, dataset: str, steps: int, epochs: int, schedule: str, smoke: bool) -> dict:
+    """Trains one variant as the module docstring says; returns (and writes) its record."""
+    import jax
+
+    from naisnet_jax import data as data_lib
+    from naisnet_jax import sweep, train
+
+    label, model, kwargs = VARIANTS[variant]
+    if smoke:
+        model, tiny = SMOKE_MODELS[model]
+        kwargs = {**tiny, **kwargs}
+    config = make_config(model, kwargs, dataset=dataset, epochs=epochs, schedule=schedule)
+    train.validate_config(config)
+    start = time.time()
+    ds = data_lib.load_dataset(dataset)
+    mean, std = train.input_stats(config, ds.train_images)
+    net = train.build_model(config, ds.num_classes)
+    steps_per_epoch = len(ds.train_images) // config.batch_size
+    state = train.create_train_state(config, net, ds.image_shape, steps_per_epoch)
+    blocks = _block_names(state.params)
+    step = _diagnostic_step(state, config, blocks)
+    train_data = data_lib.put_on_device(ds.train_images, ds.train_labels)
+    test_data = data_lib.put_on_device(ds.test_images, ds.test_labels)
+    key = jax.random.PRNGKey(config.seed)
+    records = []
+    order = data_lib.epoch_batches(jax.random.fold_in(key, 0), train_data.num_examples, config.batch_size)
+    steps = min(steps, order.shape[0])
+    for i in range(steps):
+        x, y = data_lib.get_batch(train_data, order[i], mean=mean, std=std)
+        state, rec = step(state, x, y)
+        records.append({"step": i, **jax.tree.map(lambda v: np.asarray(v).tolist(), rec)})
+        if not math.isfinite(records[-1]["loss"]):
+            break
+    chunk = train.make_train_chunk(mean, std, config.augment)
+    evaluate = train.make_evaluate(mean, std, config.eval_batch_size)
+    history = []
+    for epoch in range(epochs):
+        order = data_lib.epoch_batches(jax.random.fold_in(key, epoch), train_data.num_examples, config.batch_size)
+        first = steps if epoch == 0 else 0  # epoch 0's first steps were the measured ones
+        losses, accs = [], []
+        for s in range(first, order.shape[0], config.steps_per_chunk):
+            rows = order[s : s + config.steps_per_chunk]
+            state, m = chunk(state, train_data, rows, jax.random.fold_in(key, 10_000 * epoch + s))
+            losses.append(float(m["loss"]) * rows.shape[0])
+            accs.append(float(m["accuracy"]) * rows.shape[0])
+        done = order.shape[0] - first
+        test = jax.tree.map(float, evaluate(state, test_data))
+        history.append(
+            {
+                "epoch": epoch + 1,
+                "train_loss": sum(losses) / done if done else None,
+                "train_accuracy": sum(accs) / done if done else None,
+                "test_loss": test["loss"],
+                "test_accuracy": test["accuracy"],
+            }
+        )
+        print(f"{variant} epoch {epoch + 1}: {history[-1]}", flush=True)
+    some = min(10_000, len(ds.train_images))
+    train_eval = jax.tree.map(float, evaluate(state, data_lib.put_on_device(ds.train_images[:some], ds.train_labels[:some])))
+    batch_stats_state = state.replace(apply_fn=_with_batch_statistics(state.apply_fn))
+    test_batch_stats = jax.tree.map(float, evaluate(batch_stats_state, test_data))
+    record = {
+        "variant": variant,
+        "label": label,
+        "model": model,
+        "model_kwargs": dict(kwargs),
+        "dataset": dataset,
+        "schedule": schedule,
+        "lr_boundaries_epochs": list(config.lr_boundaries_epochs),
+        "epochs": epochs,
+        "blocks": blocks,
+        "steps": records,
+        "history": history,
+        "train_eval_accuracy": train_eval["accuracy"],
+        "test_accuracy_batch_statistics": test_batch_stats["accuracy"],
+        "seconds": time.time() - start,
+        "device": sweep.device_description(),
+        "script": _script_version(),
+    }
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, f"{variant}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+    return record
+
+
+def _with_batch_statistics(apply_fn):
+    """``apply_fn`` whose evaluation normalises with each batch's own statistics (training mode),
+    discarding the updated running averages."""
+
+    def apply(variables, x, train=False, return_aux=False):
+        out, _ = apply_fn(variables, x, train=True, return_aux=return_aux, mutable=["batch_stats"])
+        return out
+
+    return apply
+
+
+def _script_version() -> str:
+    """The commit of the tree this script ran from (``unknown`` outside a git checkout)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=os.path.dirname(__file__)
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "experiments"], capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout
+        return head + ("+changes" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def summary_row(rec: dict) -> dict:
+    """The table's row of one variant's record."""
+    first, last = rec["steps"][0], rec["steps"][-1]
+    window = [s["loss"] for s in rec["steps"][-10:]]
+    final = rec["history"][-1] if rec["history"] else {}
+    return {
+        "variant": rec["variant"],
+        "label": rec["label"],
+        "logits_std_0": first["logits_std"],
+        "out_std_0_min": min(first["out_std"]),
+        "out_std_0_last": first["out_std"][-1],
+        "active_0": float(np.mean(first["active_first"])),
+        "g_drive_0_first_block": first["g_drive"][0],
+        "g_drive_0_last_block": first["g_drive"][-1],
+        "w_drive_first_block": [first["w_drive"][0], last["w_drive"][0]],
+        "out_std_last_max": max(last["out_std"]),
+        "out_std_last_last": last["out_std"][-1],
+        "active_last_stage": float(np.mean(last["active_first"][-len(last["active_first"]) // 3 :])),
+        "loss_last10": float(np.mean(window)),
+        "steps_measured": len(rec["steps"]),
+        "projection_undoes_max": max(max(s.get("projection_undoes", [0.0])) for s in rec["steps"]),
+        "test_accuracy": final.get("test_accuracy"),
+        "train_accuracy": final.get("train_accuracy"),
+        "train_eval_accuracy": rec["train_eval_accuracy"],
+        "test_accuracy_batch_statistics": rec["test_accuracy_batch_statistics"],
+    }
+
+
+def report(workdir: str) -> list[dict]:
+    """``results.json``, ``results.md`` and ``signal.png`` from every ``<variant>.json``."""
+    records = []
+    for variant in VARIANTS:
+        path = os.path.join(workdir, f"{variant}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                records.append(json.load(f))
+    if not records:
+        raise ValueError(f"no variant results in {workdir!r}; run the experiment first.")
+    rows = [summary_row(r) for r in records]
+    header = {
+        k: sorted({str(r[k]) for r in records}) for k in ("dataset", "schedule", "epochs", "device", "script")
+    }
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+        json.dump({"header": header, "rows": rows}, f, indent=1)
+    pct = lambda v: "-" if v is None else f"{100 * v:.2f}"  # noqa: E731
+    md = ["# The first steps of the CIFAR-shaped nets, block by block", ""]
+    md += [f"- {k}: {', '.join(v)}" for k, v in header.items()]
+    md += [
+        "",
+        "Step 0 is the initialisation (training mode, first batch); 'last' is the last measured step. "
+        "`|g_D|` is the drive kernel's gradient norm in the first and last block; `|D|` the first "
+        "block's drive kernel norm at step 0 and at the last measured step. Accuracies in %: test "
+        "with running averages (as reported everywhere), train (running mean over the epoch), "
+        "evaluation mode on 10k training images, test with each batch's own statistics.",
+        "",
+        "| variant | logits std @0 | min block std @0 | \\|g_D\\| @0 first / last block | \\|D\\| first block @0 -> last "
+        "| max block std @last | last-stage active @last | loss (last 10) | test | train | eval on train | test, batch stats |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        md.append(
+            f"| {r['label']} | {r['logits_std_0']:.3g} | {r['out_std_0_min']:.3g} | "
+            f"{r['g_drive_0_first_block']:.3g} / {r['g_drive_0_last_block']:.3g} | "
+            f"{r['w_drive_first_block'][0]:.3g} -> {r['w_drive_first_block'][1]:.3g} | {r['out_std_last_max']:.3g} | "
+            f"{100 * r['active_last_stage']:.0f}% | {r['loss_last10']:.3f} | {pct(r['test_accuracy'])} | "
+            f"{pct(r['train_accuracy'])} | {pct(r['train_eval_accuracy'])} | {pct(r['test_accuracy_batch_statistics'])} |"
+        )
+    with open(os.path.join(workdir, "results.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    plot(records, os.path.join(workdir, "signal.png"))
+    print("\n".join(md))
+    return rows
+
+
+def plot(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    for rec in records:
+        first, last = rec["steps"][0], rec["steps"][-1]
+        blocks = np.arange(len(first["out_std"]))
+        (line,) = axes[0, 0].semilogy(blocks, first["out_std"], label=rec["variant"])
+        axes[0, 1].semilogy(blocks, last["out_std"], color=line.get_color())
+        axes[0, 2].semilogy(blocks, first["g_drive"], color=line.get_color())
+        axes[1, 0].plot(blocks, last["active_first"], color=line.get_color())
+        axes[1, 1].semilogy(blocks, last["w_drive"], color=line.get_color())
+        axes[1, 2].plot([s["loss"] for s in rec["steps"]], color=line.get_color(), lw=0.8)
+    titles = [
+        ("block output std at step 0", "std"),
+        ("block output std at the last measured step", "std"),
+        ("drive kernel gradient norm at step 0", "|g_D|"),
+        ("share of active ReLU units (first step) at the last measured step", "share"),
+        ("drive kernel norm at the last measured step", "|D|"),
+        ("training loss, step by step", "loss"),
+    ]
+    for ax, (title, ylabel) in zip(axes.flat, titles):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step" if ylabel == "loss" else "block")
+        ax.set_ylabel(ylabel)
+    axes[1, 2].axhline(math.log(10), color="k", ls=":", lw=0.8)
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _main(argv):
+    from absl import flags, logging
+
+    from experiments.sweep_report import enable_compilation_cache
+
+    del argv
+    F = flags.FLAGS
+    logging.set_verbosity(logging.WARNING)
+    unknown = sorted(set(F.variants or ()) - set(VARIANTS))
+    if unknown:
+        raise flags.ValidationError(f"--variants {unknown} unknown; choose from {list(VARIANTS)}.")
+    if not F.report:
+        enable_compilation_cache(F.compilation_cache, F.workdir)
+        dataset = "digits" if F.smoke else F.dataset
+        for variant in F.variants or VARIANTS:
+            if os.path.exists(os.path.join(F.workdir, f"{variant}.json")):
+                continue
+            measure(
+                variant,
+                workdir=F.workdir,
+                dataset=dataset,
+                steps=F.steps,
+                epochs=F.epochs,
+                schedule=F.schedule,
+                smoke=F.smoke,
+            )
+    report(F.workdir)
+
+
+def _define_flags() -> None:
+    from absl import flags
+
+    from experiments.sweep_report import define_compilation_cache_flag
+
+    define_compilation_cache_flag()
+    flags.DEFINE_string("workdir", "runs/signal", "Where the per-variant records and the report go.")
+    flags.DEFINE_list("variants", None, f"Subset of {list(VARIANTS)} (default: all).")
+    flags.DEFINE_string("dataset", "mnist_pinned", "Dataset (its training set and test set).")
+    flags.DEFINE_integer("steps", 100, "Steps measured one at a time.", lower_bound=1)
+    flags.DEFINE_integer("epochs", 2, "Epochs in all (the measured steps are the first of them).", lower_bound=0)
+    flags.DEFINE_enum("schedule", "constant", SCHEDULES, "Learning rate: 0.1 throughout, or the paper's drops.")
+    flags.DEFINE_bool("smoke", False, "Tiny nets on digits: seconds on a CPU.")
+    flags.DEFINE_bool("report", False, "Only merge the records in --workdir into the table and figure.")
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    _define_flags()
+    app.run(_main)
