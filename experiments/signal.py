@@ -44,7 +44,7 @@ import numpy as np
 # variant -> (label, model, model_kwargs). The shipped forms first, then the other readings.
 VARIANTS = {
     "nais10": ("NAIS-Net10 (shipped: x(0) = 0, BN on every drive)", "naisnet_cifar10", {}),
-    "nais1": ("NAIS-Net1 (shipped: x(0) = u, BN on every drive)", "naisnet_cifar1", {}),
+    "nais1": ("NAIS-Net1 (shipped: x(0) = u, BN on every drive, its scale from 0)", "naisnet_cifar1", {}),
     "resnet": ("ResNet, one convolution a block", "resnet_cifar", {}),
     "nais10_transitions_lecun": (
         "NAIS-Net10, BN at stage changes only, LeCun drives (the former form)",
@@ -68,6 +68,11 @@ VARIANTS = {
         "NAIS-Net1, x(0) = u, BN at stage changes only",
         "naisnet_cifar1",
         {"drive_norm": "transitions"},
+    ),
+    "nais1_scale_one": (
+        "NAIS-Net1, x(0) = u, BN on every drive, its scale from 1",
+        "naisnet_cifar1",
+        {"zero_init_drive": False},
     ),
 }
 # --smoke: the same forms as miniatures (2 stages x 2 blocks of 4/8 filters) on digits
@@ -211,7 +216,9 @@ def measure(variant: str, *, workdir: str, dataset: str, steps: int, epochs: int
         )
         print(f"{variant} epoch {epoch + 1}: {history[-1]}", flush=True)
     some = min(10_000, len(ds.train_images))
-    train_eval = jax.tree.map(float, evaluate(state, data_lib.put_on_device(ds.train_images[:some], ds.train_labels[:some])))
+    train_eval = jax.tree.map(
+        float, evaluate(state, data_lib.put_on_device(ds.train_images[:some], ds.train_labels[:some]))
+    )
     batch_stats_state = state.replace(apply_fn=_with_batch_statistics(state.apply_fn))
     test_batch_stats = jax.tree.map(float, evaluate(batch_stats_state, test_data))
     record = {
@@ -252,14 +259,27 @@ def _with_batch_statistics(apply_fn):
 
 
 def _script_version() -> str:
-    """The commit of the tree this script ran from (``unknown`` outside a git checkout)."""
+    """The commit of the tree this script ran from: ``$NAISNET_SCRIPT_VERSION`` where set (a copy
+    of the tree without git), else git's (``unknown`` outside a git checkout)."""
     import subprocess
+
+    if os.environ.get("NAISNET_SCRIPT_VERSION"):
+        return os.environ["NAISNET_SCRIPT_VERSION"]
 
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=os.path.dirname(__file__)
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(__file__),
         ).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "experiments"], capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "src", "experiments"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(__file__),
+        ).stdout
         return head + ("+changes" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -273,6 +293,7 @@ def summary_row(rec: dict) -> dict:
     return {
         "variant": rec["variant"],
         "label": rec["label"],
+        "epochs": rec["epochs"],
         "logits_std_0": first["logits_std"],
         "out_std_0_min": min(first["out_std"]),
         "out_std_0_last": first["out_std"][-1],
@@ -304,9 +325,7 @@ def report(workdir: str) -> list[dict]:
     if not records:
         raise ValueError(f"no variant results in {workdir!r}; run the experiment first.")
     rows = [summary_row(r) for r in records]
-    header = {
-        k: sorted({str(r[k]) for r in records}) for k in ("dataset", "schedule", "epochs", "device", "script")
-    }
+    header = {k: sorted({str(r[k]) for r in records}) for k in ("dataset", "schedule", "epochs", "device", "script")}
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump({"header": header, "rows": rows}, f, indent=1)
     pct = lambda v: "-" if v is None else f"{100 * v:.2f}"  # noqa: E731
@@ -320,17 +339,19 @@ def report(workdir: str) -> list[dict]:
         "with running averages (as reported everywhere), train (running mean over the epoch), "
         "evaluation mode on 10k training images, test with each batch's own statistics.",
         "",
-        "| variant | logits std @0 | min block std @0 | \\|g_D\\| @0 first / last block | \\|D\\| first block @0 -> last "
-        "| max block std @last | last-stage active @last | loss (last 10) | test | train | eval on train | test, batch stats |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | epochs | logits std @0 | min block std @0 | \\|g_D\\| @0 first / last block "
+        "| \\|D\\| first block @0 -> last | max block std @last | last-stage active @last | loss (last 10) "
+        "| test | train | eval on train | test, batch stats |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         md.append(
-            f"| {r['label']} | {r['logits_std_0']:.3g} | {r['out_std_0_min']:.3g} | "
+            f"| {r['label']} | {r['epochs']} | {r['logits_std_0']:.3g} | {r['out_std_0_min']:.3g} | "
             f"{r['g_drive_0_first_block']:.3g} / {r['g_drive_0_last_block']:.3g} | "
             f"{r['w_drive_first_block'][0]:.3g} -> {r['w_drive_first_block'][1]:.3g} | {r['out_std_last_max']:.3g} | "
             f"{100 * r['active_last_stage']:.0f}% | {r['loss_last10']:.3f} | {pct(r['test_accuracy'])} | "
-            f"{pct(r['train_accuracy'])} | {pct(r['train_eval_accuracy'])} | {pct(r['test_accuracy_batch_statistics'])} |"
+            f"{pct(r['train_accuracy'])} | {pct(r['train_eval_accuracy'])} | "
+            f"{pct(r['test_accuracy_batch_statistics'])} |"
         )
     with open(os.path.join(workdir, "results.md"), "w") as f:
         f.write("\n".join(md) + "\n")

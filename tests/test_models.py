@@ -231,7 +231,7 @@ def test_naisnet_conv_parameter_count(untied, learn_delta):
         return n
 
     expected = k * k * cin * c0 + 2 * c0  # stem (no bias) + stem BatchNorm
-    expected += block(c0, c0, False) + block(c0, c1, True) + block(c1, c1, False)
+    expected += block(c0, c0, True) + block(c0, c1, True) + block(c1, c1, True)  # every drive normalised
     expected += c1 * CLASSES + CLASSES
     model = M.NaisNetConv(
         num_classes=CLASSES,
@@ -251,12 +251,13 @@ def test_cifar_sizes_parameter_count():
     """Full-size section 5.2 nets, by abstract evaluation (no compute)."""
 
     def nais(c_in, c, first):
-        return 9 * c * c + 9 * c_in * c + (2 * c if first else c)
+        del first  # every block's drive is normalised: BatchNorm's scale and offset, no bias
+        return 9 * c * c + 9 * c_in * c + 2 * c
 
     def res(c_in, c, first):
         return 9 * c_in * c + 2 * c + (c_in * c if first else 0)
 
-    for ctor, blk in [(M.NaisNetCifar10, nais), (M.ResNetCifar, res)]:
+    for ctor, blk in [(M.NaisNetCifar10, nais), (M.NaisNetCifar1, nais), (M.ResNetCifar, res)]:
         expected = 27 * 16 + 2 * 16 + 64 * 10 + 10
         prev = 16
         for i, c in enumerate((16, 32, 64)):
@@ -359,17 +360,20 @@ def test_zero_init_residual_starts_as_identity_and_its_scale_learns():
 
 
 def test_drive_norm_every_normalises_every_drive_and_keeps_the_dynamics():
-    """``drive_norm="every"`` gives every block a drive BatchNorm (and no drive bias); the state
-    kernels, hence the stability condition, are the same parameters either way."""
+    """``drive_norm="every"`` (the default) gives every block a drive BatchNorm (and no drive bias),
+    ``"transitions"`` only the first block of a later stage, ``"none"`` no block; the state kernels,
+    hence the stability condition, are the same parameters in every form."""
     kw = dict(num_classes=CLASSES, stage_sizes=(2, 2), filters=(4, 8), steps=2)
     x = jnp.ones((2, 8, 8, 1))
     names = ["stage0_block0", "stage0_block1", "stage1_block0", "stage1_block1"]
-    transitions = _shapes(M.NaisNetConv(**kw), x)["params"]
-    every = _shapes(M.NaisNetConv(**kw, drive_norm="every"), x)["params"]
+    every = _shapes(M.NaisNetConv(**kw), x)["params"]
+    transitions = _shapes(M.NaisNetConv(**kw, drive_norm="transitions"), x)["params"]
+    none = _shapes(M.NaisNetConv(**kw, drive_norm="none"), x)["params"]
     assert [n for n in names if "drive_norm" in transitions[n]] == ["stage1_block0"]
     assert all("drive_norm" in every[n] and "bias" not in every[n]["input"] for n in names)
+    assert all("drive_norm" not in none[n] and "bias" in none[n]["input"] for n in names)
     for n in names:
-        assert every[n]["state_kernel"].shape == transitions[n]["state_kernel"].shape
+        assert every[n]["state_kernel"].shape == transitions[n]["state_kernel"].shape == none[n]["state_kernel"].shape
     with pytest.raises(ValueError, match="drive_norm"):
         M.NaisNetConv(**kw, drive_norm="always")
 

@@ -340,19 +340,25 @@ DRIVE_INITS = ("he", "lecun")
 class ConvOptions(KernelSize, NaisOptions, kw_only=True):
     """Conv NAIS options: Algorithm 2's ``eta`` in ``(eps, 1)``; ``learn_delta`` (train the
     centre-tap shifts ``delta``, else ``delta = 0``); ``kernel_size``; ``drive_init``, the
-    initial scale of the drive convolution ``D`` (:func:`_drive_init`). Defaults of the paper's
-    CIFAR blocks: ``steps=10``, ``activation="relu"``."""
+    initial scale of the drive convolution ``D`` (:func:`_drive_init`); ``zero_init_drive``:
+    a block started at its input (``x_0 = u``) with a normalised drive starts that BatchNorm's
+    scale at zero, so the block starts near the identity, ``x_1 = u + h relu(C u)`` with
+    ``C = -I`` plus small off-centre taps (for ``u >= 0``), as the ResNet baseline's
+    ``zero_init_residual`` does. Defaults of the paper's CIFAR blocks: ``steps=10``,
+    ``activation="relu"``."""
 
     steps: int = 10
     activation: str = "relu"
     eta: float = 0.5
     learn_delta: bool = False
     drive_init: str = "he"
+    zero_init_drive: bool = True
 
     @nn.nowrap
     def _check_fields(self):
         check_eta(self.eta, self.eps)
         check_bool("learn_delta", self.learn_delta)
+        check_bool("zero_init_drive", self.zero_init_drive)
         check_choice(
             "drive_init",
             self.drive_init,
@@ -699,7 +705,8 @@ class NaisConvBlock(ConvOptions):
             name="input",
         )(u)
         if self.normalize_drive:
-            drive = _batch_norm(train, "drive_norm", self.dtype)(drive)
+            zero_scale = self.zero_init_drive and self.initial_state == "input"
+            drive = _batch_norm(train, "drive_norm", self.dtype, zero_scale=zero_scale)(drive)
         batch, height, width = drive.shape[:3]
         dtype = _compute_dtype(self.dtype) or jnp.result_type(drive, kernel)  # conv: equal dtypes
         drive, kernel = drive.astype(dtype), kernel.astype(dtype)
@@ -816,8 +823,9 @@ class NaisNetConv(ConvOptions, DriveNorm, Classifier, Stages, kw_only=True):
     ``initial_state="input"`` starts every block whose input has its state's
     shape at ``x_0 = u``: all blocks except the first of each later stage,
     whose stride-2 input changes resolution and width (those start at
-    ``x_0 = 0``). The first block of stage 0 starts at the stem's output, which
-    has ``filters[0]`` channels at full resolution.
+    ``x_0 = 0``; with one step their state kernel does not act, and they do not
+    warn). The first block of stage 0 starts at the stem's output, which has
+    ``filters[0]`` channels at full resolution.
     """
 
     @nn.compact
@@ -830,13 +838,16 @@ class NaisNetConv(ConvOptions, DriveNorm, Classifier, Stages, kw_only=True):
         for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):
             for j in range(size):
                 change = i > 0 and j == 0
-                block = NaisConvBlock(
-                    width,
-                    strides=2 if change else 1,
-                    normalize_drive=self._normalises_drive(change),
-                    name=f"stage{i}_block{j}",
-                    **{**options, "initial_state": "zero" if change else self.initial_state},
-                )
+                with warnings.catch_warnings():
+                    if change:  # x_0 = 0 here is the net's choice (see above), not the user's
+                        warnings.simplefilter("ignore", StateUnusedWarning)
+                    block = NaisConvBlock(
+                        width,
+                        strides=2 if change else 1,
+                        normalize_drive=self._normalises_drive(change),
+                        name=f"stage{i}_block{j}",
+                        **{**options, "initial_state": "zero" if change else self.initial_state},
+                    )
                 if return_aux:
                     x, aux = block(x, train=train, return_aux=True)
                     states.append(aux["trajectory"])
