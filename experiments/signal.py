@@ -54,15 +54,19 @@ VARIANTS = {
     "nais10_transitions": (
         "NAIS-Net10, BN at stage changes only, He drives",
         "naisnet_cifar10",
-        {"drive_norm": "transitions"},
+        {"drive_norm": "transitions", "drive_init": "he"},
     ),
-    "nais10_none": ("NAIS-Net10, no BN on any drive, He drives", "naisnet_cifar10", {"drive_norm": "none"}),
+    "nais10_none": (
+        "NAIS-Net10, no BN on any drive, He drives",
+        "naisnet_cifar10",
+        {"drive_norm": "none", "drive_init": "he"},
+    ),
     "nais10_input": ("NAIS-Net10, x(0) = u", "naisnet_cifar10", {"initial_state": "input"}),
     "nais1_zero": ("NAIS-Net1, x(0) = 0", "naisnet_cifar1", {"initial_state": "zero"}),
     "nais1_zero_transitions": (
         "NAIS-Net1, x(0) = 0, BN at stage changes only, He drives",
         "naisnet_cifar1",
-        {"initial_state": "zero", "drive_norm": "transitions"},
+        {"initial_state": "zero", "drive_norm": "transitions", "drive_init": "he"},
     ),
     "nais1_input_transitions": (
         "NAIS-Net1, x(0) = u, BN at stage changes only",
