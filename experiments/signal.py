@@ -371,10 +371,11 @@ def plot(records: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
-    for rec in records:
+    colours = plt.get_cmap("tab20")
+    for i, rec in enumerate(records):
         first, last = rec["steps"][0], rec["steps"][-1]
         blocks = np.arange(len(first["out_std"]))
-        (line,) = axes[0, 0].semilogy(blocks, first["out_std"], label=rec["variant"])
+        (line,) = axes[0, 0].semilogy(blocks, first["out_std"], label=rec["variant"], color=colours(i % 20))
         axes[0, 1].semilogy(blocks, last["out_std"], color=line.get_color())
         axes[0, 2].semilogy(blocks, first["g_drive"], color=line.get_color())
         axes[1, 0].plot(blocks, last["active_first"], color=line.get_color())
@@ -393,6 +394,7 @@ def plot(records: list[dict], path: str) -> None:
         ax.set_xlabel("step" if ylabel == "loss" else "block")
         ax.set_ylabel(ylabel)
     axes[1, 2].axhline(math.log(10), color="k", ls=":", lw=0.8)
+    axes[1, 2].set_ylim(0, 5)  # ln 10 in the middle; a diverging run leaves the panel
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
