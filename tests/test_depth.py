@@ -11,6 +11,7 @@ import pytest
 from references import loop_conv_matrix
 
 from experiments import depth
+from naisnet_jax import models as M
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -59,7 +60,15 @@ def _loop_block0_depths(variables, intermediates, *, tol, max_steps, h):
     b, H, W, _ = u.shape
     state_matrix = loop_conv_matrix(kernel, H, W)
     drive = u.reshape(b, -1) @ loop_conv_matrix(p["input"]["kernel"], H, W).T
-    drive = drive + np.tile(p["input"]["bias"], H * W)
+    if "drive_norm" in p:  # BatchNorm on the drive (the default; evaluation mode), its offset playing E
+        n = p["drive_norm"]
+        stats = jax.tree.map(
+            lambda a: np.asarray(a, np.float64), variables["batch_stats"]["stage0_block0"]["drive_norm"]
+        )
+        g = n["scale"] / np.sqrt(stats["var"] + M.BN_EPSILON)
+        drive = (drive - np.tile(stats["mean"], H * W)) * np.tile(g, H * W) + np.tile(n["bias"], H * W)
+    else:
+        drive = drive + np.tile(p["input"]["bias"], H * W)
     depths = []
     for i in range(b):
         x_i, steps = np.zeros(H * W * C), 0

@@ -99,7 +99,7 @@ def test_conv_smoke_writes_the_table_and_figures(tmp_path):
     assert (
         row["dataset"] == "digits"
         and row["model"] == "naisnet_conv_tiny"
-        and row["model_kwargs"] == {"drive_norm": "every", "steps": 1, **conv.NAIS_FAST}
+        and row["model_kwargs"] == {"initial_state": "zero", "steps": 1, **conv.NAIS_FAST}
     )
     assert row["test_accuracy"]["n"] == 2 and row["certified_seeds"] == 2
     assert row["train_accuracy_curve"]["epochs"] == [1, 2]

@@ -177,7 +177,9 @@ def test_conv_net_rule_and_warnings():
     # Every block starts at its input except the stride-2 first block of stage 1, even though
     # the widths match there: its input has twice the state's resolution.
     assert blocks == {"stage0_block0": "input", "stage0_block1": "input", "stage1_block0": "zero"}
-    assert caught  # that one block has a state kernel that never acts
+    assert not caught  # that one block's state kernel never acts, but the net chose x_0 = 0 for it
+    blocks, caught = _blocks_built(M.NaisNetConv(steps=1, initial_state="zero", **tiny), x)
+    assert set(blocks.values()) == {"zero"} and caught  # the user's choice: the blocks warn
     blocks, caught = _blocks_built(
         M.NaisNetConv(steps=1, initial_state="input", **dict(tiny, stage_sizes=(2,), filters=(4,))), x
     )

@@ -584,7 +584,13 @@ def _conv_stage0_reference(ck, digits):
     y = (y - np.tile(bs["stem_bn"]["mean"], H * W)) * np.tile(g, H * W) + np.tile(p["stem_bn"]["bias"], H * W)
     u = np.tanh(y)
     blk = p["stage0_block0"]
-    drive = u @ loop_conv_matrix(blk["input"]["kernel"], H, W).T + np.tile(blk["input"]["bias"], H * W)
+    drive = u @ loop_conv_matrix(blk["input"]["kernel"], H, W).T
+    if "drive_norm" in blk:  # BatchNorm on the drive (the default), its offset playing E
+        n, stats = blk["drive_norm"], bs["stage0_block0"]["drive_norm"]
+        g = bn_multiplier(n["scale"], stats["var"])
+        drive = (drive - np.tile(stats["mean"], H * W)) * np.tile(g, H * W) + np.tile(n["bias"], H * W)
+    else:
+        drive = drive + np.tile(blk["input"]["bias"], H * W)
     M = loop_conv_matrix(centre_set(blk["state_kernel"], blk["delta"]), H, W)
     X = [np.zeros_like(drive)]
     for _ in range(ck.kwargs["steps"]):
