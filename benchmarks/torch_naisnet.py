@@ -94,7 +94,7 @@ class NaisNetConv(tnn.Module):
                         width,
                         steps=steps,
                         stride=2 if change else 1,
-                        normalize_drive=change,
+                        normalize_drive=True,  # every drive, as naisnet_cifar10 by default (drive_norm="every")
                         first_step=first_step,
                     )
                 )
