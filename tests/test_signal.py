@@ -1,0 +1,57 @@
+"""experiments/signal.py on miniatures: the per-step records hold every block and step within
+their ranges, the miniatures show the cause the full nets show, and the report merges them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from experiments import signal
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("signal"))
+    for variant in ("nais10", "nais10_transitions_lecun", "resnet"):
+        signal.measure(variant, workdir=workdir, dataset="digits", steps=3, epochs=1, schedule="paper", smoke=True)
+    return workdir
+
+
+def test_records_hold_every_block_and_step(smoke):
+    with open(os.path.join(smoke, "nais10.json")) as f:
+        rec = json.load(f)
+    assert rec["blocks"] == ["stage0_block0", "stage0_block1", "stage1_block0", "stage1_block1"]
+    assert len(rec["steps"]) == 3 and rec["lr_boundaries_epochs"] == []  # one epoch: no drop fits
+    for step in rec["steps"]:
+        for field in ("out_std", "active_first", "active_last", "g_drive", "w_drive", "g_state", "projection_undoes"):
+            assert len(step[field]) == 4, field
+        assert all(0.0 <= a <= 1.0 for a in step["active_first"] + step["active_last"])
+        assert all(0.0 <= p <= 1.0 + 1e-6 for p in step["projection_undoes"])  # a projection never overshoots
+    assert np.isfinite(rec["steps"][0]["loss"]) and rec["history"][0]["epoch"] == 1
+    for field in ("train_eval_accuracy", "test_accuracy_batch_statistics", "test_accuracy_recomputed_statistics"):
+        assert 0.0 <= rec[field] <= 1.0
+
+
+def test_the_former_form_starts_without_signal_and_the_shipped_one_with_it(smoke):
+    """The miniature shows the full nets' cause: LeCun drives with BatchNorm at the stage change
+    only lose spread block by block; the shipped form keeps it."""
+    first = {}
+    for variant in ("nais10", "nais10_transitions_lecun"):
+        with open(os.path.join(smoke, f"{variant}.json")) as f:
+            first[variant] = json.load(f)["steps"][0]
+    assert min(first["nais10"]["out_std"]) > 0.25
+    assert first["nais10_transitions_lecun"]["out_std"][1] < 0.8 * first["nais10"]["out_std"][1]
+
+
+def test_report_merges_the_records(smoke):
+    rows = signal.report(smoke)
+    assert [r["variant"] for r in rows] == ["nais10", "resnet", "nais10_transitions_lecun"]  # VARIANTS' order
+    for name in ("results.md", "results.json", "signal.png"):
+        assert os.path.getsize(os.path.join(smoke, name)) > 0
+    with open(os.path.join(smoke, "results.md")) as f:
+        assert "averages recomputed" in f.read()
+    with pytest.raises(ValueError, match="no variant results"):
+        signal.report(os.path.join(smoke, "empty"))
