@@ -26,6 +26,7 @@ FINGERPRINT_KEYS = (
     "weight_decay",
     "lr_boundaries_epochs",
     "augment",
+    "augment_flip",
     "standardize",
 )
 

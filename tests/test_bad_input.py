@@ -160,6 +160,7 @@ OUT_OF_RANGE = {
     "limit_train": 0,
     "limit_test": -5,
     "augment": 2,
+    "augment_flip": "no",
     "learning_rate": 0.0,
     "momentum": 1.0,
     "weight_decay": -1e-4,

@@ -469,6 +469,27 @@ def test_augment_cifar_outputs_are_crops(shape):
     np.testing.assert_array_equal(out, again)
 
 
+def test_augment_crop_only_draws_the_same_crops_unmirrored():
+    """``flip=False`` (``get_batch(augment="crop")``): the same crops as with the flip, none
+    mirrored; a mirrored digit is another digit or none."""
+    images = np.random.default_rng(4).standard_normal((64, 7, 5, 2))
+    key = jax.random.key(5)
+    crops = np.asarray(data.augment_cifar(key, jnp.asarray(images), flip=False))
+    both = np.asarray(data.augment_cifar(key, jnp.asarray(images)))
+    mirrored = 0
+    for image, crop, result in zip(images, crops, both):
+        plain, _ = crops_reference(image, 4)
+        assert any(np.array_equal(c, crop) for c in plain)
+        assert np.array_equal(result, crop) or np.array_equal(result, crop[:, ::-1])
+        mirrored += not np.array_equal(result, crop)
+    assert 10 < mirrored < 54  # the flip is drawn per image; without it nothing is mirrored
+    rng = np.random.default_rng(6)
+    device_data = data.put_on_device(rng.integers(0, 256, (20, 7, 5, 2), dtype=np.uint8), np.zeros(20, np.int32))
+    idx = jnp.arange(20)
+    x, _ = data.get_batch(device_data, idx, mean=0.0, std=1.0, key=key, augment="crop")
+    np.testing.assert_array_equal(x, data.augment_cifar(key, data.preprocess(device_data.images, 0.0, 1.0), flip=False))
+
+
 def test_get_batch_inside_jit():
     rng = np.random.default_rng(6)
     images = rng.integers(0, 256, (50, 6, 6, 3), dtype=np.uint8)

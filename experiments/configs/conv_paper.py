@@ -9,11 +9,11 @@ is kept by the CIFAR configs (``cifar_paper.py``); here it is *compressed* to
 epochs 1 and 2, so 0.1, 0.01, 0.001), because the whole comparison (4 models x 3 seeds x 2
 datasets) must fit about 10 minutes of one H200: NAIS-Net10 alone trains ~1,900 images/s there,
 so one 60,000-image epoch of 3 seeds costs it ~1.5 min per dataset even if the vmapped seeds
-shared no work. Weight decay 2e-4 as the CIFAR configs; no augmentation (a left-right flip
-changes what a digit is). Pixels in [0, 1] (``standardize = False``): the
-stem's BatchNorm normalises anyway, and both datasets then compile to the same program (the
-normalisation constants are the only difference), which the experiment's persistent
-compilation cache reuses.
+shared no work. Weight decay 2e-4 as the CIFAR configs; the paper's pad-and-crop augmentation
+(4 pixels) without its left-right flip, which changes what a digit is (``augment_flip = False``).
+Pixels in [0, 1] (``standardize = False``): the stem's BatchNorm normalises anyway, and both
+datasets then compile to the same program (the normalisation constants are the only difference),
+which the experiment's persistent compilation cache reuses.
 """
 
 from naisnet_jax.configs import default
@@ -38,7 +38,8 @@ def get_config():
     config.learning_rate = 0.1
     config.momentum = 0.9
     config.weight_decay = 2e-4
-    config.augment = False
+    config.augment = True  # pad and crop by 4 pixels ...
+    config.augment_flip = False  # ... without mirroring digits
     config.standardize = False
     config.batch_size = 128
     config.eval_batch_size = 500  # x 3 seeds; NAIS-Net10's evaluation also unrolls 540 states

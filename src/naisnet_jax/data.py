@@ -852,18 +852,19 @@ def preprocess(images: jax.Array, mean, std, *, dtype=jnp.float32) -> jax.Array:
     return (x - jnp.asarray(mean, dtype)) / jnp.asarray(std, dtype)
 
 
-def augment_cifar(key: jax.Array, images: jax.Array, *, pad: int = 4) -> jax.Array:
+def augment_cifar(key: jax.Array, images: jax.Array, *, pad: int = 4, flip: bool = True) -> jax.Array:
     """Random crop after zero padding, and random horizontal flip, independently per image.
 
     ``images`` is ``(B, H, W, C)``, already normalised, so the zero padding is the mean colour.
     Each image is padded by ``pad`` on every side, cropped back to ``H x W`` at a uniform offset
-    in ``[0, 2 * pad]^2``, and mirrored left-right with probability 1/2.
+    in ``[0, 2 * pad]^2``, and, with ``flip``, mirrored left-right with probability 1/2 (the
+    crops are the same either way: the flip draws from a key of its own).
     """
     batch, height, width, channels = images.shape
     key_y, key_x, key_flip = jax.random.split(key, 3)
     dy = jax.random.randint(key_y, (batch,), 0, 2 * pad + 1, dtype=jnp.int32)
     dx = jax.random.randint(key_x, (batch,), 0, 2 * pad + 1, dtype=jnp.int32)
-    flip = jax.random.bernoulli(key_flip, 0.5, (batch,))
+    mirror = jax.random.bernoulli(key_flip, 0.5, (batch,))
     padded = jnp.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
 
     def crop(image, y, x):
@@ -871,7 +872,9 @@ def augment_cifar(key: jax.Array, images: jax.Array, *, pad: int = 4) -> jax.Arr
         return jax.lax.dynamic_slice(image, (y, x, zero), (height, width, channels))
 
     cropped = jax.vmap(crop)(padded, dy, dx)
-    return jnp.where(flip[:, None, None, None], cropped[:, :, ::-1, :], cropped)
+    if not flip:
+        return cropped
+    return jnp.where(mirror[:, None, None, None], cropped[:, :, ::-1, :], cropped)
 
 
 def get_batch(
@@ -881,10 +884,11 @@ def get_batch(
     mean,
     std,
     key: jax.Array | None = None,
-    augment: bool = False,
+    augment: bool | str = False,
     dtype=jnp.float32,
 ) -> tuple[jax.Array, jax.Array]:
-    """Gathers ``data[idx]`` on device, normalises it and, if ``augment``, augments it.
+    """Gathers ``data[idx]`` on device, normalises it and, if ``augment``, augments it
+    (:func:`augment_cifar`; ``augment="crop"``: pad and crop without the flip).
 
     Call inside the jitted step with ``idx`` a row of ``epoch_batches`` (or ``eval_batches``);
     ``augment`` must be static. Returns ``(x, y)``: ``x`` ``(B, H, W, C)`` of ``dtype``, ``y``
@@ -895,5 +899,5 @@ def get_batch(
     if augment:
         if key is None:
             raise ValueError("augment=True needs a PRNG key")
-        x = augment_cifar(key, x)
+        x = augment_cifar(key, x, flip=augment != "crop")
     return x, y

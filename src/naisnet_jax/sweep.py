@@ -193,7 +193,7 @@ def make_sweep_epoch(
     mean,
     std,
     *,
-    augment: bool,
+    augment: bool | str,
     batch_size: int,
     steps_per_chunk: int,
     eval_batch_size: int,
@@ -333,7 +333,7 @@ def _programs(config, ds, steps_per_epoch: int, mean, std, mesh: Mesh | None = N
             epoch=make_sweep_epoch(
                 mean,
                 std,
-                augment=bool(config.augment),
+                augment=train.augmentation(config),
                 batch_size=config.batch_size,
                 steps_per_chunk=config.steps_per_chunk,
                 eval_batch_size=config.eval_batch_size,
@@ -709,7 +709,7 @@ def time_steps(config, *, seeds: Sequence[int] | None = None, steps: int = 100, 
     s = _setup(config, seeds)
     steps = min(steps, s.steps_per_epoch)
     common = dict(
-        augment=bool(config.augment),
+        augment=train.augmentation(config),
         batch_size=config.batch_size,
         steps_per_chunk=config.steps_per_chunk,
         eval_batch_size=config.eval_batch_size,

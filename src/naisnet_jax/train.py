@@ -81,6 +81,7 @@ def validate_config(config) -> None:
         raise ValueError(f"config.lr_boundaries_epochs={bounds!r} must be strictly increasing positive epoch numbers.")
     for field in ("relaxed", "augment", "progress"):
         check_bool(f"config.{field}", config[field])
+    check_bool("config.augment_flip", config.get("augment_flip", True))
     check_bool("config.standardize", config.get("standardize", True))
     for field in ("limit_train", "limit_test", "num_devices", "num_seeds"):
         if config.get(field) is not None:
@@ -308,7 +309,16 @@ def step_compiler_options() -> dict[str, Any] | None:
     return dict(GPU_STEP_OPTIONS) or None if jax.default_backend() == "gpu" else None
 
 
-def make_train_chunk(mean, std, augment: bool, mesh: Mesh | None = None) -> Callable:
+def augmentation(config) -> bool | str:
+    """The ``augment`` of :func:`naisnet_jax.data.get_batch` for ``config``: ``False``, ``True``
+    (pad, crop and flip, the CIFAR recipe) or, with ``config.augment_flip=False``, ``"crop"``
+    (pad and crop only: a mirrored digit is another digit or none)."""
+    if not config.augment:
+        return False
+    return True if config.get("augment_flip", True) else "crop"
+
+
+def make_train_chunk(mean, std, augment: bool | str, mesh: Mesh | None = None) -> Callable:
     """``(state, data, idx_rows, key) -> (state, metrics)``: a scan of train steps.
 
     With a ``mesh`` of several devices, each batch is split over them
@@ -556,7 +566,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     mean, std = input_stats(config, ds.train_images)
     train_data = replicate(data_lib.put_on_device(ds.train_images, ds.train_labels), mesh)
     test_data = replicate(data_lib.put_on_device(ds.test_images, ds.test_labels), mesh)
-    augment = bool(config.augment)
+    augment = augmentation(config)
 
     os.makedirs(workdir, exist_ok=True)  # only now: a refused run writes nothing
     own_writer = writer is None

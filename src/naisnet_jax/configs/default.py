@@ -37,6 +37,7 @@ def get_config():
     config.limit_train = ml_collections.FieldReference(None, field_type=int)
     config.limit_test = ml_collections.FieldReference(None, field_type=int)
     config.augment = False
+    config.augment_flip = True  # with augment: also mirror left-right (False: pad and crop only)
     # optimisation (SGD with momentum 0.9, as the paper; its learning rate 0.1 diverges here)
     config.learning_rate = 0.02
     config.momentum = 0.9
