@@ -12,8 +12,8 @@ block:
 
 - the spread (std) of the block's output ``x_K``;
 - the share of active ReLU units in the block's first and last step (a unit is active in step
-  ``k`` when ``x_{k+1} - x_k > 0``; from ``x_0 = 0`` the first step's share is that of
-  ``relu(drive) > 0``);
+  ``k`` when ``x_{k+1} - x_k > 0``, with ``x_0`` the block's start, ``0`` or its input ``u``;
+  from ``x_0 = 0`` the first step's share is that of ``relu(drive) > 0``);
 - the gradient norms of the drive kernel ``D`` and the state kernel, and the norm of ``D``;
 - what the projection (Algorithm 2) undoes of the SGD step on the state kernel:
   ``||P(c) - c|| / ||c - theta||`` for the momentum-free candidate ``c = theta - lr (g + wd theta)``;
@@ -113,27 +113,37 @@ def _block_names(params) -> list[str]:
 def _diagnostic_step(state, config, blocks):
     """``(state, x, y) -> (state, record)``: :func:`naisnet_jax.train.train_step` and the
     measurements of the module docstring, taken on the same batch before the step."""
+    import flax.linen as nn
     import jax
     import jax.numpy as jnp
 
-    from naisnet_jax import train
+    from naisnet_jax import models, train
     from naisnet_jax.projection import project_params
 
     lr, wd = config.learning_rate, config.weight_decay
     drive = "input" if "input" in state.params[blocks[0]] else "conv"  # ResNet blocks: "conv"
 
     def loss_fn(params, x, y):
-        variables = {"params": params, "batch_stats": state.batch_stats}
-        (logits, aux), _ = state.apply_fn(variables, x, train=True, return_aux=True, mutable=["batch_stats"])
-        return jnp.mean(train.cross_entropy(logits, y)), (logits, aux["trajectory"])
+        starts = []  # per NAIS block: its input u where it starts at x_0 = u, else None (x_0 = 0)
 
-    def active(states, k):  # share of units that moved up in step k (x_0 = 0 before the first)
-        before = jnp.zeros_like(states[0]) if k == 0 else states[k - 1]
+        def record(next_fun, args, kwargs, context):
+            if isinstance(context.module, models.NaisConvBlock) and context.method_name == "__call__":
+                starts.append(args[0] if context.module.initial_state == "input" else None)
+            return next_fun(*args, **kwargs)
+
+        variables = {"params": params, "batch_stats": state.batch_stats}
+        with nn.intercept_methods(record):
+            (logits, aux), _ = state.apply_fn(variables, x, train=True, return_aux=True, mutable=["batch_stats"])
+        starts = starts or [None] * len(aux["trajectory"])  # ResNet blocks: one step from zero
+        return jnp.mean(train.cross_entropy(logits, y)), (logits, aux["trajectory"], starts)
+
+    def active(states, k, x0):  # share of units that moved up in step k
+        before = (jnp.zeros_like(states[0]) if x0 is None else x0) if k == 0 else states[k - 1]
         return jnp.mean(states[k] - before > 0)
 
     @jax.jit
     def step(state, x, y):
-        (loss, (logits, traj)), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, x, y)
+        (loss, (logits, traj, starts)), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, x, y)
         norm = lambda tree: jnp.sqrt(sum(jnp.sum(jnp.square(a)) for a in jax.tree.leaves(tree)))  # noqa: E731
         p = state.params
         rec = {
@@ -141,8 +151,8 @@ def _diagnostic_step(state, config, blocks):
             "accuracy": jnp.mean(jnp.argmax(logits, -1) == y),
             "logits_std": jnp.std(logits),
             "out_std": jnp.stack([jnp.std(t[-1]) for t in traj]),
-            "active_first": jnp.stack([active(t, 0) for t in traj]),
-            "active_last": jnp.stack([active(t, t.shape[0] - 1) for t in traj]),
+            "active_first": jnp.stack([active(t, 0, x0) for t, x0 in zip(traj, starts)]),
+            "active_last": jnp.stack([active(t, t.shape[0] - 1, x0) for t, x0 in zip(traj, starts)]),
             "g_drive": jnp.stack([norm(g[b][drive]["kernel"]) for b in blocks]),
             "w_drive": jnp.stack([norm(p[b][drive]["kernel"]) for b in blocks]),
         }
@@ -196,7 +206,7 @@ def measure(variant: str, *, workdir: str, dataset: str, steps: int, epochs: int
         records.append({"step": i, **jax.tree.map(lambda v: np.asarray(v).tolist(), rec)})
         if not math.isfinite(records[-1]["loss"]):
             break
-    chunk = train.make_train_chunk(mean, std, config.augment)
+    chunk = train.make_train_chunk(mean, std, train.augmentation(config))
     evaluate = train.make_evaluate(mean, std, config.eval_batch_size)
     history = []
     for epoch in range(epochs):
@@ -469,7 +479,7 @@ def _define_flags() -> None:
     flags.DEFINE_list("variants", None, f"Subset of {list(VARIANTS)} (default: all).")
     flags.DEFINE_string("dataset", "mnist_pinned", "Dataset (its training set and test set).")
     flags.DEFINE_integer("steps", 100, "Steps measured one at a time.", lower_bound=1)
-    flags.DEFINE_integer("epochs", 2, "Epochs in all (the measured steps are the first of them).", lower_bound=0)
+    flags.DEFINE_integer("epochs", 2, "Epochs in all (the measured steps are the first of them).", lower_bound=1)
     flags.DEFINE_enum("schedule", "constant", SCHEDULES, "Learning rate: 0.1 throughout, or the paper's drops.")
     flags.DEFINE_bool("smoke", False, "Tiny nets on digits: seconds on a CPU.")
     flags.DEFINE_bool("report", False, "Only merge the records in --workdir into the table and figure.")
