@@ -234,7 +234,7 @@ def run(
 ) -> list[dict]:
     from naisnet_jax.verify import AuditOptions
 
-    from naisnet_jax import sweep
+    from naisnet_jax import sweep, train
 
     variants = list(variants or VARIANTS)
     unknown = set(variants) - set(VARIANTS)
@@ -283,7 +283,10 @@ def run(
             f"{config.num_epochs} epochs, SGD momentum {config.momentum}, batch {config.batch_size}, "
             f"learning rate {config.learning_rate} divided by 10 at epochs {list(config.lr_boundaries_epochs)} "
             f"(the paper's 450-epoch CIFAR schedule compressed to fit ~10 GPU minutes; "
-            f"see experiments/configs/conv_paper.py), weight decay {config.weight_decay}, no augmentation"
+            f"see experiments/configs/conv_paper.py), weight decay {config.weight_decay}, "
+            + {False: "no augmentation", True: "4-pixel pad-and-crop and flip", "crop": "4-pixel pad-and-crop"}[
+                train.augmentation(config)
+            ]
         ),
         "audit": "parameter-level (Algorithm 2's condition and Gershgorin bounds)"
         + (" plus Arnoldi radii of every conv block" if full_audit else ""),
