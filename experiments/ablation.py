@@ -3,17 +3,23 @@
     python -m experiments.ablation --dataset=mnist_pinned --workdir=runs/ablation_mnist
     python -m experiments.ablation --dataset=fashion_mnist_idx --workdir=runs/ablation_fmnist
     python -m experiments.ablation --time_steps=200 ...   # steps/s of each model on this device
+    python -m experiments.ablation --hs=1,0.5,0.25,0.1,1/30 --workdir=runs/ablation_h   # against h
     python -m experiments.ablation --smoke --workdir=/tmp/ablation_smoke   # seconds, on a CPU
 
 Every model is one sweep (``naisnet_jax.sweep``): ``--seeds`` seeds trained side by side with
 the config ``experiments/configs/ablation_paper.py`` (SGD, momentum 0.9, learning rate 0.1,
 150 epochs, h = 1/30 and pixels in [0, 1] for all: see the config for why), then every seed exported, audited by
 the verifier (parameter level, models with a NAIS block: NAIS-Net and ResNet-SH-Stable), and its
-per-layer test loss measured. Writes to ``--workdir``:
+per-layer loss measured on the test set and on the training set. Writes to ``--workdir``:
 ``results.json`` / ``results.md`` (mean +- std over seeds, the paper's numbers beside ours),
-``per_layer_loss.png`` (figure 3 left), ``neuron_trajectory.png`` (figure 3 right),
+``per_layer_loss.png`` (figure 3 left, both splits), ``neuron_trajectory.png`` (figure 3 right),
 ``test_accuracy.png`` (curves over epochs); each model's sweep lives in ``<workdir>/<model>``
 and resumes; a finished model is read back from its ``summary.json``.
+
+``--hs`` runs the whole comparison at several step sizes (the paper's ResNet takes full steps,
+``h = 1``), each in ``<workdir>/h_<h>``, and writes ``results_h.md`` / ``results_h.json``
+(accuracy, rank and divergences against h), ``accuracy_vs_h.png`` and ``per_layer_loss_h.png``.
+Processes of one h each (one a GPU) can share the workdir; a last call with every h reports.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from experiments.sweep_report import (
     enable_compilation_cache,
     pm,
     read_summary,
+    script_version,
     stat_row,
     write_summary,
 )
@@ -171,15 +178,17 @@ def summarise(label: str, result, config, seconds: float) -> dict:
     row["certified_seeds"] = sum(bool(r.certified) for r in result.runs)
     row["all_certified"] = bool(result.all_certified) if has_nais else None
     row["rho_max"] = max((r.rho_max for r in result.runs if r.rho_max is not None), default=None)
-    curves = [r.per_step_loss for r in ok if r.per_step_loss is not None]
-    if curves:
-        curves = np.stack(curves)
-        row["per_layer_loss"] = {
-            "mean": curves.mean(0).tolist(),
-            "std": curves.std(0).tolist(),
-            "per_seed": curves.tolist(),
-        }
-        row["monotonicity"] = monotonicity(curves)
+    for key, split, attr in (("", "test", "per_step_loss"), ("train_", "train", "per_step_train_loss")):
+        curves = [getattr(r, attr) for r in ok if getattr(r, attr) is not None]
+        if curves:
+            curves = np.stack(curves)
+            row[f"per_layer_{key}loss"] = {
+                "split": split,
+                "mean": curves.mean(0).tolist(),
+                "std": curves.std(0).tolist(),
+                "per_seed": curves.tolist(),
+            }
+            row[f"{key}monotonicity"] = monotonicity(curves)
     row["test_accuracy_curve"] = curve(result.history, "test_accuracy")
     row["train_accuracy_curve"] = curve(result.history, "train_accuracy")
     row["epochs"] = result.epoch
@@ -188,6 +197,7 @@ def summarise(label: str, result, config, seconds: float) -> dict:
         float(np.median([r["epoch_seconds"] for r in result.history])) if result.history else None
     )
     row["device"] = sweep.device_description()
+    row["script"] = script_version()
     return row
 
 
@@ -221,14 +231,14 @@ def table(rows: list[dict], *, paper: dict | None) -> str:
     head = (
         "| model | SH | NA | BN | Stable | test acc (%) | paper test acc (%) | train acc (%) | gap (pp) | "
         "diverged | certified | loss x(1) | loss x(K) | per-layer loss monotone (seeds) | mean-curve rises "
-        "(largest) |"
+        "(largest) | train loss x(K) | train per-layer loss monotone (seeds) |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         n_seeds = len(r["seeds"])
         cert = f"{r['certified_seeds']}/{n_seeds}" if r["has_nais_block"] else "n/a (no NAIS block)"
         paper_acc = "" if paper is None else (f"{paper[r['label']]:.2f}" if r["label"] in paper else "not reported")
-        pl = r.get("per_layer_loss")
+        pl, tl = r.get("per_layer_loss"), r.get("per_layer_train_loss")
         mono = r.get("monotonicity")
         lines.append(
             f"| {r['label']} | {tick(r['SH'])} | {tick(r['NA'])} | {tick(r['BN'])} | {tick(r['Stable'])} | "
@@ -240,14 +250,20 @@ def table(rows: list[dict], *, paper: dict | None) -> str:
                 if pl
                 else "- | - | - | - |"
             )
+            + (
+                f" {tl['mean'][-1]:.3f} | {r['train_monotonicity']['monotone_seeds']}/{len(tl['per_seed'])} |"
+                if tl
+                else " - | - |"
+            )
         )
     return "\n".join(lines)
 
 
-def monotonicity_text(rows: list[dict]) -> str:
+def monotonicity_text(rows: list[dict], split: str = "test") -> str:
+    key = "" if split == "test" else "train_"
     lines = []
     for r in rows:
-        m = r.get("monotonicity")
+        m = r.get(f"{key}monotonicity")
         if not m:
             continue
         if m["mean_curve_monotone"]:
@@ -259,8 +275,8 @@ def monotonicity_text(rows: list[dict]) -> str:
                 f"{m['rise_min_to_last']:+.4f} above it"
             )
         lines.append(
-            f"- {r['label']}: mean per-layer test loss {what}; "
-            f"{m['monotone_seeds']}/{len(r['per_layer_loss']['per_seed'])} seeds monotone."
+            f"- {r['label']}: mean per-layer {split} loss {what}; "
+            f"{m['monotone_seeds']}/{len(r[f'per_layer_{key}loss']['per_seed'])} seeds monotone."
         )
     return "\n".join(lines)
 
@@ -274,14 +290,15 @@ def write_outputs(rows, workdir, *, header: dict, paper) -> str:
         "",
         "Mean ± std over the seeds that did not diverge (population std); a diverged seed is frozen at "
         "its last finite epoch and counted in 'diverged'. 'certified': seeds the verifier certifies stable. "
-        "Per-layer loss: test cross-entropy of each layer's state x(i) through the classifier, mean over seeds; "
-        f"a rise is a step up by more than {RISE_TOL:g} relative.",
+        "Per-layer loss: cross-entropy of each layer's state x(i) through the classifier, mean over seeds, "
+        f"on the test set and on the training set; a rise is a step up by more than {RISE_TOL:g} relative.",
         "",
         table(rows, paper=paper),
         "",
         "Monotonicity of the per-layer loss:",
         "",
-        monotonicity_text(rows),
+        monotonicity_text(rows, "test"),
+        monotonicity_text(rows, "train"),
         "",
     ]
     text = "\n".join(md)
@@ -290,15 +307,10 @@ def write_outputs(rows, workdir, *, header: dict, paper) -> str:
     return text
 
 
-def plot(rows, workdir) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+def per_layer_axes(ax, rows, key: str) -> None:
+    """Figure 3 (left) on ``ax``: each model's mean per-layer loss ``row[key]`` with a band of one std."""
     for i, r in enumerate(rows):
-        pl = r.get("per_layer_loss")
+        pl = r.get(key)
         if not pl:
             continue
         mean, std = np.asarray(pl["mean"]), np.asarray(pl["std"])
@@ -306,14 +318,22 @@ def plot(rows, workdir) -> None:
         color = "k" if r["label"] == "NAIS-Net" else f"C{i % 10}"
         ax.plot(layers, mean, color=color, lw=2.5 if color == "k" else 1.2, label=r["label"])
         ax.fill_between(layers, np.maximum(mean - std, 1e-6), mean + std, color=color, alpha=0.15, lw=0)
-    ax.set(
-        xlabel="layer / unroll step i",
-        ylabel="test cross-entropy of x(i)",
-        yscale="log",
-        title="Loss of each layer's state through the classifier (mean ± std over seeds)",
-    )
+    ax.set(xlabel="layer / unroll step i", yscale="log")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, ncol=2)
+
+
+def plot(rows, workdir) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, key, split in zip(axes, ("per_layer_train_loss", "per_layer_loss"), ("training set", "test set")):
+        per_layer_axes(ax, rows, key)
+        ax.set(title=f"{split}: loss of each layer's state (mean ± std over seeds)")
+    axes[0].set(ylabel="cross-entropy of x(i) through the classifier")
+    axes[1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(os.path.join(workdir, "per_layer_loss.png"), dpi=120)
     plt.close(fig)
@@ -395,6 +415,163 @@ def time_models(labels, make, steps: int, workdir: str) -> None:
     )
 
 
+# --------------------------------------------------------------------------- the step h
+
+
+def parse_h(text: str) -> float:
+    """A step size from ``--hs``: a number or a fraction (``"0.25"``, ``"1/30"``), above 0."""
+    from fractions import Fraction
+
+    try:
+        value = float(Fraction(str(text).strip()))
+    except (ValueError, ZeroDivisionError):
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"--hs has {text!r}; expected a step size above 0, a number or a fraction such as 1/30")
+    return value
+
+
+def h_dir(workdir: str, h: float) -> str:
+    """Where the sweeps of step ``h`` live: ``<workdir>/h_<h>`` (``h_0.0333333`` for 1/30)."""
+    return os.path.join(workdir, f"h_{h:.6g}")
+
+
+def ranks(rows: list[dict]) -> dict[str, int]:
+    """Each model's rank by mean test accuracy over its seeds that did not diverge (1 = best);
+    a model whose every seed diverged ranks last."""
+
+    def key(r):
+        mean = r["test_accuracy"]["mean"] if r["test_accuracy"]["n"] else None
+        return -mean if mean is not None and np.isfinite(mean) else np.inf
+
+    return {r["label"]: i + 1 for i, r in enumerate(sorted(rows, key=key))}
+
+
+def _present(by_h: dict[float, list[dict]]) -> list[str]:
+    """The labels with a row at some h, in the paper's order."""
+    return [lab for lab in LABELS if any(r["label"] == lab for rows in by_h.values() for r in rows)]
+
+
+def h_table(by_h: dict[float, list[dict]]) -> str:
+    """Models down, one column per ``h``: test accuracy (mean ± std), rank, diverged seeds."""
+    hs = sorted(by_h, reverse=True)
+    head = "| model | " + " | ".join(f"h = {h:.4g}" for h in hs) + " |"
+    lines = [head, "|" + "---|" * (len(hs) + 1)]
+    rank = {h: ranks(by_h[h]) for h in hs}
+    for label in _present(by_h):
+        cells = []
+        for h in hs:
+            r = next((r for r in by_h[h] if r["label"] == label), None)
+            if r is None:
+                cells.append("")
+                continue
+            n = len(r["seeds"])
+            div = f", {r['diverged']}/{n} diverged" if r["diverged"] else ""
+            cells.append(f"{pm(r['test_accuracy'])} (#{rank[h][label]}{div})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def h_monotonicity_table(by_h: dict[float, list[dict]]) -> str:
+    """Per model and ``h``: seeds whose per-layer loss never rises, on the training set / test set."""
+    hs = sorted(by_h, reverse=True)
+    head = "| model | " + " | ".join(f"h = {h:.4g}" for h in hs) + " |"
+    lines = [head, "|" + "---|" * (len(hs) + 1)]
+    for label in _present(by_h):
+        cells = []
+        for h in hs:
+            r = next((r for r in by_h[h] if r["label"] == label), None)
+            tm, m = (r or {}).get("train_monotonicity"), (r or {}).get("monotonicity")
+            if not (tm and m):
+                cells.append("-")
+                continue
+            n = len(r["per_layer_loss"]["per_seed"])
+            cells.append(f"{tm['monotone_seeds']}/{n} / {m['monotone_seeds']}/{n}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_h(by_h: dict[float, list[dict]], workdir: str) -> None:
+    """``accuracy_vs_h.png`` (test accuracy against h per model) and ``per_layer_loss_h.png``
+    (figure 3 left at every h, on the training set and on the test set)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hs = sorted(by_h)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, label in enumerate(LABELS):
+        pts = [(h, r) for h in hs for r in by_h[h] if r["label"] == label and r["test_accuracy"]["n"]]
+        if not pts:
+            continue
+        x = [h for h, _ in pts]
+        mean = [100 * r["test_accuracy"]["mean"] for _, r in pts]
+        std = [100 * r["test_accuracy"]["std"] for _, r in pts]
+        color = "k" if label == "NAIS-Net" else f"C{i % 10}"
+        ax.errorbar(
+            x, mean, yerr=std, color=color, marker="o", ms=4, capsize=3, lw=2 if color == "k" else 1, label=label
+        )
+    ax.set(xscale="log", xlabel="step h", ylabel="test accuracy (%)", title="Test accuracy against h (mean ± std)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "accuracy_vs_h.png"), dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(len(hs), 2, figsize=(12, 3.2 * len(hs)), squeeze=False, sharex=True)
+    for row, h in zip(axes, sorted(by_h, reverse=True)):
+        for ax, key, split in zip(row, ("per_layer_train_loss", "per_layer_loss"), ("training set", "test set")):
+            per_layer_axes(ax, by_h[h], key)
+            ax.set(title=f"h = {h:.4g}, {split}", ylabel="cross-entropy of x(i)")
+    axes[0, 1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "per_layer_loss_h.png"), dpi=100)
+    plt.close(fig)
+
+
+def run_over_h(*, workdir: str, hs, **kwargs) -> dict[float, list[dict]]:
+    """:func:`run` at every step size of ``hs``, each in :func:`h_dir`, then the comparison:
+    ``results_h.md`` / ``results_h.json`` (test accuracy, rank and divergences against h; per-layer
+    loss monotone on both splits) and the figures of :func:`plot_h`. A step whose sweeps finished
+    earlier (another process, one per GPU) is read back, so a last call with every h only reports."""
+    hs = [parse_h(h) for h in hs]
+    t0 = time.time()
+    by_h = {h: run(workdir=h_dir(workdir, h), h=h, **kwargs) for h in hs}
+    if kwargs.get("time_steps"):
+        return by_h
+    rows = [r for h in hs for r in by_h[h]]
+    header = {
+        "dataset": kwargs["dataset"],
+        "h": ", ".join(f"{h:.6g}" for h in sorted(hs, reverse=True)),
+        "seeds per model and h": kwargs["seeds"],
+        "trained on": ", ".join(sorted({f"{r['device']} (script {r.get('script', 'unknown')})" for r in rows})),
+        "training wall time, all sweeps": f"{sum(r['seconds'] for r in rows) / 60:.1f} min",
+        "wall time of this call": f"{time.time() - t0:.1f} s",
+    }
+    with open(os.path.join(workdir, "results_h.json"), "w") as f:
+        json.dump({"header": header, "by_h": {f"{h:.6g}": by_h[h] for h in hs}}, f)
+    md = ["# Section 5.1 against the step h", ""]
+    md += [f"- {k}: {v}" for k, v in header.items()]
+    md += [
+        "",
+        "Test accuracy (%), mean ± std over the seeds that did not diverge; (#rank among the models at that h by that "
+        "mean; diverged seeds).",
+        "",
+        h_table(by_h),
+        "",
+        "Seeds whose per-layer loss never rises (training set / test set):",
+        "",
+        h_monotonicity_table(by_h),
+        "",
+    ]
+    with open(os.path.join(workdir, "results_h.md"), "w") as f:
+        f.write("\n".join(md))
+    plot_h(by_h, workdir)
+    print("\n" + h_table(by_h))
+    return by_h
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -442,13 +619,12 @@ def run(
         "epochs": config.num_epochs,
         "optimiser": f"SGD, momentum {config.momentum}, learning rate {config.learning_rate}, "
         f"batch {config.batch_size}",
-        "h": f"{config.h:.6g} for every model (the paper does not state h; see experiments/configs/ablation_paper.py "
-        f"and experiments/results/ablation_h_check.md)",
+        "h": f"{config.h:.6g} for every model (the paper does not state h; see experiments/configs/ablation_paper.py)",
         "inputs": "pixels in [0, 1]"
         if not config.standardize
         else "standardised with the training set's channel statistics",
         "eps": config.eps,
-        "device": sweep.device_description(),
+        "trained on": ", ".join(sorted({f"{r['device']} (script {r.get('script', 'unknown')})" for r in rows})),
         "wall time of this call": f"{wall:.1f} s",
         "training wall time per model (when trained)": ", ".join(f"{r['label']} {r['seconds']:.0f}s" for r in rows),
         "paper": "MNIST test accuracy, mean of 10 runs" if paper else "the paper reports no Fashion-MNIST numbers",
@@ -476,6 +652,12 @@ def _define_flags() -> None:
     flags.DEFINE_integer("epochs", None, "Override the number of epochs (default: the config's 150).")
     flags.DEFINE_list("models", None, "Subset of models (default: naisnet_mnist and the nine ResNet variants).")
     flags.DEFINE_float("h", None, "Override the step size h of every model (default: the config's).")
+    flags.DEFINE_list(
+        "hs",
+        None,
+        "Run every model at each of these step sizes (numbers or fractions, e.g. 1,0.5,1/30), each "
+        "in <workdir>/h_<h>, and compare them (results_h.md).",
+    )
     flags.DEFINE_bool("smoke", False, "Tiny sizes (digits, 8 units, 3 layers, 2 epochs): seconds on a CPU.")
     flags.DEFINE_integer("time_steps", 0, "Only measure steps/s of each model's sweep over this many steps.")
     flags.DEFINE_string("audit_data", "none", "The verifier's inputs: none (parameters only), random, or a dataset.")
@@ -485,18 +667,22 @@ def _main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     enable_compilation_cache(FLAGS.compilation_cache, FLAGS.workdir)
+    common = dict(
+        dataset=FLAGS.dataset,
+        seeds=FLAGS.seeds,
+        epochs=FLAGS.epochs,
+        models=FLAGS.models,
+        smoke=FLAGS.smoke,
+        time_steps=FLAGS.time_steps,
+        audit_data=FLAGS.audit_data,
+    )
     try:
-        run(
-            workdir=FLAGS.workdir,
-            dataset=FLAGS.dataset,
-            seeds=FLAGS.seeds,
-            epochs=FLAGS.epochs,
-            models=FLAGS.models,
-            h=FLAGS.h,
-            smoke=FLAGS.smoke,
-            time_steps=FLAGS.time_steps,
-            audit_data=FLAGS.audit_data,
-        )
+        if FLAGS.hs:
+            if FLAGS.h is not None:
+                raise ValueError(f"--h={FLAGS.h} and --hs={FLAGS.hs} both given; pass one")
+            run_over_h(workdir=FLAGS.workdir, hs=FLAGS.hs, **common)
+        else:
+            run(workdir=FLAGS.workdir, h=FLAGS.h, **common)
     except ValueError as e:
         raise app.UsageError(str(e)) from e
 

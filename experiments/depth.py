@@ -43,6 +43,8 @@ import time
 
 import numpy as np
 
+from experiments.sweep_report import script_version
+
 TOL = 1e-4
 DATASETS = ("fashion_mnist_idx", "mnist_pinned")
 CLASS_NAMES = {
@@ -428,7 +430,7 @@ def _what_this_shows(rows: list[dict]) -> str:
 
 def write_results(rows: list[dict], workdir: str, *, device: str, seconds: float) -> str:
     with open(os.path.join(workdir, "results.json"), "w") as f:
-        json.dump({"device": device, "wall_seconds": seconds, "rows": rows}, f, indent=2)
+        json.dump({"device": device, "script": script_version(), "wall_seconds": seconds, "rows": rows}, f, indent=2)
     lines = [
         "| dataset | epochs | test acc (while loop) | train acc | depth mean +- std | "
         "depth range | distinct depths | at cap (block 1 / 2) | acc shallowest / deepest quarter "
@@ -456,7 +458,8 @@ def write_results(rows: list[dict], workdir: str, *, device: str, seconds: float
     first = rows[0]
     text = (
         "# Section 5.3: pattern-dependent processing depth\n\n"
-        f"Device: {device}; wall time {seconds:.0f} s for the whole script. Model: NaisNetConv, "
+        f"Device: {device}; script {script_version()}; wall time {seconds:.0f} s for the whole script. "
+        "Model: NaisNetConv, "
         f"stages {first['model_kwargs'].get('stage_sizes')} of filters "
         f"{first['model_kwargs'].get('filters')}, {first['model_kwargs'].get('activation')}, "
         f"h = {first['h']}, eps = {first['eps']}, threshold {first['adaptive_tol']:g} in training "

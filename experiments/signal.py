@@ -42,6 +42,8 @@ import time
 
 import numpy as np
 
+from experiments.sweep_report import script_version
+
 # variant -> (label, model, model_kwargs). The shipped forms first, then the other readings.
 VARIANTS = {
     "nais10": ("NAIS-Net10 (shipped: x(0) = 0, BN on every drive)", "naisnet_cifar10", {}),
@@ -255,7 +257,7 @@ def measure(variant: str, *, workdir: str, dataset: str, steps: int, epochs: int
         "test_accuracy_recomputed_statistics": test_recomputed["accuracy"],
         "seconds": time.time() - start,
         "device": sweep.device_description(),
-        "script": _script_version(),
+        "script": script_version(),
     }
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, f"{variant}.json")
@@ -297,33 +299,6 @@ def _with_batch_statistics(apply_fn):
         return out
 
     return apply
-
-
-def _script_version() -> str:
-    """The commit of the tree this script ran from: ``$NAISNET_SCRIPT_VERSION`` where set (a copy
-    of the tree without git), else git's (``unknown`` outside a git checkout)."""
-    import subprocess
-
-    if os.environ.get("NAISNET_SCRIPT_VERSION"):
-        return os.environ["NAISNET_SCRIPT_VERSION"]
-
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=os.path.dirname(__file__),
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "src", "experiments"],
-            capture_output=True,
-            text=True,
-            cwd=os.path.dirname(__file__),
-        ).stdout
-        return head + ("+changes" if dirty.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def summary_row(rec: dict) -> dict:

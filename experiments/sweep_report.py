@@ -104,3 +104,30 @@ def enable_compilation_cache(directory: str | None, workdir: str) -> None:
     os.makedirs(directory, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def script_version() -> str:
+    """The commit of the tree this script ran from: ``$NAISNET_SCRIPT_VERSION`` where set (a copy
+    of the tree without git), else git's (``unknown`` outside a git checkout)."""
+    import subprocess
+
+    if os.environ.get("NAISNET_SCRIPT_VERSION"):
+        return os.environ["NAISNET_SCRIPT_VERSION"]
+
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(__file__),
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "src", "experiments"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(__file__),
+        ).stdout
+        return head + ("+changes" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

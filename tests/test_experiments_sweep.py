@@ -107,7 +107,33 @@ def test_conv_smoke_writes_the_table_and_figures(tmp_path):
         assert os.path.getsize(os.path.join(workdir, name)) > 0
     with open(os.path.join(workdir, "results.md")) as f:
         text = f.read()
-    assert "compressed" in text and "NAIS-Net1, x(0) = 0" in text
+    assert "same fractions of the run" in text and "NAIS-Net1, x(0) = 0" in text
+
+
+def test_conv_claims_compare_each_nais_net_with_each_resnet():
+    """The paper's three claims from the per-seed numbers: difference of means with Welch's
+    standard error, ratio of mean gaps, ratio of the spreads; a diverged seed (NaN) is left out."""
+    from experiments import conv
+
+    def row(variant, acc, gap):
+        return {
+            "variant": variant,
+            "label": conv.VARIANTS[variant][0],
+            "dataset": "mnist_pinned",
+            "test_accuracy": {"per_seed": acc},
+            "generalisation_gap": {"per_seed": gap},
+        }
+
+    a, b = [0.99, 0.97, 0.98, float("nan")], [0.96, 0.98, 0.97, 0.95]
+    rows = [row("naisnet10", a, [0.01, 0.02, 0.03, None]), row("resnet", b, [0.03, 0.03, 0.06, 0.04])]
+    (c,) = conv.claims(rows)
+    x, y = np.array(a[:3]), np.array(b)
+    assert c["nais"] == "NAIS-Net10" and c["resnet"] == "ResNet"
+    np.testing.assert_allclose(c["accuracy_difference"], x.mean() - y.mean(), rtol=1e-12)
+    np.testing.assert_allclose(c["difference_se"], np.sqrt(x.var(ddof=1) / 3 + y.var(ddof=1) / 4), rtol=1e-12)
+    np.testing.assert_allclose(c["gap_ratio"], 0.02 / 0.04, rtol=1e-12)
+    np.testing.assert_allclose(c["spread_ratio"], x.std() / y.std(), rtol=1e-12)
+    assert "| mnist_pinned | NAIS-Net10 | ResNet | +1.50 ± 0.87 | 0.50 | 0.73 |" in conv.claims_table(rows)
 
 
 @pytest.mark.parametrize("arg", ["cifar10,naisnet_cifar10", "cifar100,naisnet_cifar1", "cifar10,resnet_cifar"])

@@ -339,6 +339,50 @@ def test_resnet_conv_block_equals_numpy(square):
     np.testing.assert_allclose(out, np.maximum(skip + y, 0), rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("square", [True, False])
+def test_two_convolution_resnet_block_equals_numpy(square):
+    """``convs=2``: He et al.'s basic block relu(skip + BN2(conv2(relu(BN(conv(x)))))), the stride on
+    the first convolution, batch statistics in train mode."""
+    c_in, c = (4, 4) if square else (3, 4)
+    strides = 1 if square else 2
+    block = M.ResNetConvBlock(c, strides=strides, zero_init_residual=False, convs=2)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 6, 6, c_in))
+    variables = _f64(block.init(KEY, x))
+    params = variables["params"]
+    for bn in ("bn", "bn2"):
+        params[bn]["scale"] = rng.uniform(0.5, 1.5, c)
+        params[bn]["bias"] = rng.uniform(-0.3, 0.3, c)
+    out, _ = block.apply({**variables, "params": params}, x, train=True, mutable=["batch_stats"])
+
+    def bn(z, name):
+        mean, var = z.mean(axis=(0, 1, 2)), z.var(axis=(0, 1, 2))
+        return (z - mean) / np.sqrt(var + M.BN_EPSILON) * params[name]["scale"] + params[name]["bias"]
+
+    y = np.maximum(bn(_np_conv_same(x, params["conv"]["kernel"], strides), "bn"), 0)
+    y = bn(_np_conv_same(y, params["conv2"]["kernel"], 1), "bn2")
+    skip = x if square else _np_conv_same(x, params["shortcut"]["kernel"], strides)
+    np.testing.assert_allclose(out, np.maximum(skip + y, 0), rtol=0, atol=1e-9)
+    # zero_init_residual zeroes the last BatchNorm's scale only: the block starts as the identity
+    fresh = M.ResNetConvBlock(c, convs=2).init(KEY, np.abs(x[..., :c]))["params"]
+    assert np.all(np.asarray(fresh["bn2"]["scale"]) == 0) and np.all(np.asarray(fresh["bn"]["scale"]) == 1)
+
+
+def test_two_convolution_resnet_matches_the_nais_nets_parameters():
+    """Section 5.2's parameter-matched baseline: with two convolutions a block the 3 x 18-block
+    ResNet (ResNet-110) has NAIS-Net's parameter count within 1%, the paper's one-convolution form half."""
+
+    def count(name, **kw):
+        model = M.get_model(name, num_classes=10, **kw)
+        shapes = jax.eval_shape(lambda: model.init(KEY, jnp.zeros((1, 32, 32, 3))))
+        return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(shapes["params"]))
+
+    nais, one, two = count("naisnet_cifar10"), count("resnet_cifar"), count("resnet_cifar", convs=2)
+    assert abs(two / nais - 1) < 0.01 and one < 0.51 * nais, (nais, one, two)
+    with pytest.raises(ValueError, match="convs"):
+        M.get_model("resnet_cifar", convs=3).init(KEY, jnp.zeros((1, 8, 8, 3)))
+
+
 def test_zero_init_residual_starts_as_identity_and_its_scale_learns():
     """A fresh block maps a non-negative x to itself, and its BatchNorm scale gets a non-zero
     gradient (with the ReLU inside the branch, relu(0 * z) would have a zero gradient

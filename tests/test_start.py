@@ -68,6 +68,15 @@ def test_every_block_keeps_its_inputs_spread_at_initialisation(name):
     assert 0.1 <= logits_std <= 10.0, f"logits std {logits_std:.3g}"
 
 
+def test_the_parameter_matched_resnet_keeps_the_spread_at_initialisation():
+    """The two-convolution ResNet (section 5.2's parameter-matched row) starts as the paper's does."""
+    model = M.get_model("resnet_cifar", num_classes=10, convs=2)
+    logits_std, pairs = _spreads(model, jax.random.normal(jax.random.PRNGKey(0), (32, *IMAGES["conv"])))
+    ratios = np.array([out / inp for inp, out in pairs])
+    assert len(ratios) == 54 and np.all((ratios >= 0.25) & (ratios <= 4.0)), ratios
+    assert 0.1 <= logits_std <= 10.0, logits_std
+
+
 def test_the_former_conv_form_loses_its_signal():
     """The test has teeth: the form the CIFAR nets had before (BatchNorm only where the stage
     changes, drives at LeCun scale, ``x_0 = 0``) halves the second moment at every block, so

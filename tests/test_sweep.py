@@ -218,6 +218,11 @@ def test_per_step_loss_of_a_seed_is_the_single_runs(nais):
     assert all(r.per_step_loss.shape == (3,) for r in result.runs)
     np.testing.assert_allclose(result.runs[2].per_step_loss, expected, rtol=1e-6)
     assert not np.allclose(result.runs[0].per_step_loss, expected, rtol=1e-6)
+    # the same on the training set, which a sweep measures too (figure 3 on both splits)
+    on_train = train.per_step_loss(s["state"], result.train_data, s["mean"], s["std"], batch_size=64)
+    assert all(r.per_step_train_loss.shape == (3,) for r in result.runs)
+    np.testing.assert_allclose(result.runs[2].per_step_train_loss, on_train, rtol=1e-6)
+    assert not np.allclose(on_train, expected, rtol=1e-3)
 
 
 def test_stats_are_over_seeds(nais):

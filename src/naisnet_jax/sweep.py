@@ -85,6 +85,7 @@ class SeedResult:
     certified: bool | None = None
     certificate: Any = None  # the verifier's certificate of this seed
     per_step_loss: np.ndarray | None = None  # (K,) test cross-entropy of x(i), FC models
+    per_step_train_loss: np.ndarray | None = None  # (K,) the same over the training set
 
     @property
     def diverged(self) -> bool:
@@ -506,7 +507,8 @@ def train_sweep(
     every seed is exported as a single-run checkpoint under ``workdir/seed_<s>/checkpoints``,
     audited by the verifier (``audit=False`` skips it, ``audit_baselines=False`` skips it for
     models without a NAIS block; ``audit_options`` is passed on) and, for
-    FC models, its per-layer test loss is measured (``per_step_loss=False`` skips it).
+    FC models, its per-layer loss on the test set and on the training set is measured
+    (``per_step_loss=False`` skips it).
     Resuming a workdir that holds a sweep of another model, seeds or data raises ``ValueError``.
     """
     t_start = time.time()
@@ -600,9 +602,10 @@ def train_sweep(
     runs = []
     finished = done_epoch >= config.num_epochs
     if finished:
-        losses = None
+        losses = train_losses = None
         if per_step_loss and _has_step_logits(s.model, state, s.ds.image_shape):
             losses = np.asarray(s.programs.per_step_loss(state, s.test_data))
+            train_losses = np.asarray(s.programs.per_step_loss(state, s.train_data))
         host_tree = jax.device_get(train._checkpoint_tree(state))
     for i, seed in enumerate(seeds):
         r = last.get(seed)
@@ -638,6 +641,7 @@ def train_sweep(
                 certified=certified,
                 certificate=cert,
                 per_step_loss=None if losses is None else losses[i],
+                per_step_train_loss=None if train_losses is None else train_losses[i],
             )
         runs.append(run)
     mngr.close()
