@@ -8,7 +8,7 @@
 
 Every model is one sweep (``naisnet_jax.sweep``): ``--seeds`` seeds trained side by side with
 the config ``experiments/configs/ablation_paper.py`` (SGD, momentum 0.9, learning rate 0.1,
-150 epochs, h = 1/30 and pixels in [0, 1] for all: see the config for why), then every seed exported, audited by
+150 epochs, standardised inputs, h = 1/30 unless ``--h`` or ``--hs``), then every seed exported, audited by
 the verifier (parameter level, models with a NAIS block: NAIS-Net and ResNet-SH-Stable), and its
 per-layer loss measured on the test set and on the training set. Writes to ``--workdir``:
 ``results.json`` / ``results.md`` (mean +- std over seeds, the paper's numbers beside ours),

@@ -5,13 +5,10 @@ Fashion-MNIST). ``config.model`` is set per model by the experiment.
 
 What the paper does not state, and what we chose:
 
-- ``h = 1/30`` for every model, so that the 30 steps integrate over a unit time ``T = K h = 1``.
-  The states of a tanh network then stay O(1) per unit (at most ``K h = 1`` from the start), as
-  the hidden units of an ordinary MLP do, and the paper's learning rate 0.1 with momentum 0.9 is in
-  its usual regime. Larger steps make the classifier's inputs large (up to ``K h`` per unit) and
-  with them the effective step of SGD: a first full run at ``h = 0.25`` (H200, 10 seeds, 150
-  epochs) diverged in every seed of ResNet, ResNet-SH and ResNet-BN (epochs 20 to 70), and the
-  NAIS-Net, though stable and certified, ended at 93.3% with train losses near 8 (huge logits).
+- The step size: ``h = 1/30`` by default (``K h = 1``); ``experiments/ablation.py --hs`` runs the
+  whole comparison at ``h`` in {1, 0.5, 0.25, 0.1, 1/30} (the paper's ResNet takes full steps), and
+  ``experiments/fc_spectrum.py`` shows what Algorithm 1 does to ``R`` at each (RESULTS.md, 5.1).
+- Inputs standardised by the training set's mean and std (the default config's ``standardize``).
 - State width 128 (``naisnet_mnist``, ``resnet*`` defaults), ``eps = 0.01`` (Algorithm 1's
   ``delta = 1 - 2 eps``), batch 128, no weight decay, no augmentation, no learning-rate decay.
 """
