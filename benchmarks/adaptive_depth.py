@@ -3,7 +3,7 @@
 Target: adaptive time <= 1.25 x (mean depth / max_steps) x fixed time, where the fixed
 time is the plain ``lax.scan`` of ``max_steps`` steps on the same batch.
 
-1. The synthetic case of the issue: a dense NAIS block of width 256 (``A = -R^T R - eps I``,
+1. The synthetic case: a dense NAIS block of width 256 (``A = -R^T R - eps I``,
    Algorithm 1), batch 1024, half the patterns easy (a small drive) and half hard (a
    large one), ``max_steps = 500``; ``tol`` is set by bisection so that the mean depth
    is 366.

@@ -7,7 +7,7 @@ four combinations of ``block_vjp`` (``"autodiff"``: reverse mode through the sca
 ``scan_unroll`` (1 or 10), and ``"fused"`` (the K steps one Pallas kernel each way on a CUDA
 GPU, :mod:`naisnet_jax.fused_dense`; elsewhere ``"stacked"``), side by side in one process:
 every variant compiled first, then
-timed in alternating rounds (chunks of jitted steps in one ``lax.scan``), best round kept.
+timed in alternating passes (chunks of jitted steps in one ``lax.scan``), the best pass kept.
 The options do not change the maths: each row's first gradient is compared with the plain
 one's (``autodiff``, unroll 1) on the same parameters and batch.
 

@@ -15,12 +15,12 @@ the main stream the device time exceeds the wall.
 
 The kernels are also counted by duration (under 2, 4, 8, 16, 50 us and longer), with the names
 that take the most time in launches under 4 us: a step of ~2,000 kernels spends ~2 ms in ~1,000
-such launches (session 28), each costing more than its work. The host's side is summarised too:
+such launches (an H100 profile), each costing more than its work. The host's side is summarised too:
 each host thread's busy time and the host events that take the longest. Where the trace ties
 the main stream's kernels to their launch calls (CUDA correlation ids), each gap before a kernel
 is attributed either to the host, if it made the call only after the stream had run dry, or to
 the device (a wait on the other stream or an event). Under the profiler the host is slower than
-without it: in session 28 the gaps it blamed on the host did not lengthen the unprofiled step.
+without it: on an H100 the gaps it blamed on the host did not lengthen the unprofiled step.
 ``--keep-trace`` copies the Perfetto trace next to the results. ``--fusions`` also dumps XLA's
 optimised program and names the step's largest XLA fusions (loops, reductions, transposes,
 copies: not the library's kernels or cuDNN's), each with its output shape, the JAX operation it

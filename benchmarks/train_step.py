@@ -2,28 +2,27 @@
 
 Images/s, peak memory per image and compile time of one training step (forward,
 backward, SGD with momentum and weight decay, Algorithm 2 projection: exactly
-``naisnet_jax.train.train_step``) at batch 128 on 32x32x3 inputs, for NAIS-Net10,
-NAIS-Net1 and the CIFAR ResNet in float32 and with bfloat16 compute; variants of
-NAIS-Net10 (``scan_unroll``, the stacked custom VJP, rematerialisation, XLA flag
-sets); and the same NAIS-Net10 in PyTorch eager and ``torch.compile``
-(``benchmarks/torch_naisnet.py``; the target's yardstick is ``torch.compile``'s default
-mode, and a reference row replays its CUDA graphs, ``mode="reduce-overhead"``). Each
-variant runs in its own process (fresh allocator statistics, its own ``XLA_FLAGS``).
-Timed: ``--steps`` steps in one jitted ``lax.scan`` on a fixed random batch, best of
-``--repeats``.
+``naisnet_jax.train.train_step``) at batch 128 on 32x32x3 inputs: NAIS-Net10 plain and on
+its fast paths (``scan_unroll``, the stacked custom VJP, the fused block kernels and their
+engine, bfloat16 compute), NAIS-Net1 on the fused kernels, the CIFAR ResNet, and the same
+NAIS-Net10 in PyTorch eager and ``torch.compile`` (``benchmarks/torch_naisnet.py``; the
+target's yardstick is ``torch.compile``'s default mode, and a reference row replays its CUDA
+graphs, ``mode="reduce-overhead"``). Each variant runs in its own process (fresh allocator
+statistics). Timed: ``--steps`` steps in one jitted ``lax.scan`` on a fixed random batch,
+best of ``--repeats``.
 
-The floor: FLOPs of forward + backward per image, counted on the jaxpr of the
-plain NAIS-Net10 step (convolutions and matrix products; ``lax.scan`` bodies times
-their length), against the card's peak float32 (CUDA cores), TF32 and bfloat16
-tensor-core rates; ``floor %`` is the floor's time over the measured time.
+The floor: FLOPs of forward + backward per image, counted on the jaxpr of the step
+(convolutions and matrix products; ``lax.scan`` bodies times their length; a fused model is
+counted as its stacked form, the same products), against the card's peak float32 (CUDA
+cores), TF32 and bfloat16 tensor-core rates.
 
 Precision: JAX's default on GPU computes float32 convolutions with TF32; the PyTorch
 rows set ``torch.backends.cudnn.allow_tf32 = True`` (its default) and
 ``torch.backends.cuda.matmul.allow_tf32 = True`` (its default is False) to match.
-The ``*_highest`` rows turn TF32 off on both sides.
 
-    python benchmarks/train_step.py --out=runs/bench/train_step             # all variants
-    python benchmarks/train_step.py --out=... --preset=quick                 # 9 of them
+    python benchmarks/train_step.py --out=runs/bench/train_step             # all 11 variants
+    python benchmarks/train_step.py --out=... --preset=compare               # fast path and torch.compile
+    python benchmarks/train_step.py --out=... --variants=A,B --order=abba    # A, B, B@2, A@2
     python benchmarks/train_step.py --out=/tmp/smoke --smoke                 # tiny, on CPU
 
 Rerunning with the same ``--out`` resumes: finished variants are read back.
@@ -41,162 +40,40 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
-CMDBUF_WHILE = (
-    "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,"
-    "CONDITIONAL,WHILE --xla_gpu_graph_min_graph_size=1"
-)
 N10 = "naisnet_cifar10"
+#: NAIS-Net10's fast path on a GPU, as the speed-minded user builds it (README, "Speed options")
+FAST = dict(block_vjp="fused", scan_unroll=10)
 
-
-def fused10(**spec) -> dict:
-    """A variant of NAIS-Net10 on the fast path (``block_vjp="fused", scan_unroll=10``) with ``spec``."""
-    return dict(model=N10, kwargs=dict(block_vjp="fused", scan_unroll=10), **spec)
-
-
-# name -> spec. kind "jax": model name, model kwargs, precision, XLA flags;
-# kind "torch": mode (eager | compile | reduce-overhead) and precision (tf32 | highest | bf16).
+# name -> spec. kind "jax": model name, model kwargs, precision, XLA flags, the fused conv blocks'
+# engine; kind "torch": mode (eager | compile | reduce-overhead) and precision (tf32 | highest | bf16).
 VARIANTS = {
+    # the trainer's default step: autodiff through lax.scan
     "nais10": dict(model=N10),
-    "nais10_unroll2": dict(model=N10, kwargs=dict(scan_unroll=2)),
-    "nais10_unroll5": dict(model=N10, kwargs=dict(scan_unroll=5)),
     "nais10_unroll10": dict(model=N10, kwargs=dict(scan_unroll=10)),
-    "nais10_stacked": dict(model=N10, kwargs=dict(block_vjp="stacked")),
+    # the fast path without Pallas kernels (what `fused` means on a CPU or TPU)
     "nais10_stacked_unroll10": dict(model=N10, kwargs=dict(block_vjp="stacked", scan_unroll=10)),
-    "nais10_stacked_recompute": dict(model=N10, kwargs=dict(block_vjp="stacked_recompute")),
-    "nais10_remat_block": dict(model=N10, kwargs=dict(remat="block")),
-    "nais10_remat_step": dict(model=N10, kwargs=dict(remat="step")),
-    "nais10_highest": dict(model=N10, precision="highest"),
-    "nais10_xla_cmdbuf_while": dict(model=N10, xla_flags=CMDBUF_WHILE),
-    "nais10_xla_cmdbuf_off": dict(model=N10, xla_flags="--xla_gpu_enable_command_buffer="),
-    "nais10_xla_autotune0": dict(model=N10, xla_flags="--xla_gpu_autotune_level=0"),
-    "nais10_xla_runtime_fusion": dict(model=N10, xla_flags="--xla_gpu_use_runtime_fusion=true"),
-    "nais10_xla_double_buffer": dict(
-        model=N10, xla_flags="--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER"
-    ),
-    "nais10_unroll10_cmdbuf_while": dict(model=N10, kwargs=dict(scan_unroll=10), xla_flags=CMDBUF_WHILE),
-    "nais10_xla_cmdbuf_unroll_loops": dict(  # WHILE commands lowered to unrolled CUDA graphs (newer XLA)
-        model=N10, xla_flags=CMDBUF_WHILE + " --xla_gpu_command_buffer_unroll_loops=true"
-    ),
-    "nais10_fused": dict(model=N10, kwargs=dict(block_vjp="fused")),
-    "nais10_fused_unroll10": fused10(),
-    "nais10_fused_unroll10_triton": fused10(engine="triton"),
-    # the wgmma blocks on hopper_block's three bfloat16 products (about 16 significant bits; the
-    # default before session 29), not hopper_tf32's TF32 products with the windows as views
-    "nais10_fused_unroll10_bf16x3": fused10(wgmma_tf32=False),
-    # the 64-channel blocks on the stacked VJP (cuDNN), as before session 30, not on hopper_tf32's
-    # kernels with their kernel gradients by XLA (fused_block.WGMMA_WIDE)
-    "nais10_fused_unroll10_c64_xla": fused10(wgmma_wide=False),
-    # the 64-channel blocks' kernel gradients (XLA's, cuDNN) on the second stream
-    "nais10_fused_unroll10_c64_wgrad_side": fused10(wide_wgrad_side=True),
-    # the weight gradient on wgmma too (prototype, benchmarks/wgmma_wgrad.py; Hopper only)
-    "nais10_fused_unroll10_wgmma_wgrad": fused10(wgrad="wgmma"),
-    # the 64-channel blocks on wgmma too (prototype, benchmarks/wgmma_block64.py; Hopper only)
-    "nais10_fused_unroll10_wgmma_c64": fused10(c64="wgmma"),
-    # the 64-channel blocks as one Triton kernel a step (prototype, benchmarks/step_kernels64.py)
-    "nais10_fused_unroll10_c64_steps": fused10(c64="steps"),
-    # XLA's scheduler for the second stream's work: more async computations in flight, and its
-    # analytical cost model. No gain in session 26 (H200): 25.88 and 25.83 ms, where the same code
-    # without them ran 25.85 in another call; both as the step's compiler options, 25.95 against
-    # 25.85 side by side
-    "nais10_fused_unroll10_async32": fused10(
-        xla_flags="--xla_gpu_experimental_parallel_async_compute_limit=32",
-    ),
-    "nais10_fused_unroll10_lhs_analytical": fused10(
-        xla_flags="--xla_gpu_enable_analytical_latency_estimator=true",
-    ),
-    # no XLA command buffers (CUDA graphs): each kernel launched on its own. Session 26's profile:
-    # the main stream waited ~6 us before each of the 64-channel stage's cuDNN convolutions,
-    # launched between command buffers, mostly with the launch already issued
-    "nais10_fused_unroll10_cmdbuf_off": fused10(xla_flags="--xla_gpu_enable_command_buffer="),
-    # the 64-channel blocks' stacked weight gradients on the main stream (the drives' stay on the
-    # second): in session 26's trace cuDNN's kernel for them takes 226 KB of shared memory a
-    # program on 126 programs, the whole of each SM's, so the main stream's kernels cannot run
-    # beside it anyway, and the main stream waited 0.72 ms for them at the end of the step
-    "nais10_fused_unroll10_stacked_wgrad_main": fused10(stacked_wgrad="main"),
-    # the stacked VJP's stacks of x_k and s_k written in place, not concatenated (prototype,
-    # benchmarks/stacks_in_place.py)
-    "nais10_fused_unroll10_stacks_in_place": fused10(stacks="in_place"),
-    "nais10_fused_unroll10_stacks_in_place_fwd": fused10(stacks="in_place_forward"),  # the x_k's only
-    "nais10_fused_unroll10_stacks_in_place_bwd": fused10(stacks="in_place_backward"),  # the s_k's only
-    # the weight-gradient kernels masking every window, as before session 26 (not the edge tiles' only)
-    "nais10_fused_unroll10_wgrad_masks": fused10(wgrad_masks="all"),
-    "nais10_fused_unroll10_wgmma_all": fused10(wgrad="wgmma", c64="wgmma"),
-    "nais10_fused_unroll10_relu_z": fused10(relu_sign=False),
-    # the wgmma forward saves ReLU's sign in int8, not bfloat16 (half the bytes again; the default
-    # since session 28), and the old bfloat16
-    "nais10_fused_unroll10_mask_i8": fused10(mask_dtype="int8"),
-    "nais10_fused_unroll10_mask_bf16": fused10(mask_dtype="bfloat16"),
-    # the weight-gradient kernels' partial sums added up as a float32 matrix-vector product
-    # (ones @ parts, cuBLAS), not XLA's column reduction
-    "nais10_fused_unroll10_parts_gemv": fused10(parts_sum="gemv"),
-    # with XLA's cuDNN convolution fusions (train.CONV_FUSION)
-    "nais10_fused_unroll10_conv_fusion": fused10(conv_fusion=True),
-    # every block's K steps from x_0 = 0, as before session 24 (not from x_1 = h act(drive))
-    "nais10_fused_unroll10_from_zero": fused10(first_step=False),
-    # the drive convolutions' kernel gradients by the fused weight-gradient kernel, as in sessions
-    # 24 to 29 (not cuDNN's on the second stream: fused_block.DRIVE_WGRAD_KERNEL)
-    "nais10_fused_unroll10_drive_wgrad_kernel": fused10(drive_wgrad="kernel"),
-    # the weight-gradient kernel's chunks and stages from benchmarks/wgrad_tiling.py --best=FILE
-    # (read from the environment's WGRAD_BEST=FILE)
-    "nais10_fused_unroll10_wgrad_best": fused10(wgrad_tiling="WGRAD_BEST"),
-    # the drive's gradient as XLA's sum over the saved s_k beside the per-step weight-gradient kernel
-    # on the second stream, as before session 25 (not summed by the weight-gradient kernel)
-    "nais10_fused_unroll10_wgrad_per_step": fused10(wgrad_sums_steps=False),
-    "nais10_fused_unroll10_one_stream": fused10(side_stream=False),
-    # cuDNN's convolutions captured into XLA's command buffers (CUDA graphs) with the fusions around them
-    "nais10_fused_unroll10_conv_cmdbuf": fused10(
-        xla_flags="--xla_gpu_enable_command_buffer=+CONVOLUTION",
-    ),
-    # XLA's command buffers scheduled as a DAG of their buffers' dependencies (independent kernels
-    # run concurrently), not in the latency-hiding scheduler's order (LHS, the default); with and
-    # without cuDNN's convolutions captured
-    "nais10_fused_unroll10_cmdbuf_concurrent": fused10(
-        xla_flags="--xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
-    ),
-    "nais10_fused_unroll10_conv_cmdbuf_concurrent": fused10(
-        xla_flags="--xla_gpu_enable_command_buffer=+CONVOLUTION --xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
-    ),
-    "nais10_fused_unroll10_nhwc": fused10(xla_flags="--xla_gpu_force_conv_nhwc"),
-    "nais10_bf16": dict(model=N10, kwargs=dict(dtype="bfloat16")),
+    # the shipped fast path: the fused block kernels (wgmma on Hopper cards, Triton elsewhere)
+    "nais10_fused_unroll10": dict(model=N10, kwargs=FAST),
+    # the same with the Triton kernels on a Hopper card too
+    "nais10_fused_unroll10_triton": dict(model=N10, kwargs=FAST, engine="triton"),
     "nais10_bf16_stacked_unroll10": dict(model=N10, kwargs=dict(dtype="bfloat16", block_vjp="stacked", scan_unroll=10)),
-    "nais1": dict(model="naisnet_cifar1"),
     "nais1_fused": dict(model="naisnet_cifar1", kwargs=dict(block_vjp="fused")),
-    "nais1_bf16": dict(model="naisnet_cifar1", kwargs=dict(dtype="bfloat16")),
     "resnet": dict(model="resnet_cifar"),
-    "resnet_bf16": dict(model="resnet_cifar", kwargs=dict(dtype="bfloat16")),
     "torch_eager": dict(kind="torch", mode="eager", precision="tf32"),
+    # the yardstick: torch.compile's default mode
     "torch_compile": dict(kind="torch", mode="compile", precision="tf32"),
-    # the same shortcut as our fast paths: each block from x_1 = h relu(drive), K - 1 steps
-    "torch_compile_first_step": dict(kind="torch", mode="compile", precision="tf32", first_step=True),
     # for reference: torch.compile replaying CUDA graphs (mode="reduce-overhead"), no launch cost
     "torch_compile_cudagraphs": dict(kind="torch", mode="reduce-overhead", precision="tf32"),
-    "torch_eager_bf16": dict(kind="torch", mode="eager", precision="bf16"),
-    "torch_compile_bf16": dict(kind="torch", mode="compile", precision="bf16"),
-    "torch_eager_highest": dict(kind="torch", mode="eager", precision="highest"),
 }
 PRESETS = {
     "all": list(VARIANTS),
-    "fused": ["nais10_stacked_unroll10", "nais10_fused_unroll10", "torch_compile", "torch_compile_cudagraphs"],
-    # the issue's table: the three nets in float32 and bfloat16 beside PyTorch eager and compiled
-    "issue": [
-        "nais10_fused_unroll10",
-        "nais10_bf16_stacked_unroll10",
-        "nais1_fused",
-        "nais1_bf16",
-        "resnet",
-        "resnet_bf16",
-        "torch_eager",
-        "torch_compile",
-        "torch_compile_bf16",
-        "torch_compile_cudagraphs",
-    ],
+    # the headline figure: the fast path beside torch.compile in one run
+    "compare": ["nais10_fused_unroll10", "torch_compile"],
     "quick": [
         "nais10",
-        "nais10_unroll10",
-        "nais10_stacked",
         "nais10_stacked_unroll10",
-        "nais10_bf16",
-        "nais1",
+        "nais10_fused_unroll10",
+        "nais1_fused",
         "resnet",
         "torch_eager",
         "torch_compile",
@@ -283,106 +160,11 @@ def training_chunk(steps: int):
 
 def apply_spec(spec) -> None:
     """The spec's switches that patch the package before its model is built: the fused conv
-    blocks' engine, the prototype kernels, the weight gradients' second stream."""
-    if spec.get("engine"):  # the fused conv blocks' GPU kernels: "wgmma" or "triton" (default: by card)
+    blocks' engine ("wgmma" or "triton"; default: by card)."""
+    if spec.get("engine"):
         from naisnet_jax import fused_block, models
 
         models.unroll_tied_conv = functools.partial(fused_block.unroll_tied_conv, engine=spec["engine"])
-    if spec.get("wgrad") == "wgmma":  # the prototype weight-gradient kernel of benchmarks/wgmma_wgrad.py
-        import wgmma_wgrad
-
-        wgmma_wgrad.patch_fused_block()
-    if spec.get("c64") == "wgmma":  # the prototype 64-channel block kernels of benchmarks/wgmma_block64.py
-        import wgmma_block64
-
-        wgmma_block64.patch_models()
-    if spec.get("c64") == "steps":  # the 64-channel blocks as one Triton kernel a step
-        import step_kernels64
-
-        step_kernels64.patch_models()
-    if spec.get("wgmma_tf32") is False:  # the wgmma blocks in bfloat16 x 3 (hopper_block), not TF32
-        from naisnet_jax import fused_block
-
-        fused_block.WGMMA_TF32 = False
-    if spec.get("wgmma_wide") is False:  # the 64-channel blocks on the stacked VJP, not the TF32 wgmma kernels
-        from naisnet_jax import fused_block
-
-        fused_block.WGMMA_WIDE = False
-    if spec.get("wide_wgrad_side"):  # the 64-channel blocks' kernel gradients on the second stream
-        from naisnet_jax import fused_block
-
-        fused_block.WIDE_WGRAD_SIDE = True
-    if spec.get("relu_sign") is False:  # the wgmma forward saves ReLU's z_k in float32, not its sign
-        from naisnet_jax import hopper_block
-
-        hopper_block.SAVE_RELU_SIGN = False
-    if spec.get("mask_dtype"):  # the dtype the wgmma forward saves ReLU's sign in
-        import jax.numpy as jnp
-
-        from naisnet_jax import hopper_block
-
-        hopper_block.MASK_DTYPE = jnp.dtype(spec["mask_dtype"])
-    if spec.get("stacked_wgrad") == "main":  # block_vjp's calls that leave the stream to it: main
-        from naisnet_jax import block_vjp
-
-        side = block_vjp.on_side_stream
-        block_vjp.on_side_stream = lambda f, enabled=None: side(f, False if enabled is None else enabled)
-    if spec.get("stacks", "").startswith("in_place"):  # the stacked VJP's stacks written in place
-        import stacks_in_place
-
-        which = spec["stacks"]
-        stacks_in_place.patch(forward=which != "in_place_backward", backward=which != "in_place_forward")
-    if spec.get("wgrad_masks") == "all":  # every tile of the weight-gradient kernels masked
-        from naisnet_jax import fused_block
-
-        fused_block._edge_split = lambda layout, offsets, rows, first, count: (count, count)
-    if spec.get("conv_fusion"):  # the step compiled with XLA's cuDNN convolution fusions
-        from naisnet_jax import train
-
-        train.GPU_STEP_OPTIONS = train.CONV_FUSION
-    if spec.get("first_step") is False:  # tied blocks run K steps from x_0 = 0, not K - 1 from x_1
-        from naisnet_jax import models
-
-        models._from_first_step = lambda tied_run, drive, h, activation, steps: functools.partial(tied_run, steps=steps)
-    if spec.get("drive_wgrad"):  # drive kernel gradients by XLA (cuDNN) or the fused kernel
-        from naisnet_jax import fused_block
-
-        fused_block.DRIVE_WGRAD_KERNEL = spec["drive_wgrad"] == "kernel"
-    if spec.get("wgrad_tiling"):  # the weight-gradient kernel's knobs from wgrad_tiling.py's JSON
-        import json
-
-        import wgrad_tiling
-
-        path = os.environ.get(spec["wgrad_tiling"])
-        if not path:
-            raise ValueError(
-                f"this variant reads the weight-gradient setting from ${spec['wgrad_tiling']}: set it to the "
-                "file that benchmarks/wgrad_tiling.py --best=FILE wrote"
-            )
-        with open(path) as f:
-            wgrad_tiling.apply(json.load(f))
-    if spec.get("parts_sum") == "gemv":  # the partial sums as ones @ parts at float32 precision
-        import jax
-        import jax.numpy as jnp
-
-        from naisnet_jax import fused_block
-
-        library = fused_block._kernel_of_parts
-
-        def kernel_of_parts(parts, kernel_shape):  # the sum as a product, the rest the library's
-            flat = parts.reshape(parts.shape[0], -1)
-            total = jnp.dot(jnp.ones((flat.shape[0],), flat.dtype), flat, precision=jax.lax.Precision.HIGHEST)
-            return library(total.reshape((1,) + parts.shape[1:]), kernel_shape)
-
-        fused_block._kernel_of_parts = kernel_of_parts
-    if spec.get("wgrad_sums_steps") is False:  # the drive's gradient by XLA, the kernel per step
-        from naisnet_jax import fused_block
-
-        fused_block.WGRAD_SUMS_STEPS = False
-    if spec.get("side_stream") is False:  # every weight gradient on the main stream
-        from naisnet_jax import block_vjp
-
-        block_vjp.SIDE_STREAM = False
 
 
 def run_jax(spec, *, batch, steps, repeats, smoke) -> dict:
@@ -682,7 +464,7 @@ def main(argv=None):
         default="listed",
         choices=("listed", "abba"),
         help="abba: run the variants, then again in reverse order (rows NAME@2), and print each one's "
-        "mean over its two processes (on an H100 in session 28 the first process of a call ran ~0.36 ms "
+        "mean over its two processes (on an H100 the first process of a call has run ~0.36 ms "
         "a step slower than the same code later)",
     )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)

@@ -40,7 +40,7 @@ def split_errors(seed: int = 0) -> dict:
     w = (0.1 * rng.standard_normal((144, 16))).astype(np.float32)
     ref = x.astype(np.float64) @ w.astype(np.float64)
 
-    def tf32(a):  # round to nearest on the 10-bit mantissa
+    def tf32(a):  # to nearest on the 10-bit mantissa
         bits = (a.view(np.uint32) + np.uint32(0x1000)) & np.uint32(0xFFFFE000)
         return bits.view(np.float32).astype(np.float64)
 

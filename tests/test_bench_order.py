@@ -1,6 +1,6 @@
 """``benchmarks/train_step.py --order=abba``: each variant runs in two processes, the second pass in
 reverse order, and the table gives each one's two timings and their mean (a call's first process
-can run slower than the same code later: ~0.36 ms a step on an H100 in session 28)."""
+can run slower than the same code later: ~0.36 ms a step on an H100)."""
 
 import os
 import sys
