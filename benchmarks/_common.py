@@ -389,14 +389,14 @@ def hopper_here(out: str, stem: str) -> bool:
 def patch_c64_blocks(block_for: Callable, runs_here: Callable) -> None:
     """Makes the NAIS nets run their tied 64-channel 3x3 conv blocks (ReLU or tanh) whose state
     ``runs_here(x0)`` takes on a prototype: ``block_for(steps, h, activation)(x0, drive, kernel)``;
-    every other block as before (``models.unroll_tied_conv``, patched; ``train_step.py``'s ``c64``)."""
+    every other block as before (``models.nais.unroll_tied_conv``, patched; ``train_step.py``'s ``c64``)."""
     from naisnet_jax import models
 
-    original = models.unroll_tied_conv
+    original = models.nais.unroll_tied_conv
 
     def unroll_tied_conv(x0, drive, kernel, *, steps, h=1.0, activation="relu", **kw):
         if x0.shape[-1] == 64 and kernel.shape[:2] == (3, 3) and activation in ("relu", "tanh") and runs_here(x0):
             return block_for(steps, float(h), activation)(x0, drive, kernel)
         return original(x0, drive, kernel, steps=steps, h=h, activation=activation, **kw)
 
-    models.unroll_tied_conv = unroll_tied_conv
+    models.nais.unroll_tied_conv = unroll_tied_conv

@@ -83,11 +83,11 @@ def step_rows(batch: int, rounds: int, chunk: int = 10) -> list[dict]:
     spec = dict(model=ts.N10, kwargs=dict(block_vjp="fused", scan_unroll=10))
     _, _, state = ts._model_and_state(spec, False)
     x, y = ts._batch(batch)
-    original = models.unroll_tied_conv
+    original = models.nais.unroll_tied_conv
     compiled, losses = {}, {}
     try:
         for engine in ("wgmma", "triton"):
-            models.unroll_tied_conv = functools.partial(fb.unroll_tied_conv, engine=engine)
+            models.nais.unroll_tied_conv = functools.partial(fb.unroll_tied_conv, engine=engine)
             f = ts.training_chunk(chunk)
             t0 = time.perf_counter()
             st = jax.tree.map(jnp.copy, state)
@@ -100,7 +100,7 @@ def step_rows(batch: int, rounds: int, chunk: int = 10) -> list[dict]:
             compiled[engine] = [c, st, compile_s]
             losses[engine] = traj
     finally:
-        models.unroll_tied_conv = original
+        models.nais.unroll_tied_conv = original
     times = {engine: [] for engine in compiled}
     for _ in range(rounds):
         for engine, entry in compiled.items():

@@ -164,7 +164,7 @@ def apply_spec(spec) -> None:
     if spec.get("engine"):
         from naisnet_jax import fused_block, models
 
-        models.unroll_tied_conv = functools.partial(fused_block.unroll_tied_conv, engine=spec["engine"])
+        models.nais.unroll_tied_conv = functools.partial(fused_block.unroll_tied_conv, engine=spec["engine"])
 
 
 def run_jax(spec, *, batch, steps, repeats, smoke) -> dict:

@@ -267,7 +267,7 @@ def prepare_tiny_tfds(tfds, name, data_dir, splits):
     base = tfds.builder_cls(name)
 
     class Tiny(base, skip_registration=True):
-        code_path = None  # see the note in data._fashion_mnist_idx_builder
+        code_path = None  # see the note in data.tfds._fashion_mnist_idx_builder
 
         def _split_generators(self, dl_manager):
             return {split: self._generate_examples(*arrays) for split, arrays in splits.items()}

@@ -209,7 +209,7 @@ def test_kernels_lower_under_vmap(monkeypatch):
 
 def test_kernel_size_does_not_grow_with_depth(monkeypatch):
     """The K steps are a loop inside each kernel, not unrolled: the gradient's lowered program at
-    K = 200 is the size of K = 2's (what keeps compile time flat in K, issue 9's item 3)."""
+    K = 200 is the size of K = 2's (what keeps compile time flat in K)."""
     monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
     x = jax.ShapeDtypeStruct((4, 16, 16, 16), jnp.float32)
     w = jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32)

@@ -172,7 +172,7 @@ def test_load_small_file(tmp_path):
 
 def test_load_dataset_route_and_env(tmp_path, monkeypatch):
     pin = write_pickle(tmp_path / "m")
-    monkeypatch.setattr(data, "MNIST_PIN", pin)
+    monkeypatch.setattr(data.sources, "MNIST_PIN", pin)  # where read_mnist_pickle reads it
     monkeypatch.setenv(data.MNIST_ENV, str(tmp_path / "m"))
     assert data.mnist_dir() == tmp_path / "m"
     ds = data.load_dataset("mnist_pinned", limit_train=4)
@@ -344,7 +344,7 @@ def test_corrupt_gzip_and_truncated_pickle(tmp_path):
 def test_tfds_builder_round_trip(tmp_path, monkeypatch):
     pytest.importorskip("tensorflow_datasets")
     pin = write_pickle(tmp_path / "m")
-    monkeypatch.setattr(data, "MNIST_PIN", pin)
+    monkeypatch.setattr(data.sources, "MNIST_PIN", pin)  # where read_mnist_pickle reads it
     direct = data.load_dataset("mnist_pinned", data_dir=tmp_path / "m")
     via_tfds = data.load_dataset("mnist_tfds_pinned", data_dir=tmp_path / "tfds", idx_dir=tmp_path / "m")
     assert via_tfds.name == "mnist_tfds_pinned" and via_tfds.num_classes == 10

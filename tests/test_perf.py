@@ -10,6 +10,7 @@ import pytest
 import naisnet_jax as nj
 import naisnet_jax.block_vjp
 from naisnet_jax import models as M
+from naisnet_jax.models import nais
 
 KEY = jax.random.key(0, impl="rbg")
 
@@ -248,21 +249,21 @@ def test_fast_paths_every_model(options, case):
 @pytest.mark.parametrize("block_vjp", ["stacked", "fused"])
 def test_fast_paths_from_zero_start_at_the_first_step(monkeypatch, steps, block_vjp):
     """From the paper's ``x_0 = 0`` a tied fast path runs ``K - 1`` steps from ``x_1 = h act(drive)``
-    (``models._from_first_step``), with the plain scan's values and gradients (float64); with
+    (``models.nais._from_first_step``), with the plain scan's values and gradients (float64); with
     one step the state kernel never acts and its gradient is exactly zero. From ``x_0 = u`` it
     runs all K steps from ``u``."""
     x = jnp.asarray(_X_CONV[..., :1].repeat(4, -1))  # 4 channels: x_0 = u fits the state
     calls = []
-    original = M.unroll_tied
+    original = nais.unroll_tied  # the NAIS modules' reference to the stacked VJP
 
     def spy(op, x0, *, steps, **kw):
         calls.append((steps, x0))
         return original(op, x0, steps=steps, **kw)
 
-    monkeypatch.setattr(M, "unroll_tied", spy)
+    monkeypatch.setattr(nais, "unroll_tied", spy)
     if block_vjp == "fused":  # on a CPU the fused conv entry point falls back to the stacked VJP
         monkeypatch.setattr(
-            M,
+            nais,
             "unroll_tied_conv",
             lambda x0, *, drive, kernel, **kw: spy(nj.block_vjp.conv_op, x0, drive=drive, W=kernel, **kw),
         )

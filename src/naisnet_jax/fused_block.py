@@ -341,7 +341,7 @@ def _edge_split(layout, offsets, rows, first, count) -> tuple:
     state on, those before ``a`` and from ``b`` on have windows reaching into the slack rows (the
     first and last few tiles of the state); those in ``[a, b)`` lie wholly inside the tiled rows
     and need no masks. Masking every window cost a quarter of the kernel's time at 32x32x16 on an
-    H200 (``benchmarks/wgrad_anatomy.py``, session 26)."""
+    H200 (measured with a profiler, BENCHMARKS.md)."""
     total = layout.tiles * layout.tile_rows // rows
     lo = -(-max(0, -min(offsets)) // rows)  # tiles whose windows start below the tiled rows
     hi = total - -(-max(0, max(offsets)) // rows)  # from here on, windows end past them
@@ -587,7 +587,7 @@ WGRAD_WARPS = 1
 WGRAD_TILINGS = {32: (64, 2), 64: (32, 4), 128: (32, 4)}
 #: Programs a pattern's step is split between (at most; a divisor of its runs of rows), by channels,
 #: and Triton's pipelining stages of the kernel's loop over rows. On an H200 (batch 128, 9 steps;
-#: ``benchmarks/wgrad_tiling.py``): at 32x32x16 four programs and two stages take 0.201 ms against
+#: a tiling sweep): at 32x32x16 four programs and two stages take 0.201 ms against
 #: 0.207 for one and one (best 0.196: four and one); at 16x16x32 one program and two stages 0.195
 #: against 0.209. NAIS-Net10's step with these: 27.72 against 28.20 ms (``BENCHMARKS.md``).
 WGRAD_CHUNKS = {16: 4, 32: 1}
@@ -601,7 +601,7 @@ WGRAD_STAGES = 2
 #: 32-channel tiling below (``BENCHMARKS.md``).
 WGRAD_SUMS_STEPS = True
 #: Programs a pattern is split between in that mode (at most; a divisor of its runs of rows), by
-#: channels: the fastest of ``benchmarks/wgrad_tiling.py``'s sweeps on an H200.
+#: channels: the fastest of a tiling sweep on an H200.
 WGRAD_SUM_CHUNKS = {16: 8, 32: 4}
 #: The summing kernel's ``(rows, warps)`` by channels where it differs from :data:`WGRAD_TILINGS`:
 #: at 16x16x32 on an H200, 32 rows and two warps take 0.154 ms (four programs a pattern) against
@@ -732,7 +732,7 @@ def conv_weight_grad(
 
 
 #: The drive convolutions' kernel gradients by the weight-gradient kernel
-#: (:func:`same_conv_weight_grad`), not by XLA (cuDNN, on the second stream). Off since session 30:
+#: (:func:`same_conv_weight_grad`), not by XLA (cuDNN, on the second stream). Off by default:
 #: with the wgmma block kernels, NAIS-Net10's step on an H100 took 22.58 ms with cuDNN's against
 #: 23.26 with the kernel, whose inputs must first be copied into buffers (``BENCHMARKS.md``).
 DRIVE_WGRAD_KERNEL = False
@@ -835,7 +835,7 @@ TF32_PRECISIONS = (None, "default", "fastest", "bfloat16", "tensorfloat32", "hig
 #: 64-channel tied blocks (ReLU, 3x3) on a Hopper GPU at a precision that allows TF32 run
 #: :mod:`naisnet_jax.hopper_tf32`'s kernels (the state single-buffered, 64-row tiles) with the
 #: kernel's gradient from XLA's convolution gradient on the saved states (:data:`Config`
-#: ``xla_wgrad``); ``False``: the stacked VJP, as before session 30 (on an H100 the 8x8x64 block
+#: ``xla_wgrad``); ``False``: the stacked VJP (on an H100 the 8x8x64 block
 #: of NAIS-Net10 takes 0.095 / 0.114 ms forward / backward against the Triton kernels' 1.00 /
 #: 0.98, and the training step 23.18 against 24.51 ms). Read when a block is traced.
 WGMMA_WIDE = True

@@ -178,8 +178,8 @@ def split_bf16(x: Array) -> tuple[Array, Array]:
 #: For ReLU the forward kernel saves ``1[z_k > 0]`` in :data:`MASK_DTYPE` in place of ``z_k``
 #: (``False``: ``z_k`` in float32, as for tanh; read when a kernel is first built).
 SAVE_RELU_SIGN = True
-#: The dtype of the saved ReLU sign. int8 since session 28: the same gradients bit for bit as
-#: bfloat16 (session 23) and NAIS-Net10's peak memory 39.6 against 44.9 MiB an image at the same
+#: The dtype of the saved ReLU sign. int8: the same gradients bit for bit as
+#: bfloat16 and NAIS-Net10's peak memory 39.6 against 44.9 MiB an image at the same
 #: step time on an H200 (25.62 ms both; ``BENCHMARKS.md``).
 MASK_DTYPE = jnp.int8
 

@@ -28,15 +28,15 @@ then the step writes. The drive comes in a tile at a time through the staging sl
 one copy a tap (:func:`tap_copies`). For XLA's weight gradient the saved states and ``s_k``
 leave as images (``interior=True``: :func:`interior_runs`, a copy a run of pixels).
 
-Measured (``BENCHMARKS.md``, session 29, batch 128, K = 10, ReLU, forward / backward ms):
+Measured (``BENCHMARKS.md``, batch 128, K = 10, ReLU, forward / backward ms):
 
-- a step's products over every tile, one warpgroup (H200, ``benchmarks/window_views.py``): 2.9 us
+- a step's products over every tile, one warpgroup (H200, a kernel microbenchmark): 2.9 us
   at 32x32x16 and 1.7 us at 16x16x32, against 13.9 and 11.1 for ``hopper_block``'s loaded and
   split windows;
 - a block on an H100 (``benchmarks/wgmma_block.py``): 0.128 / 0.198 at 32x32x16 against
   ``hopper_block``'s 0.153 / 0.175, and 0.090 / 0.118 at 16x16x32 against 0.150 / 0.152;
 - NAIS-Net10's training step: 24.33 against 26.94 ms on an H100, 23.26 against 25.92 on an H200;
-- session 30 (H100): the 8x8x64 block 0.095 / 0.114 against the Triton kernels' 1.000 / 0.983;
+- the 64-channel blocks (H100): the 8x8x64 block 0.095 / 0.114 against the Triton kernels' 1.000 / 0.983;
   the step 23.18 against 24.51 ms with the 64-channel stage on it, 21.69 to 21.96 ms with the
   states as images and the drives' kernel gradients on cuDNN.
 """

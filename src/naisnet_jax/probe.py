@@ -88,16 +88,12 @@ def sow_block(module: nn.Module, **fields) -> None:
     module.sow(AUDIT_COLLECTION, "probe", BlockProbe(**fields))
 
 
-def batch_norm_multiplier(module: nn.Module, name: str, batch_stats_name: str | None = None):
-    """Eval-mode BatchNorm ``name`` (a submodule of ``module``) as ``x -> g x + c``: ``g``.
-
-    ``g = scale / sqrt(var + epsilon)`` from the running statistics.
-    """
+def batch_norm_multiplier(module: nn.Module, name: str, *, epsilon: float, batch_stats_name: str | None = None):
+    """Eval-mode BatchNorm ``name`` (a submodule of ``module``, built with ``epsilon``) as
+    ``x -> g x + c``: ``g = scale / sqrt(var + epsilon)`` from the running statistics."""
     import jax.numpy as jnp
-
-    from naisnet_jax.models import BN_EPSILON
 
     params = module.variables["params"][name]
     var = module.variables["batch_stats"][batch_stats_name or name]["var"]
     scale = params["scale"] if "scale" in params else jnp.ones_like(var)
-    return scale / jnp.sqrt(var + BN_EPSILON)
+    return scale / jnp.sqrt(var + epsilon)

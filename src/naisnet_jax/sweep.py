@@ -389,7 +389,7 @@ def _setup(config, seeds: tuple[int, ...]) -> _Setup:
         for s in seeds
     ]
     if count_projected_blocks(states[0].params) == 0 and config.model.startswith("naisnet"):
-        raise ValueError(f"{config.model} has no NAIS block parameters to project; check models.py.")
+        raise ValueError(f"{config.model} has no NAIS block parameters to project; check naisnet_jax.models.")
     state = stack_states(states).replace(tx=programs.tx)  # the cached programs' static fields
     return _Setup(
         ds=ds,

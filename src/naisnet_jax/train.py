@@ -295,7 +295,7 @@ def eval_step(state: TrainState, batch, mask) -> dict:
 #: once NAIS-Net10's tied blocks started from ``x_1`` they made its step slower on an H200 (median
 #: 30.8 against 28.6 ms in float32, 31.0 against 28.4 in bfloat16), and its parameters after 10
 #: steps differed from those without them by up to 1.5 and 2.0 relative (the losses by 1e-5;
-#: ``benchmarks/step_options.py``, ``BENCHMARKS.md``). ``train.GPU_STEP_OPTIONS =
+#: measured side by side). ``train.GPU_STEP_OPTIONS =
 #: train.CONV_FUSION`` before training turns it on.
 CONV_FUSION: dict[str, Any] = {"xla_gpu_experimental_enable_conv_fusion": True}
 #: XLA options the training step compiles with where JAX's default backend is a GPU (none by
@@ -559,7 +559,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     model = build_model(config, ds.num_classes)
     state = create_train_state(config, model, ds.train_images.shape[1:], steps_per_epoch)
     if count_projected_blocks(state.params) == 0 and config.model.startswith("naisnet"):
-        raise ValueError(f"{config.model} has no NAIS block parameters to project; check models.py.")
+        raise ValueError(f"{config.model} has no NAIS block parameters to project; check naisnet_jax.models.")
 
     mesh = make_mesh(config.get("num_devices"))
     check_batch_divides(config, mesh)
