@@ -32,6 +32,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import sweep_report
 from experiments.sweep_report import (
     as_array,
     curve,
@@ -397,7 +398,7 @@ def time_models(labels, make, steps: int, workdir: str) -> None:
     rows = []
     for label in labels:
         config = make(LABELS[label])
-        t = sweep.time_steps(config, steps=steps)
+        t = sweep_report.time_steps(config, steps=steps)
         t["label"] = label
         rows.append(t)
         print(

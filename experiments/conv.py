@@ -31,6 +31,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import sweep_report
 from experiments.sweep_report import (
     as_array,
     curve,
@@ -304,7 +305,7 @@ def run(
     if time_steps:
         rows = []
         for v, config in configs[: len(variants)]:  # one dataset: the shapes are the same for both
-            t = sweep.time_steps(config, steps=time_steps)
+            t = sweep_report.time_steps(config, steps=time_steps)
             t["variant"] = v
             rows.append(t)
             print(

@@ -1,10 +1,14 @@
 """Helpers shared by the sweep experiments (``ablation.py``, ``conv.py``): summary caching,
-mean +- std formatting and per-epoch curves over seeds. No flags here."""
+mean +- std formatting, per-epoch curves over seeds, and the timing of a sweep's steps that
+projects an experiment's cost. No flags here."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -131,3 +135,87 @@ def script_version() -> str:
         return head + ("+changes" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+# --------------------------------------------------------------------------- timing
+
+_KERNEL_OPS = re.compile(r"=\s*\S+\s+(fusion|custom-call|dot|convolution|sort|scatter|gather|copy|while)\(")
+
+
+def count_kernels(hlo_text: str) -> dict[str, int]:
+    """Launch-level instructions of an optimised HLO module, by opcode, outside fused
+    computations (on a GPU each fusion or custom call is roughly one kernel)."""
+    counts: dict[str, int] = {}
+    fused = False
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" "):
+            fused = "fused" in line.split("(")[0] or line.startswith("%fused")
+            continue
+        m = _KERNEL_OPS.search(line)
+        if m and not fused:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
+
+
+def time_steps(config, *, seeds: Sequence[int] | None = None, steps: int = 100, repeats: int = 3) -> dict:
+    """Measure a sweep's training steps per second on this device (the experiments' ``--time_steps``).
+
+    Compiles the epoch program cut to ``steps`` steps (no evaluation), runs it once to warm
+    up, then times ``repeats`` calls; also times one test evaluation. ``projected_seconds`` is
+    the training of ``config.num_epochs`` epochs at that rate plus one evaluation per epoch.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from naisnet_jax import seeds as sweep_seeds
+    from naisnet_jax import train
+
+    seeds = sweep_seeds.check_seeds(sweep_seeds.default_seeds(config) if seeds is None else seeds)
+    s = sweep_seeds.prepare(config, seeds)
+    steps = min(steps, s.steps_per_epoch)
+    common = dict(
+        augment=train.augmentation(config),
+        batch_size=config.batch_size,
+        steps_per_chunk=config.steps_per_chunk,
+        eval_batch_size=config.eval_batch_size,
+    )
+    fn = sweep_seeds.make_sweep_epoch(s.mean, s.std, num_steps=steps, evaluate=False, mesh=s.mesh, **common)
+    state, div = s.state, sweep_seeds.shard_seeds(jnp.zeros((len(seeds),), jnp.int32), s.mesh)
+    args = (s.base_keys, s.train_data, s.test_data)
+    t0 = time.time()
+    compiled = fn.lower(state, div, *args, jnp.asarray(1, jnp.int32)).compile()
+    compile_seconds = time.time() - t0
+    kernels = count_kernels(compiled.as_text())
+    state, div, m, _ = compiled(state, div, *args, jnp.asarray(1, jnp.int32))
+    jax.block_until_ready(m)
+    times = []
+    for r in range(repeats):
+        t0 = time.time()
+        state, div, m, _ = compiled(state, div, *args, jnp.asarray(2 + r, jnp.int32))
+        jax.block_until_ready(m)
+        times.append(time.time() - t0)
+    evaluate = jax.jit(jax.vmap(train.make_evaluate(s.mean, s.std, config.eval_batch_size), in_axes=(0, None)))
+    jax.block_until_ready(evaluate(state, s.test_data))
+    t0 = time.time()
+    jax.block_until_ready(evaluate(state, s.test_data))
+    eval_seconds = time.time() - t0
+    best = min(times)
+    sps = steps / best
+    return {
+        "model": config.model,
+        "seeds": len(seeds),
+        "batch_size": config.batch_size,
+        "steps_timed": steps,
+        "repeats": repeats,
+        "steps_per_second": sps,
+        "step_ms": 1e3 * best / steps,
+        "seed_steps_per_second": sps * len(seeds),
+        "images_per_second": sps * len(seeds) * config.batch_size,
+        "eval_seconds": eval_seconds,
+        "compile_seconds": compile_seconds,
+        "steps_per_epoch": s.steps_per_epoch,
+        "epochs": config.num_epochs,
+        "projected_seconds": config.num_epochs * (s.steps_per_epoch / sps + eval_seconds),
+        "kernels": kernels,
+        "device": str(jax.devices()[0]),
+    }

@@ -9,6 +9,7 @@ import os
 import pathlib
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -205,3 +206,32 @@ def test_input_stats_standardize_or_unit_interval():
     config = ml_collections.ConfigDict(dict(config.to_dict(), standardize="no"))
     with pytest.raises(ValueError, match="config.standardize='no'"):
         train.validate_config(config)
+
+
+def test_count_kernels_reads_launches_outside_fusions():
+    from experiments import sweep_report
+
+    text = (
+        jax.jit(lambda x, w: jax.numpy.tanh(x @ w) * 2.0)
+        .lower(np.ones((4, 3), np.float32), np.ones((3, 5), np.float32))
+        .compile()
+        .as_text()
+    )
+    counts = sweep_report.count_kernels(text)
+    assert sum(counts.values()) >= 1
+    assert sweep_report.count_kernels("%fused_computation (p: f32[2]) -> f32[2] {\n  %a = f32[2] fusion(%p)\n}\n") == {}
+
+
+def test_time_steps_projects_a_sweeps_cost():
+    """``--time_steps``: steps per second of the compiled epoch, cut to a few steps, and the cost
+    of the whole run projected from them (training at that rate plus one evaluation an epoch)."""
+    from experiments import ablation, sweep_report
+
+    config = ablation.make_config("naisnet_mnist", dataset="digits", seeds=2, epochs=3, h=None, smoke=True)
+    t = sweep_report.time_steps(config, steps=3, repeats=2)
+    assert t["seeds"] == 2 and t["steps_timed"] == 3 and t["steps_per_second"] > 0
+    np.testing.assert_allclose(t["step_ms"], 1e3 / t["steps_per_second"], rtol=1e-9)
+    np.testing.assert_allclose(
+        t["projected_seconds"], 3 * (t["steps_per_epoch"] / t["steps_per_second"] + t["eval_seconds"]), rtol=1e-9
+    )
+    assert sum(t["kernels"].values()) >= 1

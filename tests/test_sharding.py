@@ -197,7 +197,7 @@ SWEEP_SCRIPT = textwrap.dedent(
              for a, b in zip(jax.tree.leaves(two.state.params), jax.tree.leaves(one.state.params))]
     odd = sweep.seed_mesh(config(None), 3).devices.size  # 3 seeds do not split over 2 devices
     # the compiled epoch of two seeds on two devices: no communication at all
-    s = sweep._setup(config(None), (3, 4))
+    s = sweep.prepare(config(None), (3, 4))
     fn = sweep.make_sweep_epoch(s.mean, s.std, augment=True, batch_size=32, steps_per_chunk=2,
                                 eval_batch_size=32, mesh=s.mesh)
     text = fn.lower(s.state, sweep.shard_seeds(np.zeros(2, np.int32), s.mesh), s.base_keys,

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from naisnet_jax import checkpoint as ckpt
+from naisnet_jax import seeds as seeds_lib
 from naisnet_jax import sweep, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -263,7 +264,7 @@ def test_an_interrupted_sweep_resumes(nais):
 )
 def test_resuming_another_sweep_says_what_differs(nais, monkeypatch, change, field):
     _, workdir, _, _, _ = nais
-    monkeypatch.setattr(sweep, "_setup", lambda *a, **k: pytest.fail("loaded data before refusing"))
+    monkeypatch.setattr(sweep, "prepare", lambda *a, **k: pytest.fail("loaded data before refusing"))
     seeds = change.pop("seeds", SEEDS)
     config = get_config(change.pop("model", "naisnet_mnist"), **change)
     if config.model != "naisnet_mnist":
@@ -283,7 +284,7 @@ def test_resuming_with_other_speed_options_is_not_refused(nais, monkeypatch):
     def setup(*args, **kwargs):
         raise Passed
 
-    monkeypatch.setattr(sweep, "_setup", setup)
+    monkeypatch.setattr(sweep, "prepare", setup)
     config = get_config()
     config.model_kwargs.scan_unroll = 2
     config.model_kwargs.block_vjp = "stacked"
@@ -323,7 +324,7 @@ def test_a_diverged_seed_is_frozen_and_the_others_train_on(nais, tmp_path, monke
     bad = result.runs[1]
     assert bad.diverged and bad.diverged_epoch == 1 and bad.train_loss is None
     assert result.num_diverged == 1
-    initial = poisoned(sweep._seed_config(config, 1), train.build_model(config, 10), (8, 8, 1), 4)
+    initial = poisoned(seeds_lib.seed_config(config, 1), train.build_model(config, 10), (8, 8, 1), 4)
     assert_trees_equal(result.seed_state(1).params, initial.params)
     assert int(result.seed_state(1).step) == 0
     for i in (0, 2):
@@ -355,15 +356,3 @@ def test_default_seeds_follow_config_seed_and_num_seeds():
     config.num_seeds = 0
     with pytest.raises(ValueError, match="num_seeds=0"):
         sweep.default_seeds(config)
-
-
-def test_count_kernels_reads_launches_outside_fusions():
-    text = (
-        jax.jit(lambda x, w: jax.numpy.tanh(x @ w) * 2.0)
-        .lower(np.ones((4, 3), np.float32), np.ones((3, 5), np.float32))
-        .compile()
-        .as_text()
-    )
-    counts = sweep.count_kernels(text)
-    assert sum(counts.values()) >= 1
-    assert sweep.count_kernels("%fused_computation (p: f32[2]) -> f32[2] {\n  %a = f32[2] fusion(%p)\n}\n") == {}

@@ -40,22 +40,22 @@ import dataclasses
 import json
 import math
 import os
-import re
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from naisnet_jax import checkpoint as ckpt
-from naisnet_jax import data as data_lib
-from naisnet_jax import metric_writers, models, train
-from naisnet_jax.checks import check_int
+from naisnet_jax import engine, metric_writers, models, train
 from naisnet_jax.projection import count_projected_blocks
+from naisnet_jax.seeds import SweepSetup as SweepSetup
+from naisnet_jax.seeds import check_seeds, default_seeds, prepare, seed_config, shard_seeds
+from naisnet_jax.seeds import make_sweep_epoch as make_sweep_epoch  # the epoch program, for callers
+from naisnet_jax.seeds import seed_mesh as seed_mesh
+from naisnet_jax.seeds import step_keys as step_keys
 from naisnet_jax.stability import max_radius_bound
 
 SWEEP_CHECKPOINT_DIR = "sweep_checkpoints"
@@ -144,273 +144,11 @@ class SweepResult:
         return jax.tree.map(lambda x: x[i], self.state)
 
 
-# --------------------------------------------------------------------------- keys and seeds
-
-
-def default_seeds(config) -> tuple[int, ...]:
-    """``config.seed + range(config.num_seeds)``."""
-    num = check_int("config.num_seeds", config.get("num_seeds", 1))
-    return tuple(int(config.seed) + i for i in range(num))
-
-
-def check_seeds(seeds: Sequence[int]) -> tuple[int, ...]:
-    """Seeds of a sweep: a non-empty sequence of distinct integers in [0, 2**32 - 2] (the data
-    stream of seed ``s`` uses ``s + 1``)."""
-    seeds = tuple(seeds)
-    if not seeds:
-        raise ValueError("seeds=() must be a non-empty sequence of integers.")
-    for i, s in enumerate(seeds):
-        check_int(f"seeds[{i}]", s, 0, 2**32 - 2)
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"seeds={seeds!r} repeats a seed; every seed of a sweep must differ.")
-    return tuple(int(s) for s in seeds)
-
-
-def step_keys(aug_key: jax.Array, num_steps: int, steps_per_chunk: int) -> jax.Array:
-    """The per-step augmentation keys of ``train.train_and_evaluate``, ``(num_steps, 2)``.
-
-    That loop runs an epoch in chunks of ``steps_per_chunk`` steps and gives chunk ``c`` the
-    keys ``split(fold_in(aug_key, c), chunk_length)``; in plain Python::
-
-        [k for c, start in enumerate(range(0, num_steps, steps_per_chunk))
-           for k in split(fold_in(aug_key, c), min(steps_per_chunk, num_steps - start))]
-    """
-    parts = [
-        jax.random.split(jax.random.fold_in(aug_key, c), min(steps_per_chunk, num_steps - start))
-        for c, start in enumerate(range(0, num_steps, steps_per_chunk))
-    ]
-    return jnp.concatenate(parts, axis=0)
-
-
-# --------------------------------------------------------------------------- the epoch program
-
-
-def _all_finite(tree) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
-
-
-def make_sweep_epoch(
-    mean,
-    std,
-    *,
-    augment: bool | str,
-    batch_size: int,
-    steps_per_chunk: int,
-    eval_batch_size: int,
-    num_steps: int | None = None,
-    evaluate: bool = True,
-    mesh: Mesh | None = None,
-) -> Callable:
-    """The jitted epoch of every seed:
-    ``(state, diverged_epoch, base_keys, train_data, test_data, epoch) ->
-    (state, diverged_epoch, train_metrics, test_metrics)``, state donated.
-
-    ``state`` and ``diverged_epoch`` (int32, 0 = finite so far) have a leading seed axis,
-    ``base_keys`` is ``(S, 2)``: ``PRNGKey(seed + 1)`` per seed. ``num_steps`` cuts the epoch
-    short (timing); ``evaluate=False`` leaves out the test pass (``test_metrics`` is ``{}``).
-    With a ``mesh`` of several devices each device runs the seeds of its share of the seed
-    axis (:func:`per_device_seeds`): no communication.
-    """
-    eval_fn = train.make_evaluate(mean, std, eval_batch_size) if evaluate else None
-
-    def one_seed(state, diverged_epoch, base_key, train_data, test_data, epoch):
-        n = train_data.images.shape[0]
-        perm_key, aug_key = jax.random.split(jax.random.fold_in(base_key, epoch))
-        idx = data_lib.epoch_batches(perm_key, n, batch_size)
-        if num_steps is not None:
-            idx = idx[:num_steps]
-        keys = step_keys(aug_key, idx.shape[0], steps_per_chunk) if augment else None
-
-        def body(state, inputs):
-            i, k = inputs
-            batch = data_lib.get_batch(train_data, i, mean=mean, std=std, key=k, augment=augment)
-            return train.train_step(state, batch)
-
-        new, metrics = jax.lax.scan(body, state, (idx, keys))
-        train_metrics = jax.tree.map(jnp.mean, metrics)
-        finite = jnp.isfinite(train_metrics["loss"]) & _all_finite((new.params, new.batch_stats))
-        keep = finite & (diverged_epoch == 0)
-        state = jax.tree.map(lambda a, b: jnp.where(keep, a, b), new, state)
-        diverged_epoch = jnp.where((diverged_epoch == 0) & ~finite, epoch, diverged_epoch)
-        test_metrics = eval_fn(state, test_data) if evaluate else {}
-        return state, diverged_epoch, train_metrics, test_metrics
-
-    sweep_epoch = per_device_seeds(jax.vmap(one_seed, in_axes=(0, 0, 0, None, None, None)), mesh, 3, 3)
-    return jax.jit(sweep_epoch, donate_argnums=(0, 1))
-
-
-def per_device_seeds(fn: Callable, mesh: Mesh | None, seeded: int, shared: int) -> Callable:
-    """``fn`` (vmapped over seeds: ``seeded`` arguments with a seed axis, then ``shared``
-    ones without) run by every device of ``mesh`` on its own seeds (``jax.shard_map``).
-
-    Left to the SPMD partitioner, the evaluation (a convolution of the shared test images
-    with every seed's kernels) gathered every seed's kernels on every device."""
-    if mesh is None or mesh.devices.size == 1:
-        return fn
-    axis = PartitionSpec(train.DATA_AXIS)
-    in_specs = (axis,) * seeded + (PartitionSpec(),) * shared
-    return train._shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=axis)
-
-
-def stack_states(states: Sequence[train.TrainState]) -> train.TrainState:
-    """Single-run states -> one state with a leading seed axis (the first state's
-    ``apply_fn`` and ``tx``: each single run builds equal but distinct ones)."""
-    leaves = [jax.tree.leaves(st) for st in states]
-    treedef = jax.tree.structure(states[0])
-
-    def stack(xs):  # strongly typed (a Python 0 step is weakly typed): a restored state then matches
-        return jnp.stack([jnp.asarray(x, dtype=jnp.asarray(x).dtype) for x in xs])
-
-    return jax.tree.unflatten(treedef, [stack(xs) for xs in zip(*leaves)])
-
-
-def seed_mesh(config, num_seeds: int) -> Mesh:
-    """A 1-D mesh for the seed axis: the most of this host's devices (at most
-    ``config.num_devices``, default all) that divide ``num_seeds`` evenly."""
-    devices = jax.local_devices()
-    limit = config.get("num_devices")
-    if limit is not None:
-        check_int("config.num_devices", limit, 1, len(devices))
-        devices = devices[:limit]
-    count = max(k for k in range(1, len(devices) + 1) if num_seeds % k == 0)
-    return Mesh(np.asarray(devices[:count]), (train.DATA_AXIS,))
-
-
-def shard_seeds(tree, mesh: Mesh):
-    """Every array of ``tree`` split along its leading (seed) axis over ``mesh``."""
-    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec(train.DATA_AXIS)))
-
-
-def _seed_config(config, seed: int):
-    c = config.copy_and_resolve_references()
-    c.seed = int(seed)
-    c.num_seeds = 1
-    return c
-
-
-@dataclasses.dataclass(frozen=True)
-class _Programs:
-    """The model, optimiser and jitted programs of one configuration (shared by sweeps of it)."""
-
-    model: Any
-    tx: Any
-    epoch: Callable
-    per_step_loss: Callable
-
-
-_PROGRAMS: dict[str, _Programs] = {}
-_PROGRAMS_KEPT = 2
-
-
-def _programs(config, ds, steps_per_epoch: int, mean, std, mesh: Mesh | None = None) -> _Programs:
-    """One set of programs per configuration and process, so that a resumed or repeated sweep
-    of the same configuration reuses the compiled epoch (jit caches on the function object and
-    on the state's static fields, ``apply_fn`` and ``tx``). The key is the whole config but the
-    seeds and the bookkeeping, plus the data's shape and statistics."""
-    d = config.to_dict()
-    for k in ("seed", "num_seeds", "num_epochs", "progress", "checkpoint_every_epochs", "keep_checkpoints"):
-        d.pop(k, None)
-    key = json.dumps(
-        [
-            d,
-            ds.num_classes,
-            list(ds.train_images.shape),
-            list(ds.test_images.shape),
-            steps_per_epoch,
-            np.asarray(mean).tolist(),
-            np.asarray(std).tolist(),
-            None if mesh is None else [str(d) for d in mesh.devices.flat],
-        ],
-        sort_keys=True,
-        default=str,
-    )
-    if key not in _PROGRAMS:
-        while len(_PROGRAMS) >= _PROGRAMS_KEPT:
-            _PROGRAMS.pop(next(iter(_PROGRAMS)))
-        _PROGRAMS[key] = _Programs(
-            model=train.build_model(config, ds.num_classes),
-            tx=train.make_optimizer(config, steps_per_epoch),
-            epoch=make_sweep_epoch(
-                mean,
-                std,
-                augment=train.augmentation(config),
-                batch_size=config.batch_size,
-                steps_per_chunk=config.steps_per_chunk,
-                eval_batch_size=config.eval_batch_size,
-                mesh=mesh,
-            ),
-            per_step_loss=jax.jit(
-                per_device_seeds(
-                    jax.vmap(train.make_per_step_loss(mean, std, config.eval_batch_size), in_axes=(0, None)),
-                    mesh,
-                    1,
-                    1,
-                )
-            ),
-        )
-    return _PROGRAMS[key]
-
-
-@dataclasses.dataclass
-class _Setup:
-    ds: data_lib.Dataset
-    model: Any
-    steps_per_epoch: int
-    state: train.TrainState  # stacked
-    programs: _Programs
-    mean: np.ndarray
-    std: np.ndarray
-    train_data: data_lib.DeviceData
-    test_data: data_lib.DeviceData
-    base_keys: jax.Array
-    mesh: Mesh  # the seed axis's devices
-
-
-def _setup(config, seeds: tuple[int, ...]) -> _Setup:
-    train.validate_config(config)
-    ds = data_lib.load_dataset(
-        config.dataset,
-        data_dir=config.get("data_dir"),
-        limit_train=config.get("limit_train"),
-        limit_test=config.get("limit_test"),
-    )
-    n_train = ds.train_images.shape[0]
-    if config.batch_size > n_train:
-        raise ValueError(f"config.batch_size={config.batch_size} exceeds the {n_train} training examples.")
-    steps_per_epoch = n_train // config.batch_size
-    mean, std = train.input_stats(config, ds.train_images)
-    mesh = seed_mesh(config, len(seeds))
-    programs = _programs(config, ds, steps_per_epoch, mean, std, mesh)
-    model = programs.model
-    # Each seed initialised exactly as its single run (same eager ops), then stacked.
-    states = [
-        train.create_train_state(_seed_config(config, s), model, ds.train_images.shape[1:], steps_per_epoch)
-        for s in seeds
-    ]
-    if count_projected_blocks(states[0].params) == 0 and config.model.startswith("naisnet"):
-        raise ValueError(f"{config.model} has no NAIS block parameters to project; check naisnet_jax.models.")
-    state = stack_states(states).replace(tx=programs.tx)  # the cached programs' static fields
-    return _Setup(
-        ds=ds,
-        model=model,
-        steps_per_epoch=steps_per_epoch,
-        state=shard_seeds(state, mesh),
-        programs=programs,
-        mean=mean,
-        std=std,
-        train_data=train.replicate(data_lib.put_on_device(ds.train_images, ds.train_labels), mesh),
-        test_data=train.replicate(data_lib.put_on_device(ds.test_images, ds.test_labels), mesh),
-        base_keys=shard_seeds(jnp.stack([jax.random.PRNGKey(s + 1) for s in seeds]), mesh),
-        mesh=mesh,
-    )
-
-
 # --------------------------------------------------------------------------- checkpoints
 
 
 def _sweep_tree(state, diverged_epoch) -> dict:
-    return dict(train._checkpoint_tree(state), diverged_epoch=jnp.asarray(diverged_epoch, jnp.int32))
+    return dict(engine.checkpoint_tree(state), diverged_epoch=jnp.asarray(diverged_epoch, jnp.int32))
 
 
 def _normalised(value):
@@ -468,14 +206,6 @@ def certificate_certified(certificate) -> bool:
 # --------------------------------------------------------------------------- the sweep
 
 
-def _progress(total: int, enabled: bool):
-    if not (enabled and sys.stderr.isatty()):
-        return train._NoProgress()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="epoch", dynamic_ncols=True, leave=False)
-
-
 def _has_step_logits(model, state, input_shape) -> bool:
     one = jax.tree.map(lambda x: x[0], train._variables(state))
     out = jax.eval_shape(
@@ -520,7 +250,7 @@ def train_sweep(
     if mngr.latest_step() is not None:  # refuse before loading data or compiling
         _check_same_sweep(ckpt.read_metadata(mngr), config, seeds, mngr.directory)
 
-    s = _setup(config, seeds)
+    s = prepare(config, seeds)
     n_seeds = len(seeds)
     state, diverged_epoch = s.state, shard_seeds(jnp.zeros((n_seeds,), jnp.int32), s.mesh)
     metadata = ckpt.CheckpointMetadata.from_config(config, s.ds, s.mean, s.std).replace(
@@ -528,17 +258,13 @@ def train_sweep(
     )
     start_epoch = 1
     if mngr.latest_step() is not None:
-        target = _sweep_tree(state, diverged_epoch)
-        tree, meta = ckpt.restore(mngr, target=target)
-        # as fresh arrays of the fresh state's dtypes (the step counter is int64 with x64), so the
-        # compiled epoch is reused
-        tree = jax.tree.map(lambda x, like: jnp.asarray(np.asarray(x), like.dtype), tree, target)
-        state = train._restore_into(state, tree)
+        tree, epoch = engine.restore_latest(mngr, _sweep_tree(state, diverged_epoch))
+        state = engine.restore_into(state, tree)
         state = state.replace(step=jnp.asarray(state.step, s.state.step.dtype))  # saved as int32
         state, diverged_epoch = shard_seeds((state, tree["diverged_epoch"]), s.mesh)
-        start_epoch = int(meta["epoch"]) + 1
+        start_epoch = epoch + 1
         metric_writers.write_jsonl(
-            metrics_path, [r for r in train._read_metrics(metrics_path) if r["epoch"] < start_epoch]
+            metrics_path, [r for r in engine.read_metrics(metrics_path) if r["epoch"] < start_epoch]
         )
         if verbose:
             print(f"Resuming the sweep in {mngr.directory} at epoch {start_epoch}.", flush=True)
@@ -548,11 +274,11 @@ def train_sweep(
     epoch_fn = s.programs.epoch
     schedule = train.learning_rate_schedule(config, s.steps_per_epoch)
     has_nais = count_projected_blocks(state.params) > 0  # found by name: the seed axis does not matter
-    history = train._read_metrics(metrics_path) if start_epoch > 1 else []
+    history = engine.read_metrics(metrics_path) if start_epoch > 1 else []
     end_epoch = (
         config.num_epochs if stop_after_epochs is None else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
     )
-    progress = _progress(end_epoch - start_epoch + 1, bool(config.progress) and verbose)
+    progress = engine.progress(end_epoch - start_epoch + 1, bool(config.progress) and verbose, unit="epoch")
     for epoch in range(start_epoch, end_epoch + 1):
         t0 = time.time()
         state, diverged_epoch, train_m, test_m = epoch_fn(
@@ -575,9 +301,9 @@ def train_sweep(
                 "learning_rate": float(schedule(max(int(steps[i]) - 1, 0))),
                 "train_loss": train_loss,
                 "train_accuracy": train_acc,
-                "test_loss": train._finite_or_none(float(test_m["loss"][i])),
+                "test_loss": engine.finite_or_none(float(test_m["loss"][i])),
                 "test_accuracy": float(test_m["accuracy"][i]),
-                "rho_max": train._finite_or_none(rho),
+                "rho_max": engine.finite_or_none(rho),
                 "epoch_seconds": seconds,
                 "diverged_epoch": int(div[i]) or None,
             }
@@ -606,7 +332,7 @@ def train_sweep(
         if per_step_loss and _has_step_logits(s.model, state, s.ds.image_shape):
             losses = np.asarray(s.programs.per_step_loss(state, s.test_data))
             train_losses = np.asarray(s.programs.per_step_loss(state, s.train_data))
-        host_tree = jax.device_get(train._checkpoint_tree(state))
+        host_tree = jax.device_get(engine.checkpoint_tree(state))
     for i, seed in enumerate(seeds):
         r = last.get(seed)
         if r is None:  # nothing trained yet
@@ -670,94 +396,15 @@ def _export_seed(config, workdir, seed, tree, metadata, record, history) -> str:
     try:
         step = int(tree["step"])
         if mngr.latest_step() != step:
-            seed_config = _seed_config(config, seed)
+            one = seed_config(config, seed)
             meta = metadata.replace(
-                config=seed_config.to_dict(), epoch=record["epoch"], extra={"diverged_epoch": record["diverged_epoch"]}
+                config=one.to_dict(), epoch=record["epoch"], extra={"diverged_epoch": record["diverged_epoch"]}
             )
             ckpt.save(mngr, step, tree, meta)
     finally:
         mngr.close()
     metric_writers.write_jsonl(os.path.join(run_dir, train.METRICS_FILE), _seed_records(history, seed))
     return directory
-
-
-# --------------------------------------------------------------------------- timing
-
-
-_KERNEL_OPS = re.compile(r"=\s*\S+\s+(fusion|custom-call|dot|convolution|sort|scatter|gather|copy|while)\(")
-
-
-def count_kernels(hlo_text: str) -> dict[str, int]:
-    """Launch-level instructions of an optimised HLO module, by opcode, outside fused
-    computations (on a GPU each fusion or custom call is roughly one kernel)."""
-    counts: dict[str, int] = {}
-    fused = False
-    for line in hlo_text.splitlines():
-        if line and not line.startswith(" "):
-            fused = "fused" in line.split("(")[0] or line.startswith("%fused")
-            continue
-        m = _KERNEL_OPS.search(line)
-        if m and not fused:
-            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-    return counts
-
-
-def time_steps(config, *, seeds: Sequence[int] | None = None, steps: int = 100, repeats: int = 3) -> dict:
-    """Measure the sweep's training steps per second on this device.
-
-    Compiles the epoch program cut to ``steps`` steps (no evaluation), runs it once to warm
-    up, then times ``repeats`` calls; also times one test evaluation. ``projected_seconds`` is
-    the training of ``config.num_epochs`` epochs at that rate plus one evaluation per epoch.
-    """
-    seeds = check_seeds(default_seeds(config) if seeds is None else seeds)
-    s = _setup(config, seeds)
-    steps = min(steps, s.steps_per_epoch)
-    common = dict(
-        augment=train.augmentation(config),
-        batch_size=config.batch_size,
-        steps_per_chunk=config.steps_per_chunk,
-        eval_batch_size=config.eval_batch_size,
-    )
-    fn = make_sweep_epoch(s.mean, s.std, num_steps=steps, evaluate=False, mesh=s.mesh, **common)
-    state, div = s.state, shard_seeds(jnp.zeros((len(seeds),), jnp.int32), s.mesh)
-    args = (s.base_keys, s.train_data, s.test_data)
-    t0 = time.time()
-    compiled = fn.lower(state, div, *args, jnp.asarray(1, jnp.int32)).compile()
-    compile_seconds = time.time() - t0
-    kernels = count_kernels(compiled.as_text())
-    state, div, m, _ = compiled(state, div, *args, jnp.asarray(1, jnp.int32))
-    jax.block_until_ready(m)
-    times = []
-    for r in range(repeats):
-        t0 = time.time()
-        state, div, m, _ = compiled(state, div, *args, jnp.asarray(2 + r, jnp.int32))
-        jax.block_until_ready(m)
-        times.append(time.time() - t0)
-    evaluate = jax.jit(jax.vmap(train.make_evaluate(s.mean, s.std, config.eval_batch_size), in_axes=(0, None)))
-    jax.block_until_ready(evaluate(state, s.test_data))
-    t0 = time.time()
-    jax.block_until_ready(evaluate(state, s.test_data))
-    eval_seconds = time.time() - t0
-    best = min(times)
-    sps = steps / best
-    return {
-        "model": config.model,
-        "seeds": len(seeds),
-        "batch_size": config.batch_size,
-        "steps_timed": steps,
-        "repeats": repeats,
-        "steps_per_second": sps,
-        "step_ms": 1e3 * best / steps,
-        "seed_steps_per_second": sps * len(seeds),
-        "images_per_second": sps * len(seeds) * config.batch_size,
-        "eval_seconds": eval_seconds,
-        "compile_seconds": compile_seconds,
-        "steps_per_epoch": s.steps_per_epoch,
-        "epochs": config.num_epochs,
-        "projected_seconds": config.num_epochs * (s.steps_per_epoch / sps + eval_seconds),
-        "kernels": kernels,
-        "device": str(jax.devices()[0]),
-    }
 
 
 def device_description() -> str:

@@ -15,7 +15,6 @@ import functools
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,19 +28,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
-from naisnet_jax import metric_writers, models
+from naisnet_jax import engine, metric_writers, models
 from naisnet_jax.cell import check_step_size
 from naisnet_jax.checks import check_bool, check_choice, check_int, check_number, check_positive
+from naisnet_jax.engine import CHECKPOINT_DIR as CHECKPOINT_DIR
+from naisnet_jax.engine import METRICS_FILE as METRICS_FILE
+from naisnet_jax.engine import TrainingDiverged as TrainingDiverged
+from naisnet_jax.parallel import DATA_AXIS as DATA_AXIS
+from naisnet_jax.parallel import check_batch_divides as check_batch_divides
+from naisnet_jax.parallel import make_mesh as make_mesh
+from naisnet_jax.parallel import replicate as replicate
+from naisnet_jax.parallel import shard_batch, shard_map
 from naisnet_jax.parametrize import check_eps
 from naisnet_jax.projection import check_eta, count_projected_blocks, project_params, stability_projection
 from naisnet_jax.stability import max_radius_bound
-
-METRICS_FILE = "metrics.jsonl"
-CHECKPOINT_DIR = "checkpoints"
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 
 class TrainState(train_state.TrainState):
@@ -118,61 +118,6 @@ def build_model(config, num_classes: int):
     return models.get_model(config.model, num_classes=num_classes, **model_kwargs(config))
 
 
-# --------------------------------------------------------------------------- devices
-#
-# Data parallelism: a 1-D ``Mesh`` over the devices (axis ``"data"``); parameters,
-# optimiser state and the device-resident dataset are replicated, and every batch is
-# sharded along its leading axis inside the jitted step, so each device gathers,
-# augments and differentiates its own rows; XLA all-reduces the gradients and
-# BatchNorm's batch statistics (the numbers are those of one device, up to the order
-# of the sums). One device is the same code with a mesh of one. The dataset is
-# replicated, not sharded: the sets that fit on one device (MNIST, CIFAR: at most
-# 150 MB as uint8) then need no communication to shuffle over the whole set each
-# epoch, and a sharded set would have to exchange rows for every batch.
-# Several hosts: call ``jax.distributed.initialize()`` first on every host and run
-# the same program; ``jax.devices()`` then lists every host's devices and each host
-# puts its (identical) copy of the data on its own devices.
-
-DATA_AXIS = "data"
-
-
-def make_mesh(num_devices: int | None = None) -> Mesh:
-    """A 1-D mesh (axis ``"data"``) over the first ``num_devices`` devices (all if None)."""
-    devices = jax.devices()
-    if num_devices is not None:
-        check_int("num_devices", num_devices)
-        check_number("num_devices", num_devices, 1, len(devices), why=" (the devices present)")
-        devices = devices[:num_devices]
-    return Mesh(np.asarray(devices), (DATA_AXIS,))
-
-
-def replicate(tree, mesh: Mesh):
-    """Every array of ``tree`` on every device of ``mesh``."""
-    sharding = NamedSharding(mesh, PartitionSpec())
-    if jax.process_count() == 1:
-        return jax.device_put(tree, sharding)
-    return jax.tree.map(  # several hosts: each holds the same values
-        lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a)), tree
-    )
-
-
-def shard_batch(tree, mesh: Mesh | None):
-    """Inside ``jit``: split every array of ``tree`` along its leading (batch) axis over ``mesh``."""
-    if mesh is None:
-        return tree
-    return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, PartitionSpec(DATA_AXIS)))
-
-
-def check_batch_divides(config, mesh: Mesh) -> None:
-    n = mesh.devices.size
-    for field in ("batch_size", "eval_batch_size"):
-        if config[field] % n:
-            raise ValueError(
-                f"config.{field}={config[field]} is not a multiple of the {n} devices the batch is "
-                f"split over; change it or set config.num_devices."
-            )
-
-
 # --------------------------------------------------------------------------- steps
 
 
@@ -230,19 +175,6 @@ def train_step(state: TrainState, batch, *, axis_name: str | None = None) -> tup
     return state, metrics
 
 
-def _shard_map(f, *, mesh: Mesh, in_specs, out_specs):
-    """``jax.shard_map`` without its per-device variance check (``check_vma``; ``check_rep``
-    in older JAX, under ``jax.experimental``): the model's loops start from constants (``x_0 =
-    0``) and carry per-device values, which the check would have every model mark by hand.
-    What it guards is kept by construction here: every output is averaged over the axis."""
-    fn = getattr(jax, "shard_map", None)
-    if fn is not None:
-        return fn(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    from jax.experimental.shard_map import shard_map  # pragma: no cover - JAX < 0.6
-
-    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)  # pragma: no cover
-
-
 def data_parallel_step(state: TrainState, batch, mesh: Mesh) -> tuple[TrainState, dict]:
     """:func:`train_step` with the batch split over ``mesh``'s ``"data"`` axis (call inside
     ``jit``; ``state`` replicated).
@@ -255,7 +187,7 @@ def data_parallel_step(state: TrainState, batch, mesh: Mesh) -> tuple[TrainState
     gathered the whole batch's stacked states for the stacked VJP; here the only collectives
     are the BatchNorm statistics and one all-reduce of the gradients per step."""
     replicated, split = PartitionSpec(), PartitionSpec(DATA_AXIS)
-    step = _shard_map(
+    step = shard_map(
         functools.partial(train_step, axis_name=DATA_AXIS),
         mesh=mesh,
         in_specs=(replicated, split),
@@ -473,24 +405,6 @@ def input_stats(config, train_images) -> tuple[np.ndarray, np.ndarray]:
     return np.zeros(channels), np.ones(channels)
 
 
-def _checkpoint_tree(state: TrainState) -> dict:
-    return {
-        "step": jnp.asarray(state.step, jnp.int32),
-        "params": state.params,
-        "batch_stats": state.batch_stats if state.batch_stats is not None else {},
-        "opt_state": state.opt_state,
-    }
-
-
-def _restore_into(state: TrainState, tree: dict) -> TrainState:
-    return state.replace(
-        step=tree["step"],
-        params=tree["params"],
-        batch_stats=tree["batch_stats"] if state.batch_stats is not None else None,
-        opt_state=tree["opt_state"],
-    )
-
-
 def _check_same_model(meta: dict, config, directory) -> None:
     """Resuming with another model would fail as a shape mismatch; say what differs. Speed
     options (:data:`naisnet_jax.models.SPEED_OPTIONS`) may differ: same parameters, same maths."""
@@ -505,21 +419,6 @@ def _check_same_model(meta: dict, config, directory) -> None:
             f"{directory} holds checkpoints of model {theirs[0]} with {theirs[1]}, but config.model="
             f"{ours[0]} with {ours[1]}: use another workdir, or the checkpoint's config, to resume."
         )
-
-
-def _read_metrics(path):
-    return metric_writers.read_jsonl(path)
-
-
-def _finite_or_none(value: float):
-    """JSON has no NaN: a figure that does not exist (no NAIS block) is logged as null."""
-    return value if math.isfinite(value) else None
-
-
-def _rewind(writer, step: int) -> None:
-    """Drop what a writer holds after ``step`` (steps a resumed run repeats), if it can."""
-    if callable(getattr(writer, "truncate_after", None)):
-        writer.truncate_after(step)
 
 
 def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: int | None = None) -> dict:
@@ -540,22 +439,8 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     validate_config(config)
     if writer is not None:
         metric_writers.check_writer(writer)
-    ds = data_lib.load_dataset(
-        config.dataset,
-        data_dir=config.get("data_dir"),
-        limit_train=config.get("limit_train"),
-        limit_test=config.get("limit_test"),
-    )
+    ds, steps_per_epoch = engine.load_training_data(config)
     n_train = ds.train_images.shape[0]
-    for split, n in (("training", n_train), ("test", ds.test_images.shape[0])):
-        if n == 0:
-            raise ValueError(
-                f"config.dataset={config.dataset!r} has no {split} examples (data_dir="
-                f"{config.get('data_dir')!r}); check the data files."
-            )
-    if config.batch_size > n_train:
-        raise ValueError(f"config.batch_size={config.batch_size} exceeds the {n_train} training examples.")
-    steps_per_epoch = n_train // config.batch_size
     model = build_model(config, ds.num_classes)
     state = create_train_state(config, model, ds.train_images.shape[1:], steps_per_epoch)
     if count_projected_blocks(state.params) == 0 and config.model.startswith("naisnet"):
@@ -578,13 +463,13 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     start_epoch = 1
     if mngr.latest_step() is not None:
         _check_same_model(ckpt.read_metadata(mngr), config, mngr.directory)
-        tree, meta = ckpt.restore(mngr, target=_checkpoint_tree(state))
-        state = _restore_into(state, tree)
-        start_epoch = int(meta["epoch"]) + 1
+        tree, epoch = engine.restore_latest(mngr, engine.checkpoint_tree(state))
+        state = engine.restore_into(state, tree)
+        start_epoch = epoch + 1
         print(f"Resuming from {mngr.directory} at epoch {start_epoch} (step {int(state.step)}).")
     # drop records of steps after the checkpoint (written before a crash), or all of them
     metrics_log.truncate_after(int(state.step) if start_epoch > 1 else -1)
-    _rewind(writer, int(state.step) if start_epoch > 1 else -1)
+    engine.rewind(writer, int(state.step) if start_epoch > 1 else -1)
 
     state = replicate(state, mesh)
     train_chunk = make_train_chunk(mean, std, augment, mesh)
@@ -593,14 +478,12 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     schedule = learning_rate_schedule(config, steps_per_epoch)
     metadata = ckpt.CheckpointMetadata.from_config(config, ds, mean, std)
 
-    done = _read_metrics(metrics_path) if start_epoch > 1 else []
+    done = engine.read_metrics(metrics_path) if start_epoch > 1 else []
     last = done[-1] if done else {}
     end_epoch = (
         config.num_epochs if stop_after_epochs is None else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
     )
-    progress = _progress(
-        total=(end_epoch - start_epoch + 1) * steps_per_epoch, enabled=config.progress and sys.stderr.isatty()
-    )  # redirected: a line per epoch
+    progress = engine.progress((end_epoch - start_epoch + 1) * steps_per_epoch, bool(config.progress))
     for epoch in range(start_epoch, end_epoch + 1):
         t0 = time.time()
         epoch_key = jax.random.fold_in(base_key, epoch)
@@ -615,7 +498,9 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
             t_chunk = time.perf_counter() - t_chunk
             if not all(np.isfinite(v) for v in m.values()):
                 progress.close()
-                _diverged(mngr, f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)})")
+                engine.stop_diverged(
+                    mngr, f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)})"
+                )
             for k in sums:
                 sums[k] += float(m[k]) * rows.shape[0]
             seen += rows.shape[0]
@@ -640,7 +525,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
             "train_accuracy": sums["accuracy"] / seen,
             "test_loss": float(test["loss"]),
             "test_accuracy": float(test["accuracy"]),
-            "rho_max": _finite_or_none(max_radius_bound(state.params, eps=config.eps, h=config.h)),
+            "rho_max": engine.finite_or_none(max_radius_bound(state.params, eps=config.eps, h=config.h)),
             "epoch_seconds": time.time() - t0,
         }
         record["generalisation_gap"] = record["train_accuracy"] - record["test_accuracy"]
@@ -651,7 +536,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
         if not (params_finite and np.isfinite(record["test_loss"])):
             progress.close()
             what = "the parameters are not finite" if not params_finite else f"the test loss is {record['test_loss']}"
-            _diverged(mngr, f"after epoch {epoch} (step {int(state.step)}) {what}")
+            engine.stop_diverged(mngr, f"after epoch {epoch} (step {int(state.step)}) {what}")
         # The record first: a crash between the two leaves a record that resume drops,
         # never a checkpoint whose epoch has no record.
         metrics_log.write_record(record)
@@ -659,7 +544,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
             record["step"], {f"epoch/{k}": v for k, v in record.items() if k != "step" and v is not None}
         )
         if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
-            ckpt.save(mngr, int(state.step), _checkpoint_tree(state), metadata.replace(epoch=epoch))
+            ckpt.save(mngr, int(state.step), engine.checkpoint_tree(state), metadata.replace(epoch=epoch))
         progress.write(
             f"epoch {epoch}: train loss {record['train_loss']:.4f} acc {record['train_accuracy']:.4f} | "
             f"test loss {record['test_loss']:.4f} acc {record['test_accuracy']:.4f} | "
@@ -675,36 +560,3 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     elif callable(getattr(writer, "flush", None)):
         writer.flush()
     return dict(last, state=state, mean=mean, std=std, test_data=test_data)
-
-
-def _diverged(mngr, what: str):
-    """Stop without saving: close the manager, keep the last good checkpoint."""
-    good = mngr.latest_step()
-    mngr.close()
-    raise TrainingDiverged(
-        f"{what}; stopped before saving. The last good checkpoint "
-        + (f"(step {good}) is kept in {mngr.directory}." if good is not None else "does not exist yet.")
-        + " Lower config.learning_rate or check the data."
-    )
-
-
-class _NoProgress:
-    def update(self, n):
-        pass
-
-    def set_postfix(self, **kw):
-        pass
-
-    def write(self, s):
-        print(s, flush=True)
-
-    def close(self):
-        pass
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return _NoProgress()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="step", dynamic_ncols=True, leave=False)
