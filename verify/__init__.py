@@ -12,6 +12,7 @@ Gershgorin discs and infinity-norm bounds read off convolution kernels, exact
 spectra of periodic convolutions by FFT.
 """
 
+from .arnoldi import ArnoldiResult, arnoldi_eigs, arnoldi_eigs_batch, stack_operators
 from .bounds import conv_inf_norm_bound, dense_gershgorin, gershgorin
 from .certificate import (
     SCHEMA,
@@ -29,16 +30,12 @@ from .certificate import (
 from .certify import AuditOptions, ModelApplyError, audit, audit_model
 from .operators import conv_matrix, conv_operator, dense_operator, jacobian_operator, operator_matrix
 from .spectral import (
-    ArnoldiResult,
     SpectralResult,
-    arnoldi_eigs,
-    arnoldi_eigs_batch,
     fft_conv_spectrum,
     power_norm_bound,
     power_norm_estimate,
     spectral_radius,
     spectral_radius_info,
-    stack_operators,
 )
 
 __all__ = [

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._common import Block, group, stack
+from .arnoldi import arnoldi_eigs_batch, stack_operators
 from .certificate import BaselineParameters, Spectrum
 from .operators import conv_operator, jacobian_operator, operator_matrix
-from .spectral import _dense_result, arnoldi_eigs_batch, spectral_radius_info, stack_operators
+from .spectral import _dense_result, spectral_radius_info
 
 
 def dense(blocks: list[Block], options) -> dict[int, tuple[BaselineParameters, Spectrum]]:

@@ -21,9 +21,10 @@ from naisnet_jax.stability import kernel_gershgorin
 
 from ._common import Block, gain, group, map_groups, perturbation
 from ._numerics import U64, float32_h, gamma
+from .arnoldi import arnoldi_eigs_batch, stack_operators
 from .certificate import ConvParameters, Equilibrium, Spectrum, Trajectory
 from .operators import conv_operator, jacobian_operator, operator_matrix
-from .spectral import _dense_result, _dense_spectrum, arnoldi_eigs_batch, stack_operators
+from .spectral import _dense_result, _dense_spectrum
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

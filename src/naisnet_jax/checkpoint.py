@@ -42,7 +42,6 @@ class CheckpointError(ValueError):
 
 METADATA_VERSION = 2
 _STORED_ONCE = ("eps", "eta", "h")  # top-level fields, never repeated in model_kwargs
-_FROM_CONFIG = ("adaptive_tol", "max_steps")  # config fields passed to models that take them
 
 
 def _json_ready(value):
@@ -170,18 +169,14 @@ class CheckpointMetadata:
         """The metadata of a run of ``config`` on ``dataset`` (an object with ``num_classes``
         and ``train_images``) normalised with per-channel ``mean`` and ``std``.
 
-        ``model_kwargs`` are the config's plus ``adaptive_tol`` / ``max_steps`` where the
-        model takes them; ``eps``, ``eta``, ``h``, ``relaxed`` come from the config's
-        top-level fields. The one entry point for the trainer and the sweep engine.
+        ``model_kwargs`` are :func:`naisnet_jax.models.model_spec`'s less ``eps``, ``eta`` and
+        ``h``, which (with ``relaxed``) are stored once, as top-level fields. The one entry point
+        for the trainer and the sweep engine.
         """
         from naisnet_jax import models
 
-        kwargs = dict(_json_ready(config.model_kwargs))
-        if config.model in models.MODELS:
-            accepted = {f.name for f in dataclasses.fields(models.MODELS[config.model].func)}
-            for field in _FROM_CONFIG:
-                if field in accepted and config.get(field) is not None:
-                    kwargs[field] = config[field]
+        _, spec = models.model_spec(config) if config.model in models.MODELS else (None, config.model_kwargs)
+        kwargs = {k: v for k, v in _json_ready(spec).items() if k not in _STORED_ONCE}
         return cls(
             model=config.model,
             model_kwargs=kwargs,
@@ -258,7 +253,7 @@ class CheckpointMetadata:
 
         kwargs = dict(self.model_kwargs)
         if self.model in models.MODELS:
-            accepted = {f.name for f in dataclasses.fields(models.MODELS[self.model].func)}
+            accepted = models.accepted_fields(self.model)
             kwargs.update({k: getattr(self, k) for k in _STORED_ONCE if k in accepted})
         kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
         return self.model, kwargs

@@ -10,7 +10,6 @@ the accelerator.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -92,26 +91,8 @@ def validate_config(config) -> None:
 
 
 def model_kwargs(config) -> dict:
-    """Keyword arguments for ``models.get_model``: the config's model_kwargs plus
-    eps, h and the adaptive settings, where the model takes them."""
-    kwargs = dict(config.model_kwargs)
-    accepted = {f.name for f in dataclasses.fields(models.MODELS[config.model].func)}
-    shadowed = sorted(set(kwargs) & {"eps", "eta", "h", "adaptive_tol", "max_steps"})
-    if shadowed:  # one source of truth: the projection and the checkpoint use config's
-        raise ValueError(
-            f"config.model_kwargs sets {shadowed}; set config.{shadowed[0]} instead (the projection "
-            f"and the checkpoint metadata read the top-level fields)."
-        )
-    for field in ("eps", "eta", "h", "adaptive_tol", "max_steps"):
-        if field in accepted and config.get(field) is not None:
-            kwargs[field] = config[field]
-    unknown = set(kwargs) - accepted
-    if unknown:
-        raise ValueError(
-            f"config.model_kwargs has fields {sorted(unknown)} that {config.model} does not take; "
-            f"it takes {sorted(accepted - {'parent', 'name'})}."
-        )
-    return kwargs
+    """Keyword arguments for ``models.get_model``: :func:`naisnet_jax.models.model_spec`'s."""
+    return models.model_spec(config)[1]
 
 
 def build_model(config, num_classes: int):

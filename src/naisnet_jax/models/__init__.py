@@ -68,6 +68,7 @@ memory or compile time, never the maths:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -111,6 +112,7 @@ __all__ = [
     "BLOCK_VJP",
     "BN_EPSILON",
     "BN_MOMENTUM",
+    "CONFIG_FIELDS",
     "COMPUTE_DTYPES",
     "DRIVE_INITS",
     "DRIVE_NORMS",
@@ -156,9 +158,11 @@ __all__ = [
     "Stages",
     "StateUnusedWarning",
     "StepOptions",
+    "accepted_fields",
     "batch_axis",
     "get_model",
     "initial_state_x0",
+    "model_spec",
     "options_of",
     "without_speed_options",
 ]
@@ -221,6 +225,45 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "resnet_conv_tiny": ResNetConvTiny,
     **{label.lower().replace("-", "_"): alias for label, alias in RESNET_VARIANTS.items()},
 }
+
+
+#: Config fields a model takes from the config's top level, where its class has them (never from
+#: ``config.model_kwargs``): the stability parameters, one source for the model, the projection
+#: and the checkpoint, and the adaptive unroll's.
+CONFIG_FIELDS = ("eps", "eta", "h", "adaptive_tol", "max_steps")
+
+
+def accepted_fields(name: str) -> frozenset[str]:
+    """The keyword arguments model ``name`` takes (its class's fields)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(sorted(MODELS))}.")
+    return frozenset(f.name for f in dataclasses.fields(MODELS[name].func)) - {"parent", "name"}
+
+
+def model_spec(config) -> tuple[str, dict]:
+    """``(name, keyword arguments)`` of ``config``'s network: ``config.model_kwargs`` plus the
+    top-level :data:`CONFIG_FIELDS` the model takes. The one place a config becomes a model: the
+    trainers build it from this, and a checkpoint stores it
+    (:meth:`naisnet_jax.checkpoint.CheckpointMetadata.from_config`). Refuses ``model_kwargs`` that
+    repeat a top-level field or that the model does not take, naming them."""
+    accepted = accepted_fields(config.model)
+    kwargs = dict(config.model_kwargs)
+    shadowed = sorted(set(kwargs) & set(CONFIG_FIELDS))
+    if shadowed:  # one source of truth: the projection and the checkpoint use config's
+        raise ValueError(
+            f"config.model_kwargs sets {shadowed}; set config.{shadowed[0]} instead (the projection "
+            f"and the checkpoint metadata read the top-level fields)."
+        )
+    for field in CONFIG_FIELDS:
+        if field in accepted and config.get(field) is not None:
+            kwargs[field] = config[field]
+    unknown = set(kwargs) - accepted
+    if unknown:
+        raise ValueError(
+            f"config.model_kwargs has fields {sorted(unknown)} that {config.model} does not take; "
+            f"it takes {sorted(accepted)}."
+        )
+    return config.model, kwargs
 
 
 def get_model(name: str, **overrides) -> nn.Module:
