@@ -78,21 +78,15 @@ def on_side_stream(f: Callable, enabled: bool | None = None) -> Callable:
 def side_stream_conv(lhs: Array, rhs: Array, *args, **kwargs) -> Array:
     """``lax.conv_general_dilated(lhs, rhs, *args, **kwargs)`` with a kernel gradient that feeds
     only the optimiser, so it can run off the input-gradient chain: on the second stream
-    (:func:`on_side_stream`) on a GPU with :data:`SIDE_STREAM` set, or by the fused
-    weight-gradient kernel where it takes the convolution and
-    ``fused_block.DRIVE_WGRAD_KERNEL`` is set (:func:`naisnet_jax.fused_block.same_conv_weight_grad`:
-    the 3x3 SAME drives of 16 and 32 channels, on a CUDA GPU; TF32 products, as cuDNN's).
-    Elsewhere the plain convolution. A
-    drop-in for ``flax.linen.Conv(conv_general_dilated=...)``: the fast paths (``block_vjp``
-    other than ``"autodiff"``) give it to their blocks' drive convolutions."""
-    from naisnet_jax.fused_block import same_conv_weight_grad  # it imports this module
+    (:func:`on_side_stream`) on a GPU with :data:`SIDE_STREAM` set; elsewhere the plain
+    convolution. A drop-in for ``flax.linen.Conv(conv_general_dilated=...)``: the fast paths
+    (``block_vjp`` other than ``"autodiff"``) give it to their blocks' drive convolutions."""
 
     def conv(lhs, rhs):
         return lax.conv_general_dilated(lhs, rhs, *args, **kwargs)
 
     side = _side_stream_default()
-    weight_grad = same_conv_weight_grad(lhs, rhs, args, kwargs)
-    if not side and weight_grad is None:
+    if not side:
         return conv(lhs, rhs)
 
     @jax.custom_vjp
@@ -105,8 +99,6 @@ def side_stream_conv(lhs: Array, rhs: Array, *args, **kwargs) -> Array:
     def f_bwd(res, g):
         lhs, rhs = res
         (d_lhs,) = jax.linear_transpose(lambda a: conv(a, rhs), lhs)(g)
-        if weight_grad is not None:  # the fused kernel: its inputs into buffers first, on the main stream
-            return d_lhs, weight_grad(lhs, g, rhs, side)
         return d_lhs, on_side_stream(_weight_grad(conv), side)(lhs, g, rhs)
 
     f.defvjp(f_fwd, f_bwd)

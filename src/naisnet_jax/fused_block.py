@@ -54,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import inspect
 from typing import NamedTuple
 
 import jax
@@ -64,6 +63,7 @@ from jax import lax
 from naisnet_jax import hopper_block, hopper_tf32
 from naisnet_jax.block_vjp import _sum_to_shape, check_tied, conv_op, on_side_stream, unroll_tied
 from naisnet_jax.checks import check_int
+from naisnet_jax.kernels.common import act, scaled_slope
 
 Array = jax.Array
 
@@ -237,7 +237,7 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, config, x0_ref,
             taps, d = taps_now(), d_ref[n, rows]
             x = windows[centre]
             z = _conv(windows, taps) + d
-            a = _act(activation, z)
+            a = act(activation, z)
             inside = _inside(layout, q0)
             zero = jnp.zeros_like(x)
             xs_ref[slot(k + 1), n, rows] = jnp.where(inside, x + h * a, zero)
@@ -250,19 +250,6 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, config, x0_ref,
         return carry
 
     lax.fori_loop(0, steps, step, 0)
-
-
-def _act(activation, z):
-    """``act(z)`` in a kernel (ReLU as a maximum)."""
-    return jnp.maximum(z, 0) if activation == "relu" else jnp.tanh(z)
-
-
-def _scaled_slope(activation, h, z, g):
-    """``h act'(z) g``, ReLU's slope at 0 taken as 0 (as ``jax.nn.relu``)."""
-    if activation == "relu":
-        return jnp.where(z > 0, h * g, jnp.zeros_like(g))
-    t = jnp.tanh(z)
-    return h * g * (1 - t) * (1 + t)
 
 
 def _backward_kernel(layout, offsets, steps, h, activation, config, gk_ref, zs_ref, wt_ref, g_ref, s_ref):
@@ -280,7 +267,7 @@ def _backward_kernel(layout, offsets, steps, h, activation, config, gk_ref, zs_r
         rows = pl.ds(S + q0, M)
         g = gk_ref[n, rows]
         g_ref[n, rows] = g
-        s = _scaled_slope(activation, h, zs_ref[steps - 1, n, rows], g)
+        s = scaled_slope(activation, h, zs_ref[steps - 1, n, rows], g)
         s_ref[steps - 1, n, rows] = jnp.where(_inside(layout, q0), s, jnp.zeros_like(s))
         return carry
 
@@ -300,7 +287,7 @@ def _backward_kernel(layout, offsets, steps, h, activation, config, gk_ref, zs_r
             g = g + _conv(windows, taps)
             g = jnp.where(inside, g, jnp.zeros_like(g))
             g_ref[n, rows] = g
-            s = _scaled_slope(activation, h, z, g)
+            s = scaled_slope(activation, h, z, g)
             s = jnp.where(inside, s, jnp.zeros_like(s))
             plgpu.store(s_ref.at[prev, n, rows], s, mask=jnp.broadcast_to(k > 0, s.shape))
             return carry
@@ -623,6 +610,11 @@ def _wgrad_runs(layout, C: int, sum_steps: bool = False) -> int:
     return layout.tiles * layout.tile_rows // _wgrad_rows(layout, C, sum_steps)[0]
 
 
+def _chunks_of(count: int, most: int = 10) -> int:
+    """The largest divisor of ``count`` up to ``most``."""
+    return max(d for d in range(1, min(count, most) + 1) if count % d == 0)
+
+
 def fused_weight_grad(layout, xs, ss, kernel_shape, config=GPU, chunks=None, sum_steps=False):
     """``dW`` (HWIO) from the saved states ``xs`` and the backward kernel's ``ss`` (buffers),
     each pattern's step summed by ``chunks`` programs (a divisor of its runs of rows; default
@@ -699,85 +691,6 @@ def _fused_bwd(steps, h, activation, config, res, g):
         s_sum = jnp.sum(layout.interior(ss), axis=0)
     d_drive = _sum_to_shape(s_sum, drive.shape).astype(drive.dtype)
     return layout.interior(g0), d_drive, dW.astype(kernel.dtype)
-
-
-def _chunks_of(count: int, most: int = 10) -> int:
-    """The largest divisor of ``count`` up to ``most``."""
-    return max(d for d in range(1, min(count, most) + 1) if count % d == 0)
-
-
-def conv_weight_grad(
-    lhs: Array, g: Array, kernel_shape: tuple, *, config: Config | None = None, side_stream: bool = False
-) -> Array:
-    """The kernel gradient ``dK`` (HWIO ``kernel_shape``) of ``conv_same(lhs, K)`` at output
-    gradient ``g``, by the weight-gradient kernel: ``lhs`` and ``g`` ``(N, H, W, C)``, a square
-    odd kernel mapping ``C`` channels to ``C``, stride 1 and zero padding (SAME). Each pattern
-    is summed by up to ten programs over runs of its rows (a single step fills the card only so).
-    On an H200 at batch 128 it takes 0.042 ms at 32x32x16 and 0.041 at 16x16x32 against 0.066
-    and 0.061 for cuDNN's TF32 weight-gradient convolution (``BENCHMARKS.md``); the drive
-    convolutions of the fast paths take it (:func:`naisnet_jax.block_vjp.side_stream_conv`).
-    ``config``: :data:`GPU` at the
-    default tiling by channels, or the interpreter inside :func:`interpreted`. ``side_stream``:
-    the kernel and its sum on the second stream (:func:`naisnet_jax.block_vjp.on_side_stream`),
-    the inputs moved into buffers before, on the main stream (XLA assigns no stream to a copy
-    inside such a region)."""
-    C = lhs.shape[-1]
-    if config is None:
-        config = Config(interpret=_INTERPRET.get(), tile_rows=default_tiling(C)[0])
-    layout = Layout.of(lhs.shape[1], lhs.shape[2], kernel_shape[0], kernel_shape[1], config.tile_rows)
-    chunks = _chunks_of(_wgrad_runs(layout, C))
-    xs, ss = layout.to_buffer(lhs)[None], layout.to_buffer(g)[None]
-    weight_grad = functools.partial(fused_weight_grad, layout, kernel_shape=kernel_shape, config=config, chunks=chunks)
-    return on_side_stream(weight_grad, side_stream and not config.interpret)(xs, ss)
-
-
-#: The drive convolutions' kernel gradients by the weight-gradient kernel
-#: (:func:`same_conv_weight_grad`), not by XLA (cuDNN, on the second stream). Off by default:
-#: with the wgmma block kernels, NAIS-Net10's step on an H100 took 22.58 ms with cuDNN's against
-#: 23.26 with the kernel, whose inputs must first be copied into buffers (``BENCHMARKS.md``).
-DRIVE_WGRAD_KERNEL = False
-
-
-def same_conv_weight_grad(lhs: Array, rhs: Array, args: tuple, kwargs: dict):
-    """:func:`conv_weight_grad` as ``(lhs, g, rhs, side_stream) -> dK`` for the convolution
-    ``lax.conv_general_dilated(lhs, rhs, *args, **kwargs)`` if :data:`DRIVE_WGRAD_KERNEL` is set
-    and it is one the kernel takes and runs here (as :func:`unroll_tied_conv` chooses: a float32
-    NHWC input, an HWIO kernel mapping ``C`` channels to ``C`` that :func:`kernel_supported`
-    takes, ``C`` at most :data:`AUTO_MAX_CHANNELS`, stride 1, SAME zero padding, no dilation or
-    groups, the default precision; a CUDA GPU, or the interpreter inside :func:`interpreted`),
-    else ``None``."""
-    if not DRIVE_WGRAD_KERNEL or lhs.ndim != 4 or rhs.ndim != 4:
-        return None
-    try:
-        bound = inspect.signature(lax.conv_general_dilated).bind(lhs, rhs, *args, **kwargs).arguments
-    except TypeError:
-        return None
-    kh, kw = rhs.shape[:2]
-    nhwc = lax.conv_dimension_numbers(lhs.shape, rhs.shape, ("NHWC", "HWIO", "NHWC"))
-    given = bound.get("dimension_numbers")
-    plain = (
-        given is not None
-        and lax.conv_dimension_numbers(lhs.shape, rhs.shape, given) == nhwc
-        and tuple(bound["window_strides"]) == (1, 1)
-        and bound["padding"]
-        in ("SAME", ((kh // 2, kh // 2), (kw // 2, kw // 2)), [(kh // 2, kh // 2), (kw // 2, kw // 2)])
-        and all(bound.get(d) is None or tuple(bound[d]) == (1, 1) for d in ("lhs_dilation", "rhs_dilation"))
-        and bound.get("feature_group_count", 1) == 1
-        and bound.get("batch_group_count", 1) == 1
-        and bound.get("precision") is None
-        and bound.get("preferred_element_type") is None
-    )
-    why = kernel_supported(lhs, rhs) if plain else "not a plain SAME convolution"
-    runs_here = gpu_kernels_available(lhs) and lhs.shape[-1] <= AUTO_MAX_CHANNELS
-    mode = kernel_mode("same_conv_weight_grad", None, why, runs_here)
-    if mode is None:
-        return None
-    config = Config(interpret=mode, tile_rows=default_tiling(lhs.shape[-1])[0])
-
-    def weight_grad(lhs, g, rhs, side_stream):
-        return conv_weight_grad(lhs, g, rhs.shape, config=config, side_stream=side_stream).astype(rhs.dtype)
-
-    return weight_grad
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

@@ -42,7 +42,8 @@ from jax import lax
 
 from naisnet_jax.block_vjp import _sum_to_shape, check_tied, dense_op, on_side_stream, unroll_tied
 from naisnet_jax.checks import check_int
-from naisnet_jax.fused_block import _act, _index, _pallas, _scaled_slope, gpu_kernels_available, kernel_mode
+from naisnet_jax.fused_block import _index, _pallas, gpu_kernels_available, kernel_mode
+from naisnet_jax.kernels.common import act, scaled_slope
 
 Array = jax.Array
 
@@ -87,7 +88,7 @@ def _forward_kernel(steps, h, activation, save, rows, x0_ref, d_ref, at_ref, x_r
             k = _index(k)
             saved[0][k, r, :] = x
             saved[1][k, r, :] = z
-        return x + h * _act(activation, z)
+        return x + h * act(activation, z)
 
     x_ref[r, :] = lax.fori_loop(0, steps, step, x0_ref[r, :])
 
@@ -103,7 +104,7 @@ def _backward_kernel(steps, h, activation, rows, g_ref, zs_ref, a_ref, g0_ref, s
     def step(i, carry):
         g, dd = carry
         k = steps - 1 - _index(i)
-        s = _scaled_slope(activation, h, zs_ref[k, r, :], g)
+        s = scaled_slope(activation, h, zs_ref[k, r, :], g)
         ss_ref[k, r, :] = s
         return g + jnp.dot(s, a, preferred_element_type=s.dtype), dd + s
 

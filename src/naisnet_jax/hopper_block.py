@@ -42,6 +42,8 @@ import inspect
 import jax
 import jax.numpy as jnp
 
+from naisnet_jax.kernels.common import act, scaled_slope
+
 Array = jax.Array
 
 #: Rows per tile, the ``M`` of one ``wgmma``.
@@ -254,9 +256,8 @@ def _team(nw):
 def _slope_tile(layout, q0, activation, h, z, g):
     """``h act'(z) g`` for a tile's rows from ``q0``, zero outside the image (the kernels'
     activation rules are ``fused_block``'s, imported here: it imports this module)."""
-    from naisnet_jax.fused_block import _scaled_slope
 
-    return jnp.where(_inside(layout, q0, g.shape[-1]), _scaled_slope(activation, h, z, g), jnp.zeros_like(g))
+    return jnp.where(_inside(layout, q0, g.shape[-1]), scaled_slope(activation, h, z, g), jnp.zeros_like(g))
 
 
 def _forward_kernel(
@@ -278,8 +279,6 @@ def _forward_kernel(
     then warpgroup 0 sends the new state out (every state if ``save``, else the last)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from naisnet_jax.fused_block import _act  # fused_block imports this module
 
     zs_ref, (state, zstage, w_hi_ref, w_lo_ref, bar, sync) = (rest[0], rest[1:]) if save else (None, rest)
     mask = saves_mask(activation)
@@ -319,7 +318,7 @@ def _forward_kernel(
             acc, x = _conv_tile(state, src, S + q0, offsets, w_hi_ref, w_lo_ref, centre)
             z = acc + drive[j]
             keep, zero = _inside(layout, q0, C), jnp.zeros_like(z)
-            state[dst, rows, :] = jnp.where(keep, x + h * _act(activation, z), zero)
+            state[dst, rows, :] = jnp.where(keep, x + h * act(activation, z), zero)
             if save:
                 # the slot's last copy has read it (one slot: the last copy of all)
                 plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from naisnet_jax import hopper_block as hb
+from naisnet_jax.kernels.common import act
 
 M = hb.M
 #: Channels of a plane: 16 bytes of float32, one core matrix's row.
@@ -397,8 +398,6 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, interior, x
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from naisnet_jax.fused_block import _act  # fused_block imports this module
-
     xk_ref, rest = (rest[0], rest[1:]) if interior else (None, rest)  # images: x_K apart from x_0 .. x_{K-1}
     zs_ref, scratch = (rest[0], rest[1:]) if save else (None, rest)
     state, zstage, xstage, taps, bar, *dbar, sync = scratch
@@ -461,7 +460,7 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, interior, x
             z = zs[j] if single else _products(layout, offsets, state, src, q0, taps) + drive[j]
             x = _load_tile(_tile(state, src, S + q0))
             keep, zero = hb._inside(layout, q0, C), jnp.zeros_like(z)
-            new = jnp.where(keep, x + h * _act(activation, z), zero)
+            new = jnp.where(keep, x + h * act(activation, z), zero)
             _store_tile(new, _tile(state, dst, S + q0))
             if save:
                 # copies in flight, newest first: z of the tile before (if any), then older ones
