@@ -203,3 +203,51 @@ def test_short_fault_drill(tmp_path):
 @pytest.mark.slow
 def test_fault_drill_twelve_kills(tmp_path):
     drill(tmp_path, kills=12, write_kills=4, epochs=60, seed=1)
+
+
+def test_one_trainer_per_workdir(tmp_path):
+    """While a trainer holds the workdir (a process holding its lock, as a running trainer does),
+    a second ``naisnet-train`` on it is refused in one line with exit 2 before it writes anything;
+    once the holder is SIGKILLed, its lock goes with it and the next run trains there."""
+    from naisnet_jax import engine
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    lock_path = workdir / engine.LOCK_FILE
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import filelock, time; lock = filelock.FileLock({str(lock_path)!r}); lock.acquire(); "
+            "print('held', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        env = _env(tmp_path / "cache")
+        refused = subprocess.run(_command(workdir, 1), env=env, capture_output=True, text=True, cwd=tmp_path)
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        lines = [line for line in refused.stderr.splitlines() if line.strip()]
+        assert lines[-1].startswith("error: ") and "in use by another trainer" in lines[-1], refused.stderr[-2000:]
+        assert "Traceback" not in refused.stderr
+        assert sorted(p.name for p in workdir.iterdir()) == [engine.LOCK_FILE]  # nothing written
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    ran = subprocess.run(_command(workdir, 1), env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert (workdir / train.METRICS_FILE).exists()
+
+
+def test_workdir_lock_in_process(tmp_path):
+    """The library's trainers take the same lock: a second holder in one process is refused too."""
+    from naisnet_jax import engine
+
+    with engine.workdir_lock(str(tmp_path)):
+        with pytest.raises(engine.WorkdirInUse, match="in use by another trainer"):
+            with engine.workdir_lock(str(tmp_path)):
+                pass
+    with engine.workdir_lock(str(tmp_path)):  # released: taken again
+        pass

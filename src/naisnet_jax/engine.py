@@ -10,8 +10,11 @@ diverged run stops without saving and keeps its last good checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -24,10 +27,38 @@ from naisnet_jax import metric_writers
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
+LOCK_FILE = ".trainer.lock"
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+class WorkdirInUse(RuntimeError):
+    """Another trainer holds the workdir's lock."""
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str) -> Iterator[None]:
+    """Hold ``workdir``'s lock while the block runs: one trainer per workdir, so two never append
+    to one metrics log or save into one checkpoint directory. The lock is the operating system's
+    (``filelock``: ``flock`` on POSIX), so a killed trainer's lock goes with its process and the
+    next run takes it. A held lock raises :class:`WorkdirInUse` at once, before anything is read
+    or written."""
+    import filelock
+
+    path = os.path.join(workdir, LOCK_FILE)
+    lock = filelock.FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        raise WorkdirInUse(
+            f"{workdir} is in use by another trainer (it holds {path}); wait for it to end or use another workdir."
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def load_training_data(config) -> tuple[data_lib.Dataset, int]:

@@ -245,147 +245,150 @@ def train_sweep(
     seeds = check_seeds(default_seeds(config) if seeds is None else seeds)
     train.validate_config(config)
     os.makedirs(workdir, exist_ok=True)
-    mngr = ckpt.manager(os.path.join(workdir, SWEEP_CHECKPOINT_DIR), max_to_keep=config.keep_checkpoints)
-    metrics_path = os.path.join(workdir, train.METRICS_FILE)
-    if mngr.latest_step() is not None:  # refuse before loading data or compiling
-        _check_same_sweep(ckpt.read_metadata(mngr), config, seeds, mngr.directory)
+    with engine.workdir_lock(workdir):
+        mngr = ckpt.manager(os.path.join(workdir, SWEEP_CHECKPOINT_DIR), max_to_keep=config.keep_checkpoints)
+        metrics_path = os.path.join(workdir, train.METRICS_FILE)
+        if mngr.latest_step() is not None:  # refuse before loading data or compiling
+            _check_same_sweep(ckpt.read_metadata(mngr), config, seeds, mngr.directory)
 
-    s = prepare(config, seeds)
-    n_seeds = len(seeds)
-    state, diverged_epoch = s.state, shard_seeds(jnp.zeros((n_seeds,), jnp.int32), s.mesh)
-    metadata = ckpt.CheckpointMetadata.from_config(config, s.ds, s.mean, s.std).replace(
-        extra={"sweep": _resume_view(config, seeds)}
-    )
-    start_epoch = 1
-    if mngr.latest_step() is not None:
-        tree, epoch = engine.restore_latest(mngr, _sweep_tree(state, diverged_epoch))
-        state = engine.restore_into(state, tree)
-        state = state.replace(step=jnp.asarray(state.step, s.state.step.dtype))  # saved as int32
-        state, diverged_epoch = shard_seeds((state, tree["diverged_epoch"]), s.mesh)
-        start_epoch = epoch + 1
-        metric_writers.write_jsonl(
-            metrics_path, [r for r in engine.read_metrics(metrics_path) if r["epoch"] < start_epoch]
+        s = prepare(config, seeds)
+        n_seeds = len(seeds)
+        state, diverged_epoch = s.state, shard_seeds(jnp.zeros((n_seeds,), jnp.int32), s.mesh)
+        metadata = ckpt.CheckpointMetadata.from_config(config, s.ds, s.mean, s.std).replace(
+            extra={"sweep": _resume_view(config, seeds)}
         )
-        if verbose:
-            print(f"Resuming the sweep in {mngr.directory} at epoch {start_epoch}.", flush=True)
-    elif os.path.exists(metrics_path):
-        os.remove(metrics_path)
-
-    epoch_fn = s.programs.epoch
-    schedule = train.learning_rate_schedule(config, s.steps_per_epoch)
-    has_nais = count_projected_blocks(state.params) > 0  # found by name: the seed axis does not matter
-    history = engine.read_metrics(metrics_path) if start_epoch > 1 else []
-    end_epoch = (
-        config.num_epochs if stop_after_epochs is None else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
-    )
-    progress = engine.progress(end_epoch - start_epoch + 1, bool(config.progress) and verbose, unit="epoch")
-    for epoch in range(start_epoch, end_epoch + 1):
-        t0 = time.time()
-        state, diverged_epoch, train_m, test_m = epoch_fn(
-            state, diverged_epoch, s.base_keys, s.train_data, s.test_data, jnp.asarray(epoch, jnp.int32)
-        )
-        fetched = jax.device_get((train_m, test_m, diverged_epoch, state.step, state.params if has_nais else None))
-        train_m, test_m, div, steps, host_params = fetched
-        seconds = time.time() - t0
-        records = []
-        for i, seed in enumerate(seeds):
-            rho = float("nan")
-            if has_nais:
-                rho = max_radius_bound(jax.tree.map(lambda x: x[i], host_params), eps=config.eps, h=config.h)
-            train_loss = float(train_m["loss"][i]) if int(div[i]) == 0 else None
-            train_acc = float(train_m["accuracy"][i]) if int(div[i]) == 0 else None
-            record = {
-                "epoch": epoch,
-                "seed": seed,
-                "step": int(steps[i]),
-                "learning_rate": float(schedule(max(int(steps[i]) - 1, 0))),
-                "train_loss": train_loss,
-                "train_accuracy": train_acc,
-                "test_loss": engine.finite_or_none(float(test_m["loss"][i])),
-                "test_accuracy": float(test_m["accuracy"][i]),
-                "rho_max": engine.finite_or_none(rho),
-                "epoch_seconds": seconds,
-                "diverged_epoch": int(div[i]) or None,
-            }
-            record["generalisation_gap"] = None if train_acc is None else train_acc - record["test_accuracy"]
-            records.append(record)
-        history = history + records
-        metric_writers.write_jsonl(metrics_path, history)  # before the checkpoint, as train does
-        if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
-            ckpt.save(mngr, epoch, _sweep_tree(state, diverged_epoch), metadata.replace(epoch=epoch))
-        progress.update(1)
-        if verbose:
-            acc = np.asarray([r["test_accuracy"] for r in records])
-            ok = np.asarray(div) == 0
-            summary = f"test acc {acc[ok].mean():.4f} +- {acc[ok].std():.4f}" if ok.any() else "every seed diverged"
-            progress.write(
-                f"[{config.model}] epoch {epoch}: {summary} over {int(ok.sum())}/{n_seeds} seeds | {seconds:.2f}s"
+        start_epoch = 1
+        if mngr.latest_step() is not None:
+            tree, epoch = engine.restore_latest(mngr, _sweep_tree(state, diverged_epoch))
+            state = engine.restore_into(state, tree)
+            state = state.replace(step=jnp.asarray(state.step, s.state.step.dtype))  # saved as int32
+            state, diverged_epoch = shard_seeds((state, tree["diverged_epoch"]), s.mesh)
+            start_epoch = epoch + 1
+            metric_writers.write_jsonl(
+                metrics_path, [r for r in engine.read_metrics(metrics_path) if r["epoch"] < start_epoch]
             )
-    progress.close()
+            if verbose:
+                print(f"Resuming the sweep in {mngr.directory} at epoch {start_epoch}.", flush=True)
+        elif os.path.exists(metrics_path):
+            os.remove(metrics_path)
 
-    done_epoch = max((r["epoch"] for r in history), default=0)
-    last = {r["seed"]: r for r in history if r["epoch"] == done_epoch}
-    runs = []
-    finished = done_epoch >= config.num_epochs
-    if finished:
-        losses = train_losses = None
-        if per_step_loss and _has_step_logits(s.model, state, s.ds.image_shape):
-            losses = np.asarray(s.programs.per_step_loss(state, s.test_data))
-            train_losses = np.asarray(s.programs.per_step_loss(state, s.train_data))
-        host_tree = jax.device_get(engine.checkpoint_tree(state))
-    for i, seed in enumerate(seeds):
-        r = last.get(seed)
-        if r is None:  # nothing trained yet
-            runs.append(SeedResult(seed, 0, 0, None, None, float("nan"), float("nan"), None, None, None))
-            continue
-        run = SeedResult(
-            seed=seed,
-            epoch=r["epoch"],
-            step=r["step"],
-            train_loss=r["train_loss"],
-            train_accuracy=r["train_accuracy"],
-            test_loss=r["test_loss"] if r["test_loss"] is not None else float("nan"),
-            test_accuracy=r["test_accuracy"],
-            generalisation_gap=r["generalisation_gap"],
-            rho_max=r["rho_max"],
-            diverged_epoch=r["diverged_epoch"],
+        epoch_fn = s.programs.epoch
+        schedule = train.learning_rate_schedule(config, s.steps_per_epoch)
+        has_nais = count_projected_blocks(state.params) > 0  # found by name: the seed axis does not matter
+        history = engine.read_metrics(metrics_path) if start_epoch > 1 else []
+        end_epoch = (
+            config.num_epochs
+            if stop_after_epochs is None
+            else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
         )
+        progress = engine.progress(end_epoch - start_epoch + 1, bool(config.progress) and verbose, unit="epoch")
+        for epoch in range(start_epoch, end_epoch + 1):
+            t0 = time.time()
+            state, diverged_epoch, train_m, test_m = epoch_fn(
+                state, diverged_epoch, s.base_keys, s.train_data, s.test_data, jnp.asarray(epoch, jnp.int32)
+            )
+            fetched = jax.device_get((train_m, test_m, diverged_epoch, state.step, state.params if has_nais else None))
+            train_m, test_m, div, steps, host_params = fetched
+            seconds = time.time() - t0
+            records = []
+            for i, seed in enumerate(seeds):
+                rho = float("nan")
+                if has_nais:
+                    rho = max_radius_bound(jax.tree.map(lambda x: x[i], host_params), eps=config.eps, h=config.h)
+                train_loss = float(train_m["loss"][i]) if int(div[i]) == 0 else None
+                train_acc = float(train_m["accuracy"][i]) if int(div[i]) == 0 else None
+                record = {
+                    "epoch": epoch,
+                    "seed": seed,
+                    "step": int(steps[i]),
+                    "learning_rate": float(schedule(max(int(steps[i]) - 1, 0))),
+                    "train_loss": train_loss,
+                    "train_accuracy": train_acc,
+                    "test_loss": engine.finite_or_none(float(test_m["loss"][i])),
+                    "test_accuracy": float(test_m["accuracy"][i]),
+                    "rho_max": engine.finite_or_none(rho),
+                    "epoch_seconds": seconds,
+                    "diverged_epoch": int(div[i]) or None,
+                }
+                record["generalisation_gap"] = None if train_acc is None else train_acc - record["test_accuracy"]
+                records.append(record)
+            history = history + records
+            metric_writers.write_jsonl(metrics_path, history)  # before the checkpoint, as train does
+            if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
+                ckpt.save(mngr, epoch, _sweep_tree(state, diverged_epoch), metadata.replace(epoch=epoch))
+            progress.update(1)
+            if verbose:
+                acc = np.asarray([r["test_accuracy"] for r in records])
+                ok = np.asarray(div) == 0
+                summary = f"test acc {acc[ok].mean():.4f} +- {acc[ok].std():.4f}" if ok.any() else "every seed diverged"
+                progress.write(
+                    f"[{config.model}] epoch {epoch}: {summary} over {int(ok.sum())}/{n_seeds} seeds | {seconds:.2f}s"
+                )
+        progress.close()
+
+        done_epoch = max((r["epoch"] for r in history), default=0)
+        last = {r["seed"]: r for r in history if r["epoch"] == done_epoch}
+        runs = []
+        finished = done_epoch >= config.num_epochs
         if finished:
-            directory = _export_seed(
-                config, workdir, seed, jax.tree.map(lambda x: x[i], host_tree), metadata, r, history
+            losses = train_losses = None
+            if per_step_loss and _has_step_logits(s.model, state, s.ds.image_shape):
+                losses = np.asarray(s.programs.per_step_loss(state, s.test_data))
+                train_losses = np.asarray(s.programs.per_step_loss(state, s.train_data))
+            host_tree = jax.device_get(engine.checkpoint_tree(state))
+        for i, seed in enumerate(seeds):
+            r = last.get(seed)
+            if r is None:  # nothing trained yet
+                runs.append(SeedResult(seed, 0, 0, None, None, float("nan"), float("nan"), None, None, None))
+                continue
+            run = SeedResult(
+                seed=seed,
+                epoch=r["epoch"],
+                step=r["step"],
+                train_loss=r["train_loss"],
+                train_accuracy=r["train_accuracy"],
+                test_loss=r["test_loss"] if r["test_loss"] is not None else float("nan"),
+                test_accuracy=r["test_accuracy"],
+                generalisation_gap=r["generalisation_gap"],
+                rho_max=r["rho_max"],
+                diverged_epoch=r["diverged_epoch"],
             )
-            cert = certified = None
-            if audit and (has_nais or audit_baselines):
-                cert = audit_seed(directory, audit_options)
-                certified = certificate_certified(cert)
-                from naisnet_jax.verify.report import write_json  # the verifier is imported on use
+            if finished:
+                directory = _export_seed(
+                    config, workdir, seed, jax.tree.map(lambda x: x[i], host_tree), metadata, r, history
+                )
+                cert = certified = None
+                if audit and (has_nais or audit_baselines):
+                    cert = audit_seed(directory, audit_options)
+                    certified = certificate_certified(cert)
+                    from naisnet_jax.verify.report import write_json  # the verifier is imported on use
 
-                write_json(cert, os.path.join(workdir, f"seed_{seed}", CERTIFICATE_FILE))
-            run = dataclasses.replace(
-                run,
-                checkpoint_dir=directory,
-                certified=certified,
-                certificate=cert,
-                per_step_loss=None if losses is None else losses[i],
-                per_step_train_loss=None if train_losses is None else train_losses[i],
-            )
-        runs.append(run)
-    mngr.close()
-    return SweepResult(
-        model=config.model,
-        dataset=config.dataset,
-        seeds=seeds,
-        epoch=done_epoch,
-        num_epochs=config.num_epochs,
-        runs=tuple(runs),
-        history=tuple(history),
-        seconds=time.time() - t_start,
-        state=state,
-        mean=s.mean,
-        std=s.std,
-        train_data=s.train_data,
-        test_data=s.test_data,
-    )
+                    write_json(cert, os.path.join(workdir, f"seed_{seed}", CERTIFICATE_FILE))
+                run = dataclasses.replace(
+                    run,
+                    checkpoint_dir=directory,
+                    certified=certified,
+                    certificate=cert,
+                    per_step_loss=None if losses is None else losses[i],
+                    per_step_train_loss=None if train_losses is None else train_losses[i],
+                )
+            runs.append(run)
+        mngr.close()
+        return SweepResult(
+            model=config.model,
+            dataset=config.dataset,
+            seeds=seeds,
+            epoch=done_epoch,
+            num_epochs=config.num_epochs,
+            runs=tuple(runs),
+            history=tuple(history),
+            seconds=time.time() - t_start,
+            state=state,
+            mean=s.mean,
+            std=s.std,
+            train_data=s.train_data,
+            test_data=s.test_data,
+        )
 
 
 def _export_seed(config, workdir, seed, tree, metadata, record, history) -> str:

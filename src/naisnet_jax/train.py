@@ -33,6 +33,7 @@ from naisnet_jax.checks import check_bool, check_choice, check_int, check_number
 from naisnet_jax.engine import CHECKPOINT_DIR as CHECKPOINT_DIR
 from naisnet_jax.engine import METRICS_FILE as METRICS_FILE
 from naisnet_jax.engine import TrainingDiverged as TrainingDiverged
+from naisnet_jax.engine import WorkdirInUse as WorkdirInUse
 from naisnet_jax.parallel import DATA_AXIS as DATA_AXIS
 from naisnet_jax.parallel import check_batch_divides as check_batch_divides
 from naisnet_jax.parallel import make_mesh as make_mesh
@@ -435,109 +436,114 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     augment = augmentation(config)
 
     os.makedirs(workdir, exist_ok=True)  # only now: a refused run writes nothing
-    own_writer = writer is None
-    if own_writer:
-        writer = metric_writers.default_writer(workdir)
-    mngr = ckpt.manager(os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=config.keep_checkpoints)
-    metrics_path = os.path.join(workdir, METRICS_FILE)
-    metrics_log = metric_writers.JsonlWriter(metrics_path, fsync=True)
-    start_epoch = 1
-    if mngr.latest_step() is not None:
-        _check_same_model(ckpt.read_metadata(mngr), config, mngr.directory)
-        tree, epoch = engine.restore_latest(mngr, engine.checkpoint_tree(state))
-        state = engine.restore_into(state, tree)
-        start_epoch = epoch + 1
-        print(f"Resuming from {mngr.directory} at epoch {start_epoch} (step {int(state.step)}).")
-    # drop records of steps after the checkpoint (written before a crash), or all of them
-    metrics_log.truncate_after(int(state.step) if start_epoch > 1 else -1)
-    engine.rewind(writer, int(state.step) if start_epoch > 1 else -1)
+    with engine.workdir_lock(workdir):
+        own_writer = writer is None
+        if own_writer:
+            writer = metric_writers.default_writer(workdir)
+        mngr = ckpt.manager(os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=config.keep_checkpoints)
+        metrics_path = os.path.join(workdir, METRICS_FILE)
+        metrics_log = metric_writers.JsonlWriter(metrics_path, fsync=True)
+        start_epoch = 1
+        if mngr.latest_step() is not None:
+            _check_same_model(ckpt.read_metadata(mngr), config, mngr.directory)
+            tree, epoch = engine.restore_latest(mngr, engine.checkpoint_tree(state))
+            state = engine.restore_into(state, tree)
+            start_epoch = epoch + 1
+            print(f"Resuming from {mngr.directory} at epoch {start_epoch} (step {int(state.step)}).")
+        # drop records of steps after the checkpoint (written before a crash), or all of them
+        metrics_log.truncate_after(int(state.step) if start_epoch > 1 else -1)
+        engine.rewind(writer, int(state.step) if start_epoch > 1 else -1)
 
-    state = replicate(state, mesh)
-    train_chunk = make_train_chunk(mean, std, augment, mesh)
-    evaluate = make_evaluate(mean, std, config.eval_batch_size, mesh)
-    base_key = jax.random.PRNGKey(config.seed + 1)
-    schedule = learning_rate_schedule(config, steps_per_epoch)
-    metadata = ckpt.CheckpointMetadata.from_config(config, ds, mean, std)
+        state = replicate(state, mesh)
+        train_chunk = make_train_chunk(mean, std, augment, mesh)
+        evaluate = make_evaluate(mean, std, config.eval_batch_size, mesh)
+        base_key = jax.random.PRNGKey(config.seed + 1)
+        schedule = learning_rate_schedule(config, steps_per_epoch)
+        metadata = ckpt.CheckpointMetadata.from_config(config, ds, mean, std)
 
-    done = engine.read_metrics(metrics_path) if start_epoch > 1 else []
-    last = done[-1] if done else {}
-    end_epoch = (
-        config.num_epochs if stop_after_epochs is None else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
-    )
-    progress = engine.progress((end_epoch - start_epoch + 1) * steps_per_epoch, bool(config.progress))
-    for epoch in range(start_epoch, end_epoch + 1):
-        t0 = time.time()
-        epoch_key = jax.random.fold_in(base_key, epoch)
-        perm_key, aug_key = jax.random.split(epoch_key)
-        idx = data_lib.epoch_batches(perm_key, n_train, config.batch_size)
-        sums, seen = {"loss": 0.0, "accuracy": 0.0}, 0
-        for c, start in enumerate(range(0, steps_per_epoch, config.steps_per_chunk)):
-            rows = replicate(idx[start : start + config.steps_per_chunk], mesh)
-            t_chunk = time.perf_counter()
-            state, m = train_chunk(state, train_data, rows, replicate(jax.random.fold_in(aug_key, c), mesh))
-            m = jax.device_get(m)
-            t_chunk = time.perf_counter() - t_chunk
-            if not all(np.isfinite(v) for v in m.values()):
-                progress.close()
-                engine.stop_diverged(
-                    mngr, f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)})"
+        done = engine.read_metrics(metrics_path) if start_epoch > 1 else []
+        last = done[-1] if done else {}
+        end_epoch = (
+            config.num_epochs
+            if stop_after_epochs is None
+            else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
+        )
+        progress = engine.progress((end_epoch - start_epoch + 1) * steps_per_epoch, bool(config.progress))
+        for epoch in range(start_epoch, end_epoch + 1):
+            t0 = time.time()
+            epoch_key = jax.random.fold_in(base_key, epoch)
+            perm_key, aug_key = jax.random.split(epoch_key)
+            idx = data_lib.epoch_batches(perm_key, n_train, config.batch_size)
+            sums, seen = {"loss": 0.0, "accuracy": 0.0}, 0
+            for c, start in enumerate(range(0, steps_per_epoch, config.steps_per_chunk)):
+                rows = replicate(idx[start : start + config.steps_per_chunk], mesh)
+                t_chunk = time.perf_counter()
+                state, m = train_chunk(state, train_data, rows, replicate(jax.random.fold_in(aug_key, c), mesh))
+                m = jax.device_get(m)
+                t_chunk = time.perf_counter() - t_chunk
+                if not all(np.isfinite(v) for v in m.values()):
+                    progress.close()
+                    engine.stop_diverged(
+                        mngr, f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)})"
+                    )
+                for k in sums:
+                    sums[k] += float(m[k]) * rows.shape[0]
+                seen += rows.shape[0]
+                progress.update(rows.shape[0])
+                progress.set_postfix(epoch=epoch, loss=f"{float(m['loss']):.4f}")
+                step = int(state.step)
+                writer.write_scalars(
+                    step,
+                    {
+                        "train/loss": float(m["loss"]),
+                        "train/accuracy": float(m["accuracy"]),
+                        "train/learning_rate": float(schedule(step - 1)),
+                        "train/steps_per_second": rows.shape[0] / max(t_chunk, 1e-9),
+                    },
                 )
-            for k in sums:
-                sums[k] += float(m[k]) * rows.shape[0]
-            seen += rows.shape[0]
-            progress.update(rows.shape[0])
-            progress.set_postfix(epoch=epoch, loss=f"{float(m['loss']):.4f}")
-            step = int(state.step)
+            test = jax.device_get(evaluate(state, test_data))
+            record = {
+                "epoch": epoch,
+                "step": int(state.step),
+                "learning_rate": float(schedule(int(state.step) - 1)),
+                "train_loss": sums["loss"] / seen,
+                "train_accuracy": sums["accuracy"] / seen,
+                "test_loss": float(test["loss"]),
+                "test_accuracy": float(test["accuracy"]),
+                "rho_max": engine.finite_or_none(max_radius_bound(state.params, eps=config.eps, h=config.h)),
+                "epoch_seconds": time.time() - t0,
+            }
+            record["generalisation_gap"] = record["train_accuracy"] - record["test_accuracy"]
+            for k in ("depth_mean", "depth_min", "depth_max"):
+                if k in test:
+                    record[k] = float(test[k])
+            params_finite = all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(jax.device_get(state.params)))
+            if not (params_finite and np.isfinite(record["test_loss"])):
+                progress.close()
+                what = (
+                    "the parameters are not finite" if not params_finite else f"the test loss is {record['test_loss']}"
+                )
+                engine.stop_diverged(mngr, f"after epoch {epoch} (step {int(state.step)}) {what}")
+            # The record first: a crash between the two leaves a record that resume drops,
+            # never a checkpoint whose epoch has no record.
+            metrics_log.write_record(record)
             writer.write_scalars(
-                step,
-                {
-                    "train/loss": float(m["loss"]),
-                    "train/accuracy": float(m["accuracy"]),
-                    "train/learning_rate": float(schedule(step - 1)),
-                    "train/steps_per_second": rows.shape[0] / max(t_chunk, 1e-9),
-                },
+                record["step"], {f"epoch/{k}": v for k, v in record.items() if k != "step" and v is not None}
             )
-        test = jax.device_get(evaluate(state, test_data))
-        record = {
-            "epoch": epoch,
-            "step": int(state.step),
-            "learning_rate": float(schedule(int(state.step) - 1)),
-            "train_loss": sums["loss"] / seen,
-            "train_accuracy": sums["accuracy"] / seen,
-            "test_loss": float(test["loss"]),
-            "test_accuracy": float(test["accuracy"]),
-            "rho_max": engine.finite_or_none(max_radius_bound(state.params, eps=config.eps, h=config.h)),
-            "epoch_seconds": time.time() - t0,
-        }
-        record["generalisation_gap"] = record["train_accuracy"] - record["test_accuracy"]
-        for k in ("depth_mean", "depth_min", "depth_max"):
-            if k in test:
-                record[k] = float(test[k])
-        params_finite = all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(jax.device_get(state.params)))
-        if not (params_finite and np.isfinite(record["test_loss"])):
-            progress.close()
-            what = "the parameters are not finite" if not params_finite else f"the test loss is {record['test_loss']}"
-            engine.stop_diverged(mngr, f"after epoch {epoch} (step {int(state.step)}) {what}")
-        # The record first: a crash between the two leaves a record that resume drops,
-        # never a checkpoint whose epoch has no record.
-        metrics_log.write_record(record)
-        writer.write_scalars(
-            record["step"], {f"epoch/{k}": v for k, v in record.items() if k != "step" and v is not None}
-        )
-        if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
-            ckpt.save(mngr, int(state.step), engine.checkpoint_tree(state), metadata.replace(epoch=epoch))
-        progress.write(
-            f"epoch {epoch}: train loss {record['train_loss']:.4f} acc {record['train_accuracy']:.4f} | "
-            f"test loss {record['test_loss']:.4f} acc {record['test_accuracy']:.4f} | "
-            f"rho_max {'n/a' if record['rho_max'] is None else format(record['rho_max'], '.4f')} | "
-            f"{record['epoch_seconds']:.1f}s"
-        )
-        last = record
-    progress.close()
-    mngr.close()
-    metrics_log.close()
-    if own_writer:
-        writer.close()
-    elif callable(getattr(writer, "flush", None)):
-        writer.flush()
-    return dict(last, state=state, mean=mean, std=std, test_data=test_data)
+            if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
+                ckpt.save(mngr, int(state.step), engine.checkpoint_tree(state), metadata.replace(epoch=epoch))
+            progress.write(
+                f"epoch {epoch}: train loss {record['train_loss']:.4f} acc {record['train_accuracy']:.4f} | "
+                f"test loss {record['test_loss']:.4f} acc {record['test_accuracy']:.4f} | "
+                f"rho_max {'n/a' if record['rho_max'] is None else format(record['rho_max'], '.4f')} | "
+                f"{record['epoch_seconds']:.1f}s"
+            )
+            last = record
+        progress.close()
+        mngr.close()
+        metrics_log.close()
+        if own_writer:
+            writer.close()
+        elif callable(getattr(writer, "flush", None)):
+            writer.flush()
+        return dict(last, state=state, mean=mean, std=std, test_data=test_data)

@@ -268,9 +268,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except train.TrainingDiverged as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_DIVERGED)
-    except (ValueError, FileNotFoundError, NotADirectoryError, ImportError) as e:
+    except (ValueError, FileNotFoundError, NotADirectoryError, ImportError, train.WorkdirInUse) as e:
         # ValueError: config values, data files, checkpoints (CheckpointError);
-        # FileNotFoundError: a missing dataset; ImportError: a missing optional extra.
+        # FileNotFoundError: a missing dataset; ImportError: a missing optional extra;
+        # WorkdirInUse: another trainer holds the workdir.
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     print(f"test accuracy {result['test_accuracy']:.4f} after epoch {result['epoch']}")
