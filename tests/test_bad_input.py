@@ -526,3 +526,40 @@ def test_28_bad_command_lines(tmp_path, argv, words):
     assert code == 2
     assert_one_line(err, "error: ", *words)
     assert not w.exists()
+
+
+def test_29_model_kwargs_booleans_parse_as_top_level_booleans_do():
+    """An untyped ``model_kwargs`` field given ``true`` / ``False`` gets a bool, not the word."""
+    for raw, want in (("true", True), ("False", False), ("TRUE", True)):
+        _, config = train_cli.parse(TINY_ARGS + ["--workdir=unused", f"--config.model_kwargs.batch_norm={raw}"])
+        assert config.model_kwargs.batch_norm is want, raw
+    _, config = train_cli.parse(TINY_ARGS + ["--workdir=unused", "--config.model_kwargs.activation=relu"])
+    assert config.model_kwargs.activation == "relu"  # a bare word stays a string
+
+
+def test_30_an_empty_workdir(tmp_path):
+    for workdir in ("--workdir=", "--workdir=  "):
+        code, err = run_train(TINY_ARGS + [workdir])
+        assert code == 2
+        assert_one_line(err, "error: ", "--workdir is empty")
+
+
+def test_31_a_loss_that_grows_by_orders_of_magnitude_is_warned_once(tmp_path):
+    """A learning rate of 1e30 keeps the loss finite but drives it up by many orders of
+    magnitude over a uniform guess's: one warning line, once, and training goes on."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            train_cli.main(TINY_ARGS + [f"--workdir={tmp_path / 'w'}", "--config.learning_rate=1e30"])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    warnings = [line for line in err.getvalue().splitlines() if "training loss reached" in line]
+    assert len(warnings) == 1, err.getvalue()
+    assert warnings[0].startswith("warning: ") and "learning_rate" in warnings[0]
+    assert code in (0, 1)  # trained on, or stopped as diverged if the loss left the floats
+    from naisnet_jax import engine
+
+    growth = engine.LossGrowth(reference=2.3, factor=1e3)
+    assert [growth.watch(v) for v in (2.3, 5.0, float("nan"), 2.3e3)] == [None, None, None, None]
+    assert growth.watch(2.4e3) is not None and growth.watch(1e9) is None  # once

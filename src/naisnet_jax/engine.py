@@ -141,6 +141,25 @@ def stop_diverged(mngr, what: str):
     )
 
 
+class LossGrowth:
+    """Says once when the training loss passes ``factor`` times ``reference``, the loss of a uniform
+    guess (``ln`` of the number of classes): a learning rate far too large can drive the loss to
+    1e32 while it stays finite, and nothing else would say so."""
+
+    def __init__(self, reference: float, factor: float = 1e3):
+        self.reference, self.factor, self.warned = reference, factor, False
+
+    def watch(self, loss: float) -> str | None:
+        """The warning, the first time ``loss`` is over the bound; else ``None``."""
+        if self.warned or not math.isfinite(loss) or loss <= self.factor * self.reference:
+            return None
+        self.warned = True
+        return (
+            f"warning: the training loss reached {loss:.3g}, more than {self.factor:g} times that of a uniform "
+            f"guess ({self.reference:.3g}); config.learning_rate may be too large."
+        )
+
+
 class _NoProgress:
     """The progress bar's interface without a bar: one printed line per ``write``."""
 

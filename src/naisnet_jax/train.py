@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -469,6 +470,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
             else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
         )
         progress = engine.progress((end_epoch - start_epoch + 1) * steps_per_epoch, bool(config.progress))
+        growth = engine.LossGrowth(math.log(ds.num_classes))
         for epoch in range(start_epoch, end_epoch + 1):
             t0 = time.time()
             epoch_key = jax.random.fold_in(base_key, epoch)
@@ -486,6 +488,9 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
                     engine.stop_diverged(
                         mngr, f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)})"
                     )
+                warning = growth.watch(float(m["loss"]))
+                if warning:
+                    print(warning, file=sys.stderr, flush=True)
                 for k in sums:
                     sums[k] += float(m[k]) * rows.shape[0]
                 seen += rows.shape[0]

@@ -16,12 +16,14 @@ import importlib.util
 import inspect
 import os
 import pathlib
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 EXIT_USAGE = 2  # bad command line, config, data or checkpoint: nothing was written
 EXIT_DIVERGED = 1  # training diverged; the last good checkpoint is kept
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT): the checkpoints are intact, the same command resumes
 PACKAGED_CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
 _TRUE, _FALSE = ("true", "t", "yes", "y", "1"), ("false", "f", "no", "n", "0")
 
@@ -104,6 +106,8 @@ def _parse_value(field: str, raw: str, expected: type | None) -> Any:
             return float(raw)
         except ValueError:
             raise UsageError(f"--config.{field}={raw}: expected a number.") from None
+    if expected is None and raw.lower() in ("true", "false"):  # an untyped field: as booleans are
+        return raw.lower() == "true"
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
@@ -174,7 +178,8 @@ def _parser() -> argparse.ArgumentParser:
         "numbers, true/false, None, lists such as [30, 60]. "
         f"Shipped configs (--config=NAME): {', '.join(shipped_configs())}. "
         "Exit status: 0 trained, 1 training diverged (the last good checkpoint is kept), "
-        "2 bad command line, config, data or checkpoint (nothing written)."
+        "2 bad command line, config, data or checkpoint, or a workdir in use (nothing written), "
+        "130 interrupted (Ctrl-C; the same command resumes)."
     )
     p = _Parser(
         prog="naisnet-train",
@@ -235,6 +240,8 @@ def parse(argv: Sequence[str]):
         apply_override(config, dotted, raw)
     if args.workdir is None:
         return args, config
+    if not args.workdir.strip():
+        raise UsageError("--workdir is empty; pass the directory for the checkpoints and metrics.")
     workdir = pathlib.Path(args.workdir).expanduser()
     if workdir.exists() and not workdir.is_dir():
         raise UsageError(f"--workdir={args.workdir} exists and is not a directory.")
@@ -243,6 +250,28 @@ def parse(argv: Sequence[str]):
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def _leave_on_ctrl_c(workdir: str):
+    """Ctrl-C ends the run as a kill would, with one line and exit status 130: a checkpoint write
+    in flight is abandoned whole (resuming skips it, as after SIGKILL), the workdir's lock goes
+    with the process, and no Python exception runs through Orbax's threads to print their
+    tracebacks. Returns the handler it replaced (``None`` outside the main thread)."""
+
+    def leave(signum, frame):
+        print(
+            f"error: interrupted; the checkpoints in {workdir} are intact, and the same command resumes "
+            "from the last one.",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(EXIT_INTERRUPTED)
+
+    try:
+        return signal.signal(signal.SIGINT, leave)
+    except ValueError:  # not the main thread: leave Ctrl-C as it is
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -262,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from naisnet_jax import train
     from naisnet_jax.metric_writers import default_writer
 
+    previous = _leave_on_ctrl_c(args.workdir)
     try:
         writer = default_writer(args.workdir, tensorboard=args.tensorboard)
         result = train.train_and_evaluate(config, args.workdir, writer=writer)
@@ -274,6 +304,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         # WorkdirInUse: another trainer holds the workdir.
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     print(f"test accuracy {result['test_accuracy']:.4f} after epoch {result['epoch']}")
 
 
