@@ -563,3 +563,52 @@ def test_31_a_loss_that_grows_by_orders_of_magnitude_is_warned_once(tmp_path):
     growth = engine.LossGrowth(reference=2.3, factor=1e3)
     assert [growth.watch(v) for v in (2.3, 5.0, float("nan"), 2.3e3)] == [None, None, None, None]
     assert growth.watch(2.4e3) is not None and growth.watch(1e9) is None  # once
+
+
+def test_32_a_workdir_that_cannot_be_written_is_refused_before_training(tmp_path):
+    """A workdir under a file, or a file: one line, exit 2, before any data is read (nothing written)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    for target, words in ((a_file / "run", "is a file"), (a_file, "not a directory")):
+        code, err = run_train(TINY_ARGS + [f"--workdir={target}"])
+        assert code == 2
+        assert_one_line(err, "error: ", "--workdir", words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+    with pytest.raises(ValueError, match="not writable"):  # as a user without the permission sees it
+        from naisnet_jax.checks import check_output_dir
+
+        read_only = tmp_path / "read-only"
+        read_only.mkdir()
+        original = os.access
+        try:
+            os.access = lambda path, mode: False if str(path) == str(read_only) else original(path, mode)
+            check_output_dir("--workdir", str(read_only / "run"))
+        finally:
+            os.access = original
+
+
+@pytest.mark.parametrize(
+    "flag, target, words",
+    [
+        ("--json", "{d}", "is a directory"),
+        ("--json", "{f}/cert.json", "is a file"),
+        ("--figures", "{f}", "not a directory"),
+        ("--figures", "{f}/figs", "is a file"),
+    ],
+)
+def test_33_verifier_outputs_are_checked_before_the_audit(workdir, tmp_path, flag, target, words):
+    """``--json`` / ``--figures`` that cannot be written: one line, exit 2, before the audit prints
+    anything, and nothing left behind (no ``.tmp``)."""
+    d, f = tmp_path / "a-dir", tmp_path / "a-file"
+    d.mkdir()
+    f.write_text("x")
+    before = snapshot(tmp_path / "a-dir"), f.read_text()
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        with pytest.raises(SystemExit) as e:
+            verify_cli.main([str(workdir / train.CHECKPOINT_DIR), "--data=none", f"{flag}={target.format(d=d, f=f)}"])
+    assert e.value.code == 2
+    assert_one_line(err.getvalue(), "error: ", flag, words)
+    assert out.getvalue() == ""  # no verdict printed: the audit never ran
+    assert (snapshot(tmp_path / "a-dir"), f.read_text()) == before
+    assert not list(tmp_path.rglob("*.tmp"))

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from naisnet_jax.checkpoint import CheckpointError
+from naisnet_jax.checks import check_output_dir, check_output_file
 
 from .certify import AuditOptions, audit, check_option
 from .report import write_figures, write_json
@@ -82,6 +83,14 @@ def main(argv=None) -> None:
             check_option(field, getattr(args, field), "--" + field.replace("_", "-"))
         except ValueError as e:
             parser.error(str(e))
+    try:  # every output can be written, checked before the audit (which writes nothing else)
+        if args.json:
+            check_output_file("--json", args.json)
+        if args.figures:
+            check_output_dir("--figures", args.figures)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     options = AuditOptions(
         samples=args.samples,
         data=args.data,

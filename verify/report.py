@@ -28,9 +28,13 @@ def write_json(cert, path: str) -> None:
     """``cert.to_json()`` to ``path``, atomically (the old file or the new one, never a mix)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(cert.to_json())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(cert.to_json())
+        os.replace(tmp, path)
+    finally:  # a write that failed leaves nothing behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def figure_name(block_name: str) -> str:

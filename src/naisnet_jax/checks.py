@@ -12,6 +12,7 @@ unchanged. The domain rules built on them live beside their maths and are the on
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -134,3 +135,53 @@ def check_finite(what: str, tree: Any, why: str = "") -> Any:
             f"{label} ({count} of {size})" for label, count, size in bad
         )
     raise ValueError(f"{message}{why}.")
+
+
+def _nearest_existing(path: str) -> str:
+    """The deepest ancestor of ``path`` (or ``path`` itself) that exists."""
+    current = os.path.abspath(path)
+    while not os.path.exists(current):
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    return current
+
+
+def _check_creatable(name: str, path: str, what: str) -> None:
+    """``path`` does not exist yet: the deepest existing ancestor must be a writable directory."""
+    ancestor = _nearest_existing(path)
+    if not os.path.isdir(ancestor):
+        raise ValueError(f"{name}={path!r}: {ancestor} is a file, so {what} cannot be created under it.")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{name}={path!r}: {ancestor} is not writable, so {what} cannot be created there.")
+
+
+def check_output_dir(name: str, path: str) -> str:
+    """``path`` is a directory this process can write into, or can be created as one; checked
+    before any work, without creating anything."""
+    if not str(path).strip():
+        raise ValueError(f"{name} is empty; expected a directory.")
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ValueError(f"{name}={path!r} exists and is not a directory.")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{name}={path!r} is not writable.")
+    else:
+        _check_creatable(name, path, "the directory")
+    return path
+
+
+def check_output_file(name: str, path: str) -> str:
+    """``path`` is a file this process can write (replace), or can create; checked before any
+    work, without creating anything."""
+    if not str(path).strip():
+        raise ValueError(f"{name} is empty; expected a file name.")
+    if os.path.isdir(path) or str(path).endswith(os.sep):
+        raise ValueError(f"{name}={path!r} is a directory; expected a file name.")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK) or not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            raise ValueError(f"{name}={path!r} is not writable.")
+    else:
+        _check_creatable(name, path, "the file")
+    return path

@@ -242,9 +242,12 @@ def parse(argv: Sequence[str]):
         return args, config
     if not args.workdir.strip():
         raise UsageError("--workdir is empty; pass the directory for the checkpoints and metrics.")
-    workdir = pathlib.Path(args.workdir).expanduser()
-    if workdir.exists() and not workdir.is_dir():
-        raise UsageError(f"--workdir={args.workdir} exists and is not a directory.")
+    from naisnet_jax.checks import check_output_dir
+
+    try:  # before any data is read or a step compiled: the run must be able to write there
+        check_output_dir("--workdir", os.path.expanduser(args.workdir))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return args, config
 
 
