@@ -612,3 +612,18 @@ def test_33_verifier_outputs_are_checked_before_the_audit(workdir, tmp_path, fla
     assert out.getvalue() == ""  # no verdict printed: the audit never ran
     assert (snapshot(tmp_path / "a-dir"), f.read_text()) == before
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_34_audit_model_given_no_model_or_non_finite_inputs():
+    """``audit_model`` names what it wants: a Flax module (not a string, a dict, a checkpoint path),
+    and finite inputs."""
+    from naisnet_jax.verify import audit_model
+
+    model = models.get_model("naisnet_fc_tiny")
+    x = jnp.ones((4, 8, 8, 1))
+    variables = model.init(jax.random.PRNGKey(0), x)
+    for wrong in ("runs/demo/checkpoints", {"params": {}}, None):
+        with pytest.raises(TypeError, match="expected a Flax Linen module"):
+            audit_model(wrong, variables, inputs=x)
+    with pytest.raises(ValueError, match="inputs has 1 non-finite"):
+        audit_model(model, variables, inputs=x.at[0, 0, 0, 0].set(jnp.inf))

@@ -32,6 +32,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,8 +163,16 @@ def audit_model(model, variables, *, inputs=None, options: AuditOptions | None =
     ``options.input_shape`` gives the shape of one input). Runs in float64 inside
     :func:`naisnet_jax.verify._numerics.x64_scope`: JAX's global x64 setting is left as it was.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"audit_model(model=...) got a {type(model).__name__}; expected a Flax Linen module built from "
+            "naisnet-jax blocks (for example naisnet_jax.models.get_model(...)), with its variables as the second "
+            "argument. To audit a checkpoint directory, use audit(path)."
+        )
     options = options or AuditOptions()
     check_finite_variables(variables)
+    if inputs is not None:
+        check_finite("inputs", inputs, ": the trajectory checks need finite inputs (normalised images)")
     with x64_scope():
         return _audit(
             model,
