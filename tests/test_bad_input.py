@@ -449,6 +449,7 @@ def test_22_a_file_where_the_verifier_wants_a_directory(tmp_path):
     path.write_text("{}")
     code, err = run_verify(path)
     assert code == 2 and str(path) in err and "Traceback" not in err
+    assert "is a file; expected a checkpoint directory" in err  # named as what it is
     assert path.read_text() == "{}"
 
 

@@ -411,6 +411,10 @@ def load(path: str, step: int | None = None) -> tuple[dict, dict]:
     for anything that is not a complete naisnet-jax checkpoint.
     """
     path = os.path.abspath(path)
+    if os.path.isfile(path):
+        raise CheckpointError(
+            f"{path} is a file; expected a checkpoint directory (a workdir's checkpoints/ or one step's directory)."
+        )
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory.")
     base = os.path.basename(path.rstrip("/"))
