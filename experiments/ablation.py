@@ -42,6 +42,7 @@ from experiments.sweep_report import (
     read_summary,
     script_version,
     stat_row,
+    trained_on,
     write_summary,
 )
 
@@ -453,43 +454,42 @@ def _present(by_h: dict[float, list[dict]]) -> list[str]:
     return [lab for lab in LABELS if any(r["label"] == lab for rows in by_h.values() for r in rows)]
 
 
-def h_table(by_h: dict[float, list[dict]]) -> str:
-    """Models down, one column per ``h``: test accuracy (mean ± std), rank, diverged seeds."""
+def _h_grid(by_h: dict[float, list[dict]], cell) -> str:
+    """Models down, one column per ``h`` (largest first); ``cell(row, h)`` fills a cell, ``row``
+    being ``None`` where the model has no row at that ``h``."""
     hs = sorted(by_h, reverse=True)
     head = "| model | " + " | ".join(f"h = {h:.4g}" for h in hs) + " |"
     lines = [head, "|" + "---|" * (len(hs) + 1)]
-    rank = {h: ranks(by_h[h]) for h in hs}
     for label in _present(by_h):
-        cells = []
-        for h in hs:
-            r = next((r for r in by_h[h] if r["label"] == label), None)
-            if r is None:
-                cells.append("")
-                continue
-            n = len(r["seeds"])
-            div = f", {r['diverged']}/{n} diverged" if r["diverged"] else ""
-            cells.append(f"{pm(r['test_accuracy'])} (#{rank[h][label]}{div})")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        rows = [next((r for r in by_h[h] if r["label"] == label), None) for h in hs]
+        lines.append(f"| {label} | " + " | ".join(cell(r, h) for r, h in zip(rows, hs)) + " |")
     return "\n".join(lines)
+
+
+def h_table(by_h: dict[float, list[dict]]) -> str:
+    """Models down, one column per ``h``: test accuracy (mean ± std), rank, diverged seeds."""
+    rank = {h: ranks(rows) for h, rows in by_h.items()}
+
+    def cell(r, h):
+        if r is None:
+            return ""
+        div = f", {r['diverged']}/{len(r['seeds'])} diverged" if r["diverged"] else ""
+        return f"{pm(r['test_accuracy'])} (#{rank[h][r['label']]}{div})"
+
+    return _h_grid(by_h, cell)
 
 
 def h_monotonicity_table(by_h: dict[float, list[dict]]) -> str:
     """Per model and ``h``: seeds whose per-layer loss never rises, on the training set / test set."""
-    hs = sorted(by_h, reverse=True)
-    head = "| model | " + " | ".join(f"h = {h:.4g}" for h in hs) + " |"
-    lines = [head, "|" + "---|" * (len(hs) + 1)]
-    for label in _present(by_h):
-        cells = []
-        for h in hs:
-            r = next((r for r in by_h[h] if r["label"] == label), None)
-            tm, m = (r or {}).get("train_monotonicity"), (r or {}).get("monotonicity")
-            if not (tm and m):
-                cells.append("-")
-                continue
-            n = len(r["per_layer_loss"]["per_seed"])
-            cells.append(f"{tm['monotone_seeds']}/{n} / {m['monotone_seeds']}/{n}")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+
+    def cell(r, h):
+        tm, m = (r or {}).get("train_monotonicity"), (r or {}).get("monotonicity")
+        if not (tm and m):
+            return "-"
+        n = len(r["per_layer_loss"]["per_seed"])
+        return f"{tm['monotone_seeds']}/{n} / {m['monotone_seeds']}/{n}"
+
+    return _h_grid(by_h, cell)
 
 
 def plot_h(by_h: dict[float, list[dict]], workdir: str) -> None:
@@ -546,7 +546,7 @@ def run_over_h(*, workdir: str, hs, **kwargs) -> dict[float, list[dict]]:
         "dataset": kwargs["dataset"],
         "h": ", ".join(f"{h:.6g}" for h in sorted(hs, reverse=True)),
         "seeds per model and h": kwargs["seeds"],
-        "trained on": ", ".join(sorted({f"{r['device']} (script {r.get('script', 'unknown')})" for r in rows})),
+        "trained on": trained_on(rows),
         "training wall time, all sweeps": f"{sum(r['seconds'] for r in rows) / 60:.1f} min",
         "wall time of this call": f"{time.time() - t0:.1f} s",
     }
@@ -625,7 +625,7 @@ def run(
         if not config.standardize
         else "standardised with the training set's channel statistics",
         "eps": config.eps,
-        "trained on": ", ".join(sorted({f"{r['device']} (script {r.get('script', 'unknown')})" for r in rows})),
+        "trained on": trained_on(rows),
         "wall time of this call": f"{wall:.1f} s",
         "training wall time per model (when trained)": ", ".join(f"{r['label']} {r['seconds']:.0f}s" for r in rows),
         "paper": "MNIST test accuracy, mean of 10 runs" if paper else "the paper reports no Fashion-MNIST numbers",

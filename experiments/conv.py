@@ -41,6 +41,7 @@ from experiments.sweep_report import (
     read_summary,
     script_version,
     stat_row,
+    trained_on,
     write_summary,
 )
 
@@ -343,7 +344,7 @@ def run(
         ),
         "audit": "parameter-level (Algorithm 2's condition and Gershgorin bounds)"
         + (" plus Arnoldi radii of every conv block" if full_audit else ""),
-        "trained on": ", ".join(sorted({f"{r['device']} (script {r.get('script', 'unknown')})" for r in rows})),
+        "trained on": trained_on(rows),
         "wall time of this call": f"{wall:.1f} s",
         "training wall time per sweep (when trained)": ", ".join(
             f"{r['dataset']}/{r['label']} {r['seconds']:.0f}s" for r in rows

@@ -429,8 +429,9 @@ def _what_this_shows(rows: list[dict]) -> str:
 
 
 def write_results(rows: list[dict], workdir: str, *, device: str, seconds: float) -> str:
+    script = script_version()  # git, once
     with open(os.path.join(workdir, "results.json"), "w") as f:
-        json.dump({"device": device, "script": script_version(), "wall_seconds": seconds, "rows": rows}, f, indent=2)
+        json.dump({"device": device, "script": script, "wall_seconds": seconds, "rows": rows}, f, indent=2)
     lines = [
         "| dataset | epochs | test acc (while loop) | train acc | depth mean +- std | "
         "depth range | distinct depths | at cap (block 1 / 2) | acc shallowest / deepest quarter "
@@ -458,7 +459,7 @@ def write_results(rows: list[dict], workdir: str, *, device: str, seconds: float
     first = rows[0]
     text = (
         "# Section 5.3: pattern-dependent processing depth\n\n"
-        f"Device: {device}; script {script_version()}; wall time {seconds:.0f} s for the whole script. "
+        f"Device: {device}; script {script}; wall time {seconds:.0f} s for the whole script. "
         "Model: NaisNetConv, "
         f"stages {first['model_kwargs'].get('stage_sizes')} of filters "
         f"{first['model_kwargs'].get('filters')}, {first['model_kwargs'].get('activation')}, "

@@ -65,6 +65,7 @@ def measure(h: float, *, steps: int, smoke: bool) -> list[dict]:
 
     from naisnet_jax import data as data_lib
     from naisnet_jax import train
+    from naisnet_jax.parametrize import fc_state_matrix
 
     config = make_config(h, smoke)
     train.validate_config(config)
@@ -82,12 +83,11 @@ def measure(h: float, *, steps: int, smoke: bool) -> list[dict]:
     def unroll(state):
         params = state.params
         _, aux = state.apply_fn({"params": params}, x_test, train=False, return_aux=True)
-        traj = jnp.stack(aux["trajectory"]) if isinstance(aux["trajectory"], tuple) else aux["trajectory"]
-        x0 = jnp.zeros_like(traj[0])
-        first = jnp.linalg.norm(traj[0] - x0, axis=-1)
+        traj = aux["trajectory"]  # (K, batch, n): x_1 .. x_K
+        first = jnp.linalg.norm(traj[0], axis=-1)  # x_1 - x_0 with x_0 = 0
         last = jnp.linalg.norm(traj[-1] - traj[-2], axis=-1)
         block = params["block"]
-        a = -(block["R"].T @ block["R"]) - config.eps * jnp.eye(block["R"].shape[1])
+        a = fc_state_matrix(block["R"], config.eps)
         drive = x_test.reshape(x_test.shape[0], -1) @ block["input"]["kernel"] + block["input"]["bias"]
         pre = jnp.einsum("kbi,ij->kbj", traj[:-1], a.T) + drive  # steps 1..K-1 (x_0 = 0 gives the drive)
         return jnp.mean(last / first), jnp.mean(jnp.abs(pre) > SATURATED)

@@ -69,6 +69,11 @@ def stat_row(result, field: str) -> dict:
     return {"mean": mean, "std": std, "n": n, "per_seed": [getattr(r, field) for r in result.runs]}
 
 
+def trained_on(rows) -> str:
+    """The cards and script versions the summary rows were trained with, each named once."""
+    return ", ".join(sorted({f"{r['device']} (script {r.get('script', 'unknown')})" for r in rows}))
+
+
 def curve(history, field: str) -> dict:
     """Per epoch: mean and std of ``field`` over the seeds that had not diverged."""
     epochs = sorted({r["epoch"] for r in history})
