@@ -345,7 +345,6 @@ def run(
         "audit": "parameter-level (Algorithm 2's condition and Gershgorin bounds)"
         + (" plus Arnoldi radii of every conv block" if full_audit else ""),
         "trained on": trained_on(rows),
-        "wall time of this call": f"{wall:.1f} s",
         "training wall time per sweep (when trained)": ", ".join(
             f"{r['dataset']}/{r['label']} {r['seconds']:.0f}s" for r in rows
         ),
