@@ -372,7 +372,7 @@ def mosaic_dump_env(directory: str) -> dict[str, str]:
 def hopper_here(out: str, stem: str) -> bool:
     """Whether JAX's default device is a Hopper GPU (the wgmma kernels' scripts need one); if not,
     says so and writes ``<stem>.md`` saying why, so that ``make bench`` goes on."""
-    from naisnet_jax.hopper_block import hopper_available
+    from naisnet_jax.kernels.common import hopper_available
 
     if hopper_available():
         return True
@@ -386,17 +386,60 @@ def hopper_here(out: str, stem: str) -> bool:
     return False
 
 
-def patch_c64_blocks(block_for: Callable, runs_here: Callable) -> None:
-    """Makes the NAIS nets run their tied 64-channel 3x3 conv blocks (ReLU or tanh) whose state
-    ``runs_here(x0)`` takes on a prototype: ``block_for(steps, h, activation)(x0, drive, kernel)``;
-    every other block as before (``models.nais.unroll_tied_conv``, patched; ``train_step.py``'s ``c64``)."""
-    from naisnet_jax import models
+# ------------------------------------------------------------------ one tied conv block
 
-    original = models.nais.unroll_tied_conv
 
-    def unroll_tied_conv(x0, drive, kernel, *, steps, h=1.0, activation="relu", **kw):
-        if x0.shape[-1] == 64 and kernel.shape[:2] == (3, 3) and activation in ("relu", "tanh") and runs_here(x0):
-            return block_for(steps, float(h), activation)(x0, drive, kernel)
-        return original(x0, drive, kernel, steps=steps, h=h, activation=activation, **kw)
+def conv_block_inputs(batch, shape, seed=0):
+    """``(x0, drive, kernel, cotangent)`` of a tied conv block at state ``shape`` ``(H, W, C)``:
+    random, float32, the kernel a stable NAIS kernel for ``h = 1``."""
+    import jax
+    import jax.numpy as jnp
 
-    models.nais.unroll_tied_conv = unroll_tied_conv
+    H, W, C = shape
+    k = jax.random.split(jax.random.key(seed), 4)
+    x0 = jax.random.normal(k[0], (batch, H, W, C), jnp.float32)
+    drive = jax.random.normal(k[1], (batch, H, W, C), jnp.float32)
+    # a NAIS kernel: negative-definite centre tap, small neighbours (stable for h = 1)
+    kernel = 0.01 * jax.random.normal(k[2], (3, 3, C, C), jnp.float32)
+    kernel = kernel.at[1, 1].add(-0.5 * jnp.eye(C))
+    cot = jax.random.normal(k[3], (batch, H, W, C), jnp.float32)
+    return x0, drive, kernel, cot
+
+
+def block_functions(run):
+    """``run(x0, drive, kernel)`` jitted, and the jitted gradient of ``<run(...), cotangent>``."""
+    import jax
+    import jax.numpy as jnp
+
+    def forward(x0, drive, kernel):
+        return run(x0, drive, kernel)
+
+    def loss(x0, drive, kernel, cot):
+        return jnp.vdot(run(x0, drive, kernel), cot)
+
+    return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def best_time(fn, args, iters, repeats):
+    """Seconds a call of ``fn(*args)``: the best of ``repeats`` runs of ``iters`` calls, after a
+    compile and a warm-up."""
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best
+
+
+def rel_error(a, b):
+    """``max |a - b| / max |b|`` in float64."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))

@@ -5,7 +5,7 @@ images, SGD with momentum and the projection after every step), batch 128, for e
 four combinations of ``block_vjp`` (``"autodiff"``: reverse mode through the scan;
 ``"stacked"``: the hand-written VJP with one weight-gradient product for all K steps) and
 ``scan_unroll`` (1 or 10), and ``"fused"`` (the K steps one Pallas kernel each way on a CUDA
-GPU, :mod:`naisnet_jax.fused_dense`; elsewhere ``"stacked"``), side by side in one process:
+GPU, :mod:`naisnet_jax.kernels.triton_dense`; elsewhere ``"stacked"``), side by side in one process:
 every variant compiled first, then
 timed in alternating passes (chunks of jitted steps in one ``lax.scan``), the best pass kept.
 The options do not change the maths: each row's first gradient is compared with the plain

@@ -4,11 +4,11 @@ The three stage shapes of NAIS-Net10 (batch 128, K = 10, ReLU): 32x32x16, 16x16x
 8x8x64. For each: the forward pass and the forward + backward pass (gradient of a fixed
 linear function of ``x_K`` with respect to ``x_0``, the drive and the kernel) of
 
-- ``xla_stacked_u10``: :func:`naisnet_jax.block_vjp.unroll_tied` (the stacked VJP),
+- ``xla_stacked_u10``: :func:`naisnet_jax.kernels.unroll_tied` (the stacked VJP),
   ``scan_unroll=10``: the best pure-XLA block of ``train_step.py``;
 - ``fused_default``, ``fused_t{rows}_w{warps}[_loop][_tapsload]``:
-  :func:`naisnet_jax.fused_block.unroll_tied_conv` on the GPU at the default tiling for the
-  state's width (``fused_block.TILINGS``) and at each tiling (``_loop``: a step's tiles as a
+  :func:`naisnet_jax.kernels.unroll_tied_conv` on the GPU at the default tiling for the
+  state's width (``naisnet_jax.kernels.tuning.TILINGS``) and at each tiling (``_loop``: a step's tiles as a
   loop, not unrolled; ``_tapsload``: the kernel's taps loaded per tile, not once per program).
 
 and, per shape, how far the fused kernels' values and gradients lie from XLA's at the
@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 SHAPES = [(32, 32, 16), (16, 16, 32), (8, 8, 64)]
 TILINGS = [  # (rows per tile, warps, a step's tiles unrolled, taps loaded once per program)
-    (None, None, True, None),  # the defaults for the state's width (fused_block.TILINGS)
+    (None, None, True, None),  # the defaults for the state's width (kernels.tuning.TILINGS)
     (128, 4, True, True),
     (512, 8, True, True),
     (512, 16, True, True),
@@ -39,123 +38,6 @@ TILINGS = [  # (rows per tile, warps, a step's tiles unrolled, taps loaded once 
     (128, 8, True, True),
     (64, 4, True, True),
 ]
-
-
-def _inputs(batch, shape, seed=0):
-    import jax
-    import jax.numpy as jnp
-
-    H, W, C = shape
-    k = jax.random.split(jax.random.key(seed), 4)
-    x0 = jax.random.normal(k[0], (batch, H, W, C), jnp.float32)
-    drive = jax.random.normal(k[1], (batch, H, W, C), jnp.float32)
-    # a NAIS kernel: negative-definite centre tap, small neighbours (stable for h = 1)
-    kernel = 0.01 * jax.random.normal(k[2], (3, 3, C, C), jnp.float32)
-    kernel = kernel.at[1, 1].add(-0.5 * jnp.eye(C))
-    cot = jax.random.normal(k[3], (batch, H, W, C), jnp.float32)
-    return x0, drive, kernel, cot
-
-
-def _functions(run):
-    import jax
-    import jax.numpy as jnp
-
-    def forward(x0, drive, kernel):
-        return run(x0, drive, kernel)
-
-    def loss(x0, drive, kernel, cot):
-        return jnp.vdot(run(x0, drive, kernel), cot)
-
-    return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-
-
-def _time(fn, args, iters, repeats):
-    import jax
-
-    jax.block_until_ready(fn(*args))  # compile
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / iters)
-    return best
-
-
-def _rel(a, b):
-    import numpy as np
-
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def wgrad_setup(shape, batch, steps, interpret, nan_slack=True):
-    """``(config, layout, xs, ss)`` for the weight-gradient benchmarks (``wgrad_*.py``) at a state
-    ``shape`` ``(H, W, C)``: the library's config and layout at its default tiling, and buffers of
-    random ``x_0 .. x_K`` and ``s_0 .. s_{K-1}`` (``K = steps``, seed 0). ``nan_slack``: the slack
-    rows of ``xs`` hold NaN, as nothing writes them in a step, so a window that reads one unmasked
-    shows in the result."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from naisnet_jax import fused_block as fb
-
-    H, W, C = shape
-    config = fb.Config(interpret=interpret, tile_rows=fb.default_tiling(C)[0])
-    layout = fb.Layout.of(H, W, 3, 3, config.tile_rows)
-    rng = np.random.default_rng(0)
-    xs, ss = (
-        layout.to_buffer(jnp.asarray(rng.standard_normal((n, batch, H, W, C)), jnp.float32)) for n in (steps + 1, steps)
-    )
-    if nan_slack:
-        r = jnp.arange(layout.rows)[:, None]
-        xs = jnp.where((r < layout.slack) | (r >= layout.slack + layout.tiles * layout.tile_rows), jnp.nan, xs)
-    return config, layout, xs, ss
-
-
-def wgrad_library(layout, kernel_shape, config):
-    """The library's summing weight-gradient kernel as ``(xs, ss, *unused) -> (dW, sum_k s_k)``,
-    the sum as images: the reference row of the weight-gradient benchmarks."""
-    import jax
-
-    from naisnet_jax import fused_block as fb
-
-    def run(xs, ss, *unused):
-        dW, total = fb.fused_weight_grad(layout, xs, ss, kernel_shape, config, sum_steps=True)
-        return dW, layout.interior(total)
-
-    return jax.jit(run)
-
-
-def wgrad_row(row, make, args, ref, iters, repeats):
-    """Fills ``row`` for the weight-gradient kernel ``fn = make()``, ``fn(*args) -> (dW, sum_k
-    s_k)``: its differences to ``ref`` (the first row's output, or this one's if ``ref`` is None),
-    whether its ``dW`` is finite, and its time in ms; a failure (in making it too) becomes the
-    row's error. Returns the reference for the rows after it."""
-    import numpy as np
-
-    try:
-        fn = make()
-        out = fn(*args)
-        ref = out if ref is None else ref
-        row["dW_diff"] = _rel(out[0], ref[0])
-        row["sum_diff"] = _rel(out[1], ref[1])
-        row["finite"] = bool(np.all(np.isfinite(np.asarray(out[0]))))
-        row["ms"] = 1e3 * _time(fn, args, iters, repeats)
-    except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end
-        _common.error_row(row, e)
-    print(row, flush=True)
-    return ref
-
-
-def ratios_to(rows, key, is_reference):
-    """``row[key]``: each timed row's ms over that of the row of its shape that ``is_reference``."""
-    for row in rows:
-        first = next(r for r in rows if r["shape"] == row["shape"] and is_reference(r))
-        if "ms" in row and "ms" in first:
-            row[key] = row["ms"] / first["ms"]
 
 
 def main(argv=None):
@@ -174,8 +56,7 @@ def main(argv=None):
 
     import jax
 
-    from naisnet_jax.block_vjp import conv_op, unroll_tied
-    from naisnet_jax.fused_block import unroll_tied_conv
+    from naisnet_jax.kernels import KernelPolicy, conv_op, unroll_tied, unroll_tied_conv
 
     os.makedirs(args.out, exist_ok=True)
     batch, steps, tilings, shapes = args.batch, args.steps, TILINGS, SHAPES
@@ -194,39 +75,36 @@ def main(argv=None):
         args.iters, args.repeats = 1, 1
     rows = []
     for shape in shapes:
-        x0, drive, kernel, cot = _inputs(batch, shape)
+        x0, drive, kernel, cot = _common.conv_block_inputs(batch, shape)
         xla = functools.partial(unroll_tied, conv_op, steps=steps, h=1.0, activation="relu", scan_unroll=10)
         variants = {"xla_stacked_u10": lambda a, b, c, f=xla: f(a, b, c)}
         for rows_, warps, unrolled, hoist in tilings:
             name = "fused_default" if rows_ is None else f"fused_t{rows_}_w{warps}"
             name += ("" if unrolled else "_loop") + ("_tapsload" if hoist is False else "")
-            variants[name] = functools.partial(
-                unroll_tied_conv,
-                steps=steps,
-                h=1.0,
-                activation="relu",
-                interpret=interpret,
-                tile_rows=rows_,
-                num_warps=warps,
-                unroll_tiles=unrolled,
-                hoist_taps=hoist,
+            policy = KernelPolicy(
+                interpret=interpret, tile_rows=rows_, num_warps=warps, unroll_tiles=unrolled, hoist_taps=hoist
             )
+            variants[name] = functools.partial(unroll_tied_conv, steps=steps, h=1.0, activation="relu", policy=policy)
         with jax.default_matmul_precision("highest"):
-            ref_fwd, ref_grad = _functions(variants["xla_stacked_u10"])
+            ref_fwd, ref_grad = _common.block_functions(variants["xla_stacked_u10"])
             ref_y, ref_g = ref_fwd(x0, drive, kernel), ref_grad(x0, drive, kernel, cot)
         xla_y = xla_g = None
         for name, run in variants.items():
             row = dict(name=name, shape="x".join(map(str, shape)), batch=batch, steps=steps)
             try:
-                fwd, grad = _functions(run)
+                fwd, grad = _common.block_functions(run)
                 y, g = fwd(x0, drive, kernel), grad(x0, drive, kernel, cot)
                 if name == "xla_stacked_u10":
                     xla_y, xla_g = y, g
-                row["err_vs_highest"] = max([_rel(y, ref_y)] + [_rel(a, b) for a, b in zip(g, ref_g)])
+                row["err_vs_highest"] = max(
+                    [_common.rel_error(y, ref_y)] + [_common.rel_error(a, b) for a, b in zip(g, ref_g)]
+                )
                 if xla_y is not None:
-                    row["err_vs_xla"] = max([_rel(y, xla_y)] + [_rel(a, b) for a, b in zip(g, xla_g)])
-                row["forward_ms"] = 1e3 * _time(fwd, (x0, drive, kernel), args.iters, args.repeats)
-                row["train_ms"] = 1e3 * _time(grad, (x0, drive, kernel, cot), args.iters, args.repeats)
+                    row["err_vs_xla"] = max(
+                        [_common.rel_error(y, xla_y)] + [_common.rel_error(a, b) for a, b in zip(g, xla_g)]
+                    )
+                row["forward_ms"] = 1e3 * _common.best_time(fwd, (x0, drive, kernel), args.iters, args.repeats)
+                row["train_ms"] = 1e3 * _common.best_time(grad, (x0, drive, kernel, cot), args.iters, args.repeats)
             except Exception as e:  # a tiling the compiler refuses is a row, not the end
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             rows.append(row)

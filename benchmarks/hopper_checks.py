@@ -32,14 +32,12 @@ import _common  # noqa: E402
 def value_rows(batch: int, steps: int, seeds: int = 3) -> list[dict]:
     import jax
     import jax.numpy as jnp
-    from fused_block import _rel
 
-    from naisnet_jax import fused_block as fb
-    from naisnet_jax.block_vjp import conv_op, unroll_tied
+    from naisnet_jax.kernels import KernelPolicy, conv_op, unroll_tied, unroll_tied_conv
 
     rows = []
     for H, C in ((32, 16), (16, 32), (8, 64)):
-        for activation in ("relu", "tanh") if C < 64 else ("relu",):  # 64 channels: ReLU (fused_block.WGMMA_WIDE)
+        for activation in ("relu", "tanh") if C < 64 else ("relu",):  # 64 channels: ReLU only
             k = jax.random.split(jax.random.key(0), 4)
             x0 = jax.random.normal(k[0], (seeds, batch, H, H, C))
             drive = jax.random.normal(k[1], (seeds, batch, H, H, C))
@@ -55,17 +53,16 @@ def value_rows(batch: int, steps: int, seeds: int = 3) -> list[dict]:
                 want = jax.jit(jax.vmap(grads(stacked)))(x0, drive, kernel, cot)
             row = dict(state=f"{H}x{H}x{C}", activation=activation)
             for engine in ("wgmma", "triton"):
-                run = functools.partial(
-                    fb.unroll_tied_conv, steps=steps, h=1.0, activation=activation, interpret=False, engine=engine
-                )
+                policy = KernelPolicy(interpret=False, engine=engine)
+                run = functools.partial(unroll_tied_conv, steps=steps, h=1.0, activation=activation, policy=policy)
                 got = jax.jit(jax.vmap(grads(run)))(x0, drive, kernel, cot)
-                row[f"{engine}_value"] = _rel(got[0], want[0])
-                row[f"{engine}_grads"] = max(_rel(a, b) for a, b in zip(got[1], want[1]))
+                row[f"{engine}_value"] = _common.rel_error(got[0], want[0])
+                row[f"{engine}_grads"] = max(_common.rel_error(a, b) for a, b in zip(got[1], want[1]))
                 if engine == "wgmma":
                     one = jax.jit(grads(run))
                     alone = [one(x0[i], drive[i], kernel[i], cot[i]) for i in range(seeds)]
                     row["wgmma_vmap_vs_alone"] = max(
-                        _rel(got[1][j][i], alone[i][1][j]) for i in range(seeds) for j in range(3)
+                        _common.rel_error(got[1][j][i], alone[i][1][j]) for i in range(seeds) for j in range(3)
                     )
             rows.append(row)
             print(row, flush=True)
@@ -77,30 +74,22 @@ def step_rows(batch: int, rounds: int, chunk: int = 10) -> list[dict]:
     import jax.numpy as jnp
     import train_step as ts
 
-    from naisnet_jax import fused_block as fb
-    from naisnet_jax import models
-
-    spec = dict(model=ts.N10, kwargs=dict(block_vjp="fused", scan_unroll=10))
-    _, _, state = ts._model_and_state(spec, False)
-    x, y = ts._batch(batch)
-    original = models.nais.unroll_tied_conv
     compiled, losses = {}, {}
-    try:
-        for engine in ("wgmma", "triton"):
-            models.nais.unroll_tied_conv = functools.partial(fb.unroll_tied_conv, engine=engine)
-            f = ts.training_chunk(chunk)
-            t0 = time.perf_counter()
-            st = jax.tree.map(jnp.copy, state)
-            c = f.lower(st, x, y).compile()
-            compile_s = time.perf_counter() - t0
-            traj = []
-            for _ in range(3):
-                st, loss = c(st, x, y)
-                traj.append(float(loss))
-            compiled[engine] = [c, st, compile_s]
-            losses[engine] = traj
-    finally:
-        models.nais.unroll_tied_conv = original
+    for engine in ("wgmma", "triton"):  # the same initial state (same seed), each engine its model
+        spec = dict(model=ts.N10, kwargs=dict(block_vjp="fused", scan_unroll=10, kernel_engine=engine))
+        _, _, state = ts.model_and_state(spec, False)
+        x, y = ts.fixed_batch(batch)
+        f = ts.training_chunk(chunk)
+        t0 = time.perf_counter()
+        st = jax.tree.map(jnp.copy, state)
+        c = f.lower(st, x, y).compile()
+        compile_s = time.perf_counter() - t0
+        traj = []
+        for _ in range(3):
+            st, loss = c(st, x, y)
+            traj.append(float(loss))
+        compiled[engine] = [c, st, compile_s]
+        losses[engine] = traj
     times = {engine: [] for engine in compiled}
     for _ in range(rounds):
         for engine, entry in compiled.items():
@@ -130,14 +119,12 @@ def smoke() -> None:
     import jax
     import jax.numpy as jnp
 
-    import naisnet_jax.block_vjp
-    from naisnet_jax import fused_block as fb
+    from naisnet_jax.kernels import KernelPolicy, unroll_tied_conv
 
-    naisnet_jax.block_vjp._gpu_backend = lambda: True
     x = jax.ShapeDtypeStruct((4, 16, 16, 16), jnp.float32)
     w = jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32)
     for engine in ("wgmma", "triton"):
-        run = functools.partial(fb.unroll_tied_conv, steps=3, interpret=False, engine=engine)
+        run = functools.partial(unroll_tied_conv, steps=3, policy=KernelPolicy(interpret=False, engine=engine))
         text = jax.jit(run).trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
         print(f"{engine}: forward lowered for CUDA, {len(text)} characters")
 

@@ -50,7 +50,7 @@ def measure(spec, *, batch: int, smoke: bool, steps: int = 2) -> dict:
     import jax
     import train_step as ts
 
-    _, _, state = ts._model_and_state(spec, smoke)
+    _, _, state = ts.model_and_state(spec, smoke)
     x, y = ts._batch(batch)
     param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.params))
 

@@ -7,7 +7,7 @@ block kernels, cuDNN/cuBLAS convolutions and matrix products, XLA's own fusions,
 copies) and the kernels that take the most time, with their count per step. The sum of
 their times is the step's device time: on one stream the kernels run one after another,
 and the gap to the wall-clock step is host and launch overhead; on a GPU the weight
-gradients run on a second stream (``block_vjp.on_side_stream``), so where they overlap
+gradients run on a second stream (``naisnet_jax.kernels.on_side_stream``), so where they overlap
 the main stream the device time exceeds the wall.
 
     python benchmarks/profile_step.py --out=runs/bench/profile --variant=nais10_fused_unroll10
@@ -385,7 +385,7 @@ def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) 
     if spec.get("precision"):
         jax.config.update("jax_default_matmul_precision", spec["precision"])
     ts.apply_spec(spec)
-    _, _, state = ts._model_and_state(spec, smoke)
+    _, _, state = ts.model_and_state(spec, smoke)
     x, y = ts._batch(batch)
 
     f = ts.training_chunk(steps)

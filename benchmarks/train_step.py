@@ -31,7 +31,6 @@ Rerunning with the same ``--out`` resumes: finished variants are read back.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import sys
@@ -44,8 +43,8 @@ N10 = "naisnet_cifar10"
 #: NAIS-Net10's fast path on a GPU, as the speed-minded user builds it (README, "Speed options")
 FAST = dict(block_vjp="fused", scan_unroll=10)
 
-# name -> spec. kind "jax": model name, model kwargs, precision, XLA flags, the fused conv blocks'
-# engine; kind "torch": mode (eager | compile | reduce-overhead) and precision (tf32 | highest | bf16).
+# name -> spec. kind "jax": model name, model kwargs (the fused conv blocks' engine among them),
+# precision, XLA flags; kind "torch": mode (eager | compile | reduce-overhead) and precision (tf32 | highest | bf16).
 VARIANTS = {
     # the trainer's default step: autodiff through lax.scan
     "nais10": dict(model=N10),
@@ -55,7 +54,7 @@ VARIANTS = {
     # the shipped fast path: the fused block kernels (wgmma on Hopper cards, Triton elsewhere)
     "nais10_fused_unroll10": dict(model=N10, kwargs=FAST),
     # the same with the Triton kernels on a Hopper card too
-    "nais10_fused_unroll10_triton": dict(model=N10, kwargs=FAST, engine="triton"),
+    "nais10_fused_unroll10_triton": dict(model=N10, kwargs=dict(FAST, kernel_engine="triton")),
     "nais10_bf16_stacked_unroll10": dict(model=N10, kwargs=dict(dtype="bfloat16", block_vjp="stacked", scan_unroll=10)),
     "nais1_fused": dict(model="naisnet_cifar1", kwargs=dict(block_vjp="fused")),
     "resnet": dict(model="resnet_cifar"),
@@ -89,7 +88,7 @@ SMOKE_MODELS = {  # the same code paths at a size a CPU runs in seconds
 # --------------------------------------------------------------------------- JAX
 
 
-def _model_and_state(spec, smoke):
+def model_and_state(spec, smoke):
     import ml_collections
 
     from naisnet_jax import train
@@ -107,7 +106,7 @@ def _model_and_state(spec, smoke):
     return config, model, state
 
 
-def _batch(batch, seed=0):
+def fixed_batch(batch, seed=0):
     import jax.numpy as jnp
     import numpy as np
 
@@ -155,16 +154,7 @@ def training_chunk(steps: int):
         state, losses = jax.lax.scan(body, state, None, length=steps)
         return state, losses[-1]
 
-    return jax.jit(chunk, donate_argnums=(0,), compiler_options=train.step_compiler_options())
-
-
-def apply_spec(spec) -> None:
-    """The spec's switches that patch the package before its model is built: the fused conv
-    blocks' engine ("wgmma" or "triton"; default: by card)."""
-    if spec.get("engine"):
-        from naisnet_jax import fused_block, models
-
-        models.nais.unroll_tied_conv = functools.partial(fused_block.unroll_tied_conv, engine=spec["engine"])
+    return jax.jit(chunk, donate_argnums=(0,))
 
 
 def run_jax(spec, *, batch, steps, repeats, smoke) -> dict:
@@ -173,9 +163,8 @@ def run_jax(spec, *, batch, steps, repeats, smoke) -> dict:
 
     if spec.get("precision"):
         jax.config.update("jax_default_matmul_precision", spec["precision"])
-    apply_spec(spec)
-    config, model, state = _model_and_state(spec, smoke)
-    x, y = _batch(batch)
+    config, model, state = model_and_state(spec, smoke)
+    x, y = fixed_batch(batch)
     counted = step_flops(_countable(config, state), x, y)  # tracing only: no compile, no device work
     param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.params))
     f = training_chunk(steps)

@@ -1,8 +1,9 @@
-"""Benchmark (Hopper GPU): one conv block's kernels, wgmma (``naisnet_jax.hopper_block``) against Triton.
+"""Benchmark (Hopper GPU): one conv block's kernels, wgmma (``naisnet_jax.kernels.wgmma_split``,
+``wgmma_tf32``) against Triton.
 
 For each state shape NAIS-Net10 fuses (32x32x16, 16x16x32; ``--shapes``), batch 128, K = 10,
 ReLU: the forward kernel (saving every state and pre-activation) and the backward kernel of
-``naisnet_jax.fused_block`` (Triton, TF32 products) and of ``naisnet_jax.hopper_block`` with every
+``naisnet_jax.kernels.triton_conv`` (TF32 products) and of ``naisnet_jax.kernels.wgmma_split`` with every
 warpgroup count that divides the state's 64-row tiles and fits in shared memory (``--warpgroups``),
 best time over repeats, and each one's values against the Triton kernels run in Pallas'
 interpreter at the highest precision (relative max error of ``x_K``, the ``z_k``, ``g_0`` and the
@@ -33,7 +34,7 @@ def split_errors(seed: int = 0) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from naisnet_jax.hopper_block import split_bf16
+    from naisnet_jax.kernels.wgmma_split import split_bf16
 
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((4096, 144)).astype(np.float32)
@@ -58,9 +59,10 @@ def split_errors(seed: int = 0) -> dict:
 
 def triton_config(C: int):
     """The Triton kernels' configuration at width ``C`` (its tiling decides the buffers' layout)."""
-    from naisnet_jax import fused_block as fb
+    from naisnet_jax.kernels import conv as fb
+    from naisnet_jax.kernels.tuning import default_tiling
 
-    rows, warps = fb.default_tiling(C)
+    rows, warps = default_tiling(C)
     if C > 32:  # an 8x8 state in two 64-row tiles, not one of 256 rows (the wgmma kernels' tiles)
         rows = 64
     return fb.GPU._replace(tile_rows=rows, num_warps=warps)
@@ -85,21 +87,21 @@ def main(argv=None):
         help="write Mosaic's PTX, SASS and ptxas report (its warnings say whether wgmma is serialized) under DIR",
     )
     parser.add_argument(
-        "--engines", default="bf16x3,tf32", help="wgmma kernels: bf16x3 (hopper_block), tf32 (hopper_tf32)"
+        "--engines", default="bf16x3,tf32", help="wgmma kernels: bf16x3 (wgmma_split), tf32 (wgmma_tf32)"
     )
     parser.add_argument("--smoke", action="store_true", help="lower the kernels for CUDA only (any machine)")
     args = parser.parse_args(argv)
     if args.dump:
         os.environ.update(_common.mosaic_dump_env(args.dump))
     _common.importable()
-    import fused_block as bench  # benchmarks/fused_block.py: inputs, timing, errors
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from naisnet_jax import fused_block as fb
-    from naisnet_jax import hopper_block as hb
-    from naisnet_jax import hopper_tf32 as ht
+    from naisnet_jax.kernels import conv as fb
+    from naisnet_jax.kernels import wgmma_split as hb
+    from naisnet_jax.kernels import wgmma_tf32 as ht
+    from naisnet_jax.kernels.common import Layout
 
     os.makedirs(args.out, exist_ok=True)
     if not args.smoke and not _common.hopper_here(args.out, "wgmma_block"):
@@ -110,7 +112,7 @@ def main(argv=None):
     for shape in [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]:
         H, W, C = shape
         config = triton_config(C)
-        layout = fb.Layout.of(H, W, 3, 3, config.tile_rows)
+        layout = Layout.of(H, W, 3, 3, config.tile_rows)
         aligned = config._replace(tf32=True).layout(H, W, 3, 3)
 
         def fits(nw, tf32):  # the warpgroups divide the tiles, and the program fits in shared memory
@@ -118,10 +120,8 @@ def main(argv=None):
             return hb.tiles_of(lay) % nw == 0 and need <= hb.SMEM_BYTES
 
         teams = [int(v) for v in args.warpgroups.split(",")]
-        forward = {"triton_tf32": functools.partial(fb.fused_forward, steps=K, h=1.0, activation="relu", config=config)}
-        backward = {
-            "triton_tf32": functools.partial(fb.fused_backward, steps=K, h=1.0, activation="relu", config=config)
-        }
+        forward = {"triton_tf32": functools.partial(fb.fused_forward, steps=K, h=1.0, activation="relu", plan=config)}
+        backward = {"triton_tf32": functools.partial(fb.fused_backward, steps=K, h=1.0, activation="relu", plan=config)}
         configs = {"triton_tf32": config}
         for nw in teams:
             for engine, tf32 in (("wgmma_bf16x3", False), ("wgmma_tf32_views", True)):
@@ -132,10 +132,10 @@ def main(argv=None):
                 wgmma = config._replace(warpgroups=nw, tf32=tf32)
                 configs[f"{engine} {nw}wg"] = wgmma
                 forward[f"{engine} {nw}wg"] = functools.partial(
-                    fb.fused_forward, steps=K, h=1.0, activation="relu", config=wgmma
+                    fb.fused_forward, steps=K, h=1.0, activation="relu", plan=wgmma
                 )
                 backward[f"{engine} {nw}wg"] = functools.partial(
-                    fb.fused_backward, steps=K, h=1.0, activation="relu", config=wgmma
+                    fb.fused_backward, steps=K, h=1.0, activation="relu", plan=wgmma
                 )
         layouts = {k: c.layout(H, W, 3, 3) for k, c in configs.items()}  # TF32's rows: a multiple of 8
         forward = {k: jax.jit(lambda a, b, c, f=f: f(a, b, c)[1:]) for k, f in forward.items()}
@@ -152,7 +152,7 @@ def main(argv=None):
                         f" (batch {args.batch}, K = {K})"
                     )
             continue
-        x0, drive, kernel, cot = bench._inputs(args.batch, shape)
+        x0, drive, kernel, cot = _common.conv_block_inputs(args.batch, shape)
         # the reference: the Triton kernels in Pallas' interpreter, their products at the highest
         # precision, once for each layout (TF32's rows are a multiple of 8)
         refs = {}
@@ -161,13 +161,13 @@ def main(argv=None):
             lay = interpreted.layout(H, W, 3, 3)
             with jax.default_matmul_precision("highest"):
                 ref_xs, ref_zs = jax.jit(
-                    lambda a, b, c, i=interpreted: fb.fused_forward(
-                        a, b, c, steps=K, h=1.0, activation="relu", config=i
-                    )[1:]
+                    lambda a, b, c, i=interpreted: fb.fused_forward(a, b, c, steps=K, h=1.0, activation="relu", plan=i)[
+                        1:
+                    ]
                 )(x0, drive, kernel)
                 ref_g0, ref_ss = jax.jit(
                     lambda g, z, c, i=interpreted, lay=lay: fb.fused_backward(
-                        lay, g, z, c, steps=K, h=1.0, activation="relu", config=i
+                        lay, g, z, c, steps=K, h=1.0, activation="relu", plan=i
                     )
                 )(cot, ref_zs, kernel)
             refs[lay] = (ref_xs, ref_zs, ref_g0, ref_ss)
@@ -177,17 +177,21 @@ def main(argv=None):
             ref_xs, ref_zs, ref_g0, ref_ss = refs[layout]
             try:
                 xs, zs = forward[name](x0, drive, kernel)
-                row["err_xK_vs_highest"] = bench._rel(layout.interior(xs[-1]), layout.interior(ref_xs[-1]))
+                row["err_xK_vs_highest"] = _common.rel_error(layout.interior(xs[-1]), layout.interior(ref_xs[-1]))
                 if zs.dtype != ref_zs.dtype:  # ReLU's sign, saved in place of z: the share of signs that differ
                     signs = np.asarray(layout.interior(zs), np.float32) != (np.asarray(layout.interior(ref_zs)) > 0)
                     row["err_zs_vs_highest"] = float(np.mean(signs))
                 else:
-                    row["err_zs_vs_highest"] = bench._rel(layout.interior(zs), layout.interior(ref_zs))
-                row["forward_ms"] = 1e3 * bench._time(forward[name], (x0, drive, kernel), args.iters, args.repeats)
+                    row["err_zs_vs_highest"] = _common.rel_error(layout.interior(zs), layout.interior(ref_zs))
+                row["forward_ms"] = 1e3 * _common.best_time(
+                    forward[name], (x0, drive, kernel), args.iters, args.repeats
+                )
                 g0, ss = backward[name](cot, ref_zs, kernel)  # both from the same (reference) z
-                row["err_g0_vs_highest"] = bench._rel(layout.interior(g0), layout.interior(ref_g0))
-                row["err_ss_vs_highest"] = bench._rel(layout.interior(ss), layout.interior(ref_ss))
-                row["backward_ms"] = 1e3 * bench._time(backward[name], (cot, ref_zs, kernel), args.iters, args.repeats)
+                row["err_g0_vs_highest"] = _common.rel_error(layout.interior(g0), layout.interior(ref_g0))
+                row["err_ss_vs_highest"] = _common.rel_error(layout.interior(ss), layout.interior(ref_ss))
+                row["backward_ms"] = 1e3 * _common.best_time(
+                    backward[name], (cot, ref_zs, kernel), args.iters, args.repeats
+                )
             except Exception as e:  # a kernel the compiler refuses is a row, not the end
                 _common.error_row(row, e)
             rows.append(row)

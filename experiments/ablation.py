@@ -537,7 +537,6 @@ def run_over_h(*, workdir: str, hs, **kwargs) -> dict[float, list[dict]]:
     loss monotone on both splits) and the figures of :func:`plot_h`. A step whose sweeps finished
     earlier (another process, one per GPU) is read back, so a last call with every h only reports."""
     hs = [parse_h(h) for h in hs]
-    t0 = time.time()
     by_h = {h: run(workdir=h_dir(workdir, h), h=h, **kwargs) for h in hs}
     if kwargs.get("time_steps"):
         return by_h

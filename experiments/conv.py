@@ -60,7 +60,7 @@ VARIANTS = {
     ),
     "naisnet10_none": ("NAIS-Net10, no BN on drives", "naisnet_cifar10", {"drive_norm": "none", "drive_init": "he"}),
 }
-# Speed options of every NAIS variant (same maths: tests/test_perf.py, tests/test_fused_block.py):
+# Speed options of every NAIS variant (same maths: tests/test_perf.py, tests/test_conv_kernels.py):
 # on a CUDA GPU the 16- and 32-channel blocks run as fused Pallas kernels, the others the stacked VJP,
 # every block's loop unrolled by 10 (NAIS-Net10's step on an H100: 1.6 x the plain step,
 # BENCHMARKS.md); on a CPU or TPU the stacked VJP. --nofast trains with the plain step.

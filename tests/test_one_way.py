@@ -31,9 +31,9 @@ import naisnet_jax as nj
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import checks, train
 from naisnet_jax import models as M
-from naisnet_jax.block_vjp import dense_op, unroll_tied
 from naisnet_jax.cell import check_activation, check_kernel_shape, check_step_size
 from naisnet_jax.configs import default
+from naisnet_jax.kernels.stacked import dense_op, unroll_tied
 from naisnet_jax.parametrize import check_eps
 from naisnet_jax.projection import check_eta
 

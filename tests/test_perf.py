@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import naisnet_jax as nj
-import naisnet_jax.block_vjp
 from naisnet_jax import models as M
+from naisnet_jax.kernels import common
 from naisnet_jax.models import nais
 
 KEY = jax.random.key(0, impl="rbg")
@@ -106,16 +106,16 @@ def test_unroll_tied_matches_python_loop_values_and_gradients(residuals):
     """Values against a numpy loop; gradients against reverse mode through a Python loop."""
     rng = np.random.default_rng(4)
     cases = [  # (op, activation, x shape, W, drive)
-        (nj.block_vjp.dense_op, "tanh", (4, 5), 0.4 * rng.standard_normal((5, 5)), rng.standard_normal((4, 5))),
+        (nj.kernels.dense_op, "tanh", (4, 5), 0.4 * rng.standard_normal((5, 5)), rng.standard_normal((4, 5))),
         (
-            nj.block_vjp.dense_op,
+            nj.kernels.dense_op,
             "relu",
             (4, 5),
             0.4 * rng.standard_normal((5, 5)),
             rng.standard_normal((5,)),
         ),  # a drive broadcast over the batch
         (
-            nj.block_vjp.conv_op,
+            nj.kernels.conv_op,
             "relu",
             (2, 5, 6, 3),
             0.3 * rng.standard_normal((3, 3, 3, 3)),
@@ -140,7 +140,7 @@ def test_unroll_tied_matches_python_loop_values_and_gradients(residuals):
         for _ in range(4):
             z = (
                 ref_x @ W.T
-                if op is nj.block_vjp.dense_op
+                if op is nj.kernels.dense_op
                 else np.asarray(
                     jax.lax.conv_general_dilated(ref_x, W, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
                 )
@@ -164,7 +164,7 @@ def test_unroll_tied_under_vmap():
     W = jnp.asarray(0.3 * rng.standard_normal((3, 3, 3, 3, 3)))  # 3 seeds
     d = jnp.asarray(rng.standard_normal((3, 2, 5, 5, 3)))
     x0 = jnp.zeros((2, 5, 5, 3))
-    conv = nj.block_vjp.conv_op
+    conv = nj.kernels.conv_op
 
     def loss(W, d, fast):
         if fast:
@@ -184,9 +184,9 @@ def test_unroll_tied_under_vmap():
 def test_unroll_tied_bad_arguments():
     x = jnp.zeros((2, 3))
     with pytest.raises(ValueError, match="residuals='keep'"):
-        nj.unroll_tied(nj.block_vjp.dense_op, x, x, jnp.eye(3), steps=2, residuals="keep")
+        nj.unroll_tied(nj.kernels.dense_op, x, x, jnp.eye(3), steps=2, residuals="keep")
     with pytest.raises(ValueError, match="steps=0"):
-        nj.unroll_tied(nj.block_vjp.dense_op, x, x, jnp.eye(3), steps=0)
+        nj.unroll_tied(nj.kernels.dense_op, x, x, jnp.eye(3), steps=0)
 
 
 _X_FC = np.random.default_rng(5).standard_normal((4, 7))
@@ -265,7 +265,7 @@ def test_fast_paths_from_zero_start_at_the_first_step(monkeypatch, steps, block_
         monkeypatch.setattr(
             nais,
             "unroll_tied_conv",
-            lambda x0, *, drive, kernel, **kw: spy(nj.block_vjp.conv_op, x0, drive=drive, W=kernel, **kw),
+            lambda x0, *, drive, kernel, policy, **kw: spy(nj.kernels.conv_op, x0, drive=drive, W=kernel, **kw),
         )
     for start in ("zero", "input"):
         ctor = functools.partial(M.NaisConvBlock, 4, steps=steps, h=0.7, learn_delta=True, initial_state=start)
@@ -327,21 +327,19 @@ def test_side_stream_weight_gradient_same_values_and_annotated_for_the_gpu(monke
     plain, _ = grads("autodiff")
     _, annotated = grads("stacked")
     assert not annotated  # on the CPU backend: inline
-    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
+    monkeypatch.setattr(common, "gpu_backend", lambda: True)
     side, annotated = grads("stacked")
     assert annotated
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(side)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-10, atol=1e-12)
-    monkeypatch.setattr(naisnet_jax.block_vjp, "SIDE_STREAM", False)
-    assert not grads("stacked")[1]
-    f = nj.block_vjp.on_side_stream(lambda a, b: a @ b, enabled=True)  # vmap and grad pass through
+    f = nj.kernels.on_side_stream(lambda a, b: a @ b, enabled=True)  # vmap and grad pass through
     a = jnp.ones((2, 3, 3))
     np.testing.assert_allclose(jax.vmap(f)(a, a), a @ a)
     np.testing.assert_allclose(jax.grad(lambda m: f(m, m).sum())(a[0]), 2 * 3 * np.ones((3, 3)))
 
 
 def test_side_stream_drive_convolution(monkeypatch):
-    """The fast paths' drive convolution (``block_vjp.side_stream_conv``): on the CPU backend the
+    """The fast paths' drive convolution (``kernels.side_stream_conv``): on the CPU backend the
     plain ``lax.conv_general_dilated``; as on a GPU (forced here), the same values and float64
     gradients as that convolution (strided, explicit padding), its kernel gradient in a
     computation annotated for the second stream. A conv block on a fast path gets the
@@ -362,9 +360,9 @@ def test_side_stream_drive_convolution(monkeypatch):
         assert all('_xla_stream_annotation = "1"' in line for line in calls)
         return len(calls)
 
-    side = nj.block_vjp.side_stream_conv
+    side = nj.kernels.side_stream_conv
     assert annotated(jax.grad(losses(side)[0], argnums=(0, 1)), lhs, rhs) == 0  # CPU backend: plain
-    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
+    monkeypatch.setattr(common, "gpu_backend", lambda: True)
     for plain, wrapped in zip(losses(jax.lax.conv_general_dilated), losses(side)):
         np.testing.assert_allclose(wrapped(lhs, rhs), plain(lhs, rhs), rtol=1e-13)
         for a, b in zip(jax.grad(wrapped, (0, 1))(lhs, rhs), jax.grad(plain, (0, 1))(lhs, rhs)):
@@ -548,48 +546,3 @@ def test_bad_adaptive_arguments_are_refused():
         M.NaisNetFC(adaptive_tol=0.1, check_every=0)
     with pytest.raises(ValueError, match="stream_slots=0"):
         M.NaisNetFC(adaptive_tol=0.1, stream_slots=0)
-
-
-# ------------------------------------------------------------------ the step's XLA options
-
-
-def test_step_compiler_options_by_backend(monkeypatch):
-    """The training step compiles with ``GPU_STEP_OPTIONS`` (none by default) on a GPU only, and
-    ``make_train_chunk`` passes them to ``jax.jit``."""
-    from naisnet_jax import train
-
-    assert train.GPU_STEP_OPTIONS == {} and train.step_compiler_options() is None
-    monkeypatch.setattr(train, "GPU_STEP_OPTIONS", train.CONV_FUSION)
-    assert train.step_compiler_options() is None  # this CPU
-    monkeypatch.setattr(train.jax, "default_backend", lambda: "gpu")
-    assert train.step_compiler_options() == {"xla_gpu_experimental_enable_conv_fusion": True}
-    seen = []
-    real_jit = jax.jit
-
-    def spy(f, **kwargs):
-        seen.append(kwargs.get("compiler_options"))
-        return real_jit(f, **kwargs)
-
-    monkeypatch.setattr(train.jax, "jit", spy)
-    train.make_train_chunk(np.zeros(1), np.ones(1), augment=False)
-    assert seen == [{"xla_gpu_experimental_enable_conv_fusion": True}]
-    monkeypatch.setattr(train, "GPU_STEP_OPTIONS", {})
-    assert train.step_compiler_options() is None
-
-
-def test_conv_fusion_option_is_known_to_this_xla():
-    """``CONV_FUSION``'s option is one this jaxlib's XLA knows (an unknown one fails the compile,
-    on any backend); on the CPU it changes nothing."""
-    from naisnet_jax import train
-
-    x = jnp.arange(12.0).reshape(1, 2, 2, 3)
-    w = jnp.ones((3, 3, 3, 4)) / 9
-
-    def f(x):
-        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        return jnp.maximum(y + 1.0, 0.0)
-
-    got = jax.jit(f, compiler_options=train.CONV_FUSION).lower(x).compile()(x)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(x)))
-    with pytest.raises(Exception, match="no_such_option"):
-        jax.jit(f, compiler_options={"xla_gpu_no_such_option": True}).lower(x).compile()

@@ -116,12 +116,12 @@ SIDE_STREAM_SCRIPT = textwrap.dedent(
     """
     import json
     import jax, numpy as np
-    import naisnet_jax.block_vjp as bv
+    from naisnet_jax.kernels import common
     from experiments.configs import digits_tiny
     from naisnet_jax import data as data_lib, train
 
     def run(side_stream):
-        bv._gpu_backend = lambda: side_stream  # as on a GPU: the weight gradients on stream 1
+        common.gpu_backend = lambda: side_stream  # as on a GPU: the weight gradients on stream 1
         mesh = train.make_mesh(2)
         config = digits_tiny.get_config()
         config.model, config.model_kwargs = "naisnet_conv_tiny", {"steps": 4, "block_vjp": "stacked"}
@@ -227,9 +227,9 @@ HOPPER_SCRIPT = textwrap.dedent(
     import json
     import jax, jax.numpy as jnp, numpy as np
     import ml_collections
-    import naisnet_jax.block_vjp
     from experiments.configs import digits_tiny
-    from naisnet_jax import fused_block, hopper_block, train
+    from naisnet_jax import train
+    from naisnet_jax.kernels import common
 
     assert jax.device_count() == 2, jax.devices()
     config = digits_tiny.get_config()
@@ -238,9 +238,9 @@ HOPPER_SCRIPT = textwrap.dedent(
     model = train.build_model(config, 10)
     state = train.create_train_state(config, model, (8, 8, 1), steps_per_epoch=10)
     # as on a Hopper GPU: the fused blocks take the wgmma kernels
-    naisnet_jax.block_vjp._gpu_backend = lambda: True
-    fused_block.gpu_kernels_available = lambda x0: True
-    hopper_block.hopper_available = lambda: True
+    common.gpu_backend = lambda: True
+    common.gpu_kernels_available = lambda x0: True
+    common.hopper_available = lambda: True
     mesh = train.make_mesh(2)
     x = jnp.zeros((8, 8, 8, 1), jnp.float32)
     y = jnp.zeros((8,), jnp.int32)

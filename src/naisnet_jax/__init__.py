@@ -5,10 +5,8 @@ optax and numpy; Flax models live in :mod:`naisnet_jax.models`, training in
 :mod:`naisnet_jax.train`, and the stability verifier in :mod:`naisnet_jax.verify`.
 """
 
-from naisnet_jax.block_vjp import unroll_tied
 from naisnet_jax.cell import ACTIVATIONS, activation_slope, conv_same, conv_step, fc_step
-from naisnet_jax.fused_block import unroll_tied_conv
-from naisnet_jax.fused_dense import unroll_tied_dense
+from naisnet_jax.kernels import KernelPolicy, unroll_tied, unroll_tied_conv, unroll_tied_dense
 from naisnet_jax.parametrize import centre_mask, conv_state_kernel, fc_state_matrix
 from naisnet_jax.projection import (
     count_projected_blocks,
@@ -30,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ACTIVATIONS",
+    "KernelPolicy",
     "activation_slope",
     "centre_mask",
     "conv_same",

@@ -205,25 +205,6 @@ def eval_step(state: TrainState, batch, mask) -> dict:
     return out
 
 
-#: XLA's experimental cuDNN convolution fusions, which fold a convolution's neighbouring
-#: elementwise work (the drive's bias, the blocks' adds) into cuDNN's kernel. Not on by default:
-#: once NAIS-Net10's tied blocks started from ``x_1`` they made its step slower on an H200 (median
-#: 30.8 against 28.6 ms in float32, 31.0 against 28.4 in bfloat16), and its parameters after 10
-#: steps differed from those without them by up to 1.5 and 2.0 relative (the losses by 1e-5;
-#: measured side by side). ``train.GPU_STEP_OPTIONS =
-#: train.CONV_FUSION`` before training turns it on.
-CONV_FUSION: dict[str, Any] = {"xla_gpu_experimental_enable_conv_fusion": True}
-#: XLA options the training step compiles with where JAX's default backend is a GPU (none by
-#: default; for example :data:`CONV_FUSION`).
-GPU_STEP_OPTIONS: dict[str, Any] = {}
-
-
-def step_compiler_options() -> dict[str, Any] | None:
-    """The ``compiler_options`` of the jitted training step: :data:`GPU_STEP_OPTIONS` where JAX's
-    default backend is a GPU, else none (XLA's CPU and TPU compilers ignore the GPU's options)."""
-    return dict(GPU_STEP_OPTIONS) or None if jax.default_backend() == "gpu" else None
-
-
 def augmentation(config) -> bool | str:
     """The ``augment`` of :func:`naisnet_jax.data.get_batch` for ``config``: ``False``, ``True``
     (pad, crop and flip, the CIFAR recipe) or, with ``config.augment_flip=False``, ``"crop"``
@@ -253,11 +234,10 @@ def make_train_chunk(mean, std, augment: bool | str, mesh: Mesh | None = None) -
         state, metrics = jax.lax.scan(body, state, (idx_rows, keys))
         return state, jax.tree.map(jnp.mean, metrics)
 
-    options = step_compiler_options()
     if mesh is None:
-        return jax.jit(train_chunk, donate_argnums=(0,), compiler_options=options)
+        return jax.jit(train_chunk, donate_argnums=(0,))
     replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(train_chunk, donate_argnums=(0,), out_shardings=(replicated, replicated), compiler_options=options)
+    return jax.jit(train_chunk, donate_argnums=(0,), out_shardings=(replicated, replicated))
 
 
 def make_evaluate(mean, std, batch_size: int, mesh: Mesh | None = None) -> Callable:

@@ -48,8 +48,8 @@ memory or compile time, never the maths:
   stacked on the batch axis (:mod:`naisnet_jax.block_vjp`), keeping the states
   (``"stacked"``) or recomputing them (``"stacked_recompute"``); ``"fused"``
   runs a tied block's K steps as one GPU kernel forward and one backward
-  (conv blocks: :mod:`naisnet_jax.fused_block`; dense blocks up to 128 units:
-  :mod:`naisnet_jax.fused_dense`; Pallas, float32, CUDA) and is ``"stacked"``
+  (conv blocks: :mod:`naisnet_jax.kernels.conv`; dense blocks up to 128 units:
+  :mod:`naisnet_jax.kernels.triton_dense`; Pallas, float32, CUDA) and is ``"stacked"``
   wherever those kernels do not run (CPU, TPU, other dtypes, wider blocks);
 - ``check_every``, ``compact``: adaptive depth at inference (``adaptive_tol``
   set, ``train=False``) tests for convergence once per ``check_every`` steps and,

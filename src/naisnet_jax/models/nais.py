@@ -13,11 +13,17 @@ import jax
 import jax.numpy as jnp
 
 from naisnet_jax import probe
-from naisnet_jax.block_vjp import conv_op, dense_op, side_stream_conv, unroll_tied
 from naisnet_jax.cell import ACTIVATIONS, conv_step, fc_step
 from naisnet_jax.checks import check_bool, check_int
-from naisnet_jax.fused_block import unroll_tied_conv
-from naisnet_jax.fused_dense import unroll_tied_dense
+from naisnet_jax.kernels import (
+    KernelPolicy,
+    conv_op,
+    dense_op,
+    side_stream_conv,
+    unroll_tied,
+    unroll_tied_conv,
+    unroll_tied_dense,
+)
 from naisnet_jax.models.layers import (
     BN_EPSILON,
     PARAM_DTYPE,
@@ -65,6 +71,7 @@ def _unroll_block(
     scan_unroll=1,
     remat="none",
     block_vjp="autodiff",
+    kernel_engine=None,
     tied=None,
     check_every=1,
     compact=False,
@@ -90,7 +97,13 @@ def _unroll_block(
             op, drive, W, h, activation = tied
             if block_vjp == "fused" and op is conv_op:
                 tied_run = functools.partial(
-                    unroll_tied_conv, drive=drive, kernel=W, h=h, activation=activation, scan_unroll=scan_unroll
+                    unroll_tied_conv,
+                    drive=drive,
+                    kernel=W,
+                    h=h,
+                    activation=activation,
+                    scan_unroll=scan_unroll,
+                    policy=KernelPolicy(engine=kernel_engine),
                 )
             elif block_vjp == "fused" and op is dense_op:
                 tied_run = functools.partial(
@@ -160,6 +173,7 @@ def _unroll(block, step, x0, *, steps, xs, train, trajectory, tied):
         scan_unroll=block.scan_unroll,
         remat=block.remat,
         block_vjp=block.block_vjp,
+        kernel_engine=block.kernel_engine,
         tied=tied,
         check_every=block.check_every,
         compact=block.compact,

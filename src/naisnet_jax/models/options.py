@@ -35,9 +35,11 @@ Array = jax.Array
 INITIAL_STATES = ("zero", "input")
 REMAT = ("none", "block", "step")
 BLOCK_VJP = {"autodiff": None, "stacked": "store", "stacked_recompute": "recompute", "fused": "store"}
+#: The fused conv blocks' engines a model may name (``None``: by card; naisnet_jax.kernels.policy).
+KERNEL_ENGINES = (None, "triton", "wgmma")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Options that change speed or memory, never the maths (``dtype`` changes the rounding only).
-PERF_OPTIONS = ("scan_unroll", "remat", "block_vjp", "dtype", "check_every", "compact", "stream_slots")
+PERF_OPTIONS = ("scan_unroll", "remat", "block_vjp", "kernel_engine", "dtype", "check_every", "compact", "stream_slots")
 #: The performance options that change neither the parameters nor the values computed (all but
 #: the compute ``dtype``): a run or a sweep may resume with others (e.g. on another machine).
 SPEED_OPTIONS = tuple(o for o in PERF_OPTIONS if o != "dtype")
@@ -154,7 +156,9 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
     - ``adaptive_tol``: ``None`` (fixed depth K) or the tolerance at which a pattern stops,
       after at most ``max_steps`` steps (tied weights only).
     - performance (:data:`PERF_OPTIONS`, see the module docstring): ``scan_unroll``, ``remat``,
-      ``block_vjp``, ``check_every``, ``compact``, ``stream_slots`` and ``dtype``.
+      ``block_vjp``, ``kernel_engine`` (with ``block_vjp="fused"``: the conv blocks' engine,
+      ``None`` by card, ``"triton"`` or ``"wgmma"``), ``check_every``, ``compact``,
+      ``stream_slots`` and ``dtype``.
     """
 
     steps: int = 30
@@ -165,6 +169,7 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
     scan_unroll: int | bool = 1
     remat: str = "none"
     block_vjp: str = "autodiff"
+    kernel_engine: str | None = None
     check_every: int = 1
     compact: bool = False
     stream_slots: int | None = None
@@ -194,6 +199,12 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
             check_int("stream_slots", self.stream_slots)
         check_choice("remat", self.remat, REMAT)
         check_choice("block_vjp", self.block_vjp, BLOCK_VJP)
+        check_choice("kernel_engine", self.kernel_engine, KERNEL_ENGINES)
+        if self.kernel_engine is not None and self.block_vjp != "fused":
+            raise ValueError(
+                f"kernel_engine={self.kernel_engine!r} picks the fused kernels' engine; it needs "
+                f"block_vjp='fused', got {self.block_vjp!r}."
+            )
         if self.block_vjp == "autodiff":
             return
         if self.untied or self.adaptive_tol is not None:

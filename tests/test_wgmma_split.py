@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import naisnet_jax.block_vjp
-from naisnet_jax import fused_block as fb
-from naisnet_jax import hopper_block as hb
+from naisnet_jax.kernels import KernelPolicy, common, tuning
+from naisnet_jax.kernels import conv as kconv
+from naisnet_jax.kernels import wgmma_split as hb
 from naisnet_jax.kernels.common import scaled_slope
 
 
@@ -70,8 +70,8 @@ def test_three_products_beat_tf32():
 def test_warpgroups_divide_tiles_and_fit(shape, warpgroups):
     """The most warpgroups (at most five) that divide the 64-row tiles and fit in shared memory."""
     H, W, C = shape
-    rows, _ = fb.default_tiling(C)
-    layout = fb.Layout.of(H, W, 3, 3, rows)
+    rows, _ = tuning.default_tiling(C)
+    layout = common.Layout.of(H, W, 3, 3, rows)
     nw = hb.choose_warpgroups(layout, C)
     assert nw == warpgroups
     assert hb.tiles_of(layout) % nw == 0
@@ -91,23 +91,25 @@ def test_unsupported_blocks_say_why(shape, k, dtype, activation, words):
     C = shape[-1]
     x0 = jnp.zeros(shape, dtype)
     kernel = jnp.zeros((k, k, C, C), dtype)
-    layout = fb.Layout.of(shape[1], shape[2], k, k, fb.default_tiling(C)[0])
+    layout = common.Layout.of(shape[1], shape[2], k, k, tuning.default_tiling(C)[0])
     assert words in hb.unsupported(layout, x0, kernel, activation)
     with pytest.raises(ValueError, match="engine='wgmma' does not take this block"):
-        fb.unroll_tied_conv(x0, x0, kernel, steps=2, interpret=False, engine="wgmma")
+        kconv.unroll_tied_conv(x0, x0, kernel, steps=2, policy=KernelPolicy(interpret=False, engine="wgmma"))
 
 
 def test_bad_engine_arguments_are_refused():
     x0 = jnp.zeros((2, 8, 8, 16), jnp.float32)
     kernel = jnp.zeros((3, 3, 16, 16), jnp.float32)
     with pytest.raises(ValueError, match="engine='cutlass' must be None, 'triton' or 'wgmma'"):
-        fb.unroll_tied_conv(x0, x0, kernel, steps=2, engine="cutlass")
+        kconv.unroll_tied_conv(x0, x0, kernel, steps=2, policy=KernelPolicy(engine="cutlass"))
     with pytest.raises(ValueError, match="warpgroups=2 tunes the wgmma kernels"):
-        fb.unroll_tied_conv(x0, x0, kernel, steps=2, warpgroups=2)
+        kconv.unroll_tied_conv(x0, x0, kernel, steps=2, policy=KernelPolicy(warpgroups=2))
     with pytest.raises(ValueError, match=r"interpreter \(interpret=True\) cannot run wgmma"):
-        fb.unroll_tied_conv(x0, x0, kernel, steps=2, interpret=True, engine="wgmma")
+        kconv.unroll_tied_conv(x0, x0, kernel, steps=2, policy=KernelPolicy(interpret=True, engine="wgmma"))
     with pytest.raises(ValueError, match="warpgroups=3 must be a positive divisor of the state's 4 tiles"):
-        fb.unroll_tied_conv(x0, x0, kernel, steps=2, interpret=False, engine="wgmma", warpgroups=3)
+        kconv.unroll_tied_conv(
+            x0, x0, kernel, steps=2, policy=KernelPolicy(interpret=False, engine="wgmma", warpgroups=3)
+        )
 
 
 def _lowered(fn, *args):
@@ -118,12 +120,14 @@ def _lowered(fn, *args):
 def test_kernels_lower_for_cuda(activation, C, monkeypatch):
     """The GPU build: forward and backward kernels lower to Mosaic GPU on this CPU (the weight
     gradient stays Triton's, on its second stream)."""
-    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)  # as on a GPU
+    monkeypatch.setattr(common, "gpu_backend", lambda: True)  # as on a GPU
     x = jax.ShapeDtypeStruct((4, 16, 16, C), jnp.float32)
     w = jax.ShapeDtypeStruct((3, 3, C, C), jnp.float32)
 
     def loss(a, b, c):
-        run = fb.unroll_tied_conv(a, b, c, steps=3, activation=activation, interpret=False, engine="wgmma")
+        run = kconv.unroll_tied_conv(
+            a, b, c, steps=3, activation=activation, policy=KernelPolicy(interpret=False, engine="wgmma")
+        )
         return jnp.sum(run)
 
     forward = _lowered(loss, x, x, w)
@@ -137,7 +141,7 @@ def test_kernels_lower_for_cuda(activation, C, monkeypatch):
 def test_forward_saves_relu_sign_in_a_quarter_of_the_bytes(activation, saved):
     """For ReLU the forward kernel saves ``1[z_k > 0]`` in int8 instead of ``z_k`` (tanh keeps
     float32 ``z_k``); the states stay float32."""
-    layout = fb.Layout.of(16, 16, 3, 3, 128)
+    layout = common.Layout.of(16, 16, 3, 3, 128)
     buf = jax.ShapeDtypeStruct((4, layout.rows, 16), jnp.float32)
     taps = jax.ShapeDtypeStruct((9, 16, 16), jnp.float32)
     fwd = functools.partial(hb.fused_forward, layout, steps=3, h=1.0, activation=activation, save=True, warpgroups=2)
@@ -155,7 +159,7 @@ def test_relu_sign_gives_the_same_slope_exactly():
     z = rng.standard_normal(4096).astype(np.float32) * np.float32(10.0) ** rng.integers(-45, 5, 4096)
     z[:8] = [0.0, -0.0, 1e-45, -1e-45, np.inf, -np.inf, 1e-38, -1e-38]
     g = rng.standard_normal(4096).astype(np.float32)
-    sign = jnp.where(jnp.asarray(z) > 0, 1.0, 0.0).astype(hb.MASK_DTYPE).astype(jnp.float32)
+    sign = jnp.where(jnp.asarray(z) > 0, 1.0, 0.0).astype(hb.SIGN_DTYPE).astype(jnp.float32)
     for h in (1.0, 0.25):
         ref = np.where(z > 0, np.float32(h) * g, np.float32(0.0))
         got = np.asarray(scaled_slope("relu", h, sign, jnp.asarray(g)))
@@ -165,13 +169,13 @@ def test_relu_sign_gives_the_same_slope_exactly():
 def test_each_kernel_is_built_once_per_shape(monkeypatch):
     """Blocks of one shape share one Mosaic kernel (NAIS-Net10: 4 built, not 72): three blocks'
     gradients lower to one forward and one backward kernel, called three times each."""
-    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
+    monkeypatch.setattr(common, "gpu_backend", lambda: True)
     x = jax.ShapeDtypeStruct((4, 16, 16, 16), jnp.float32)
     w = jax.ShapeDtypeStruct((3, 3, 3, 16, 16), jnp.float32)
 
     def loss(a, b, ws):
         for i in range(3):
-            a = fb.unroll_tied_conv(a, b, ws[i], steps=2, interpret=False, engine="wgmma")
+            a = kconv.unroll_tied_conv(a, b, ws[i], steps=2, policy=KernelPolicy(interpret=False, engine="wgmma"))
         return jnp.sum(a)
 
     text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), x, x, w)
@@ -185,24 +189,24 @@ def test_each_kernel_is_built_once_per_shape(monkeypatch):
 def test_automatic_engine_by_card(hopper, engine, monkeypatch):
     """Where the GPU kernels run, a Hopper card gets the wgmma kernels for blocks they take
     (16 and 32 channels), any other card the Triton ones."""
-    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
-    monkeypatch.setattr(fb, "gpu_kernels_available", lambda x0: True)
-    monkeypatch.setattr(hb, "hopper_available", lambda: hopper)
+    monkeypatch.setattr(common, "gpu_backend", lambda: True)
+    monkeypatch.setattr(common, "gpu_kernels_available", lambda x0: True)
+    monkeypatch.setattr(common, "hopper_available", lambda: hopper)
     x = jax.ShapeDtypeStruct((4, 16, 16, 32), jnp.float32)
     w = jax.ShapeDtypeStruct((3, 3, 32, 32), jnp.float32)
-    text = _lowered(functools.partial(fb.unroll_tied_conv, steps=2), x, x, w)
+    text = _lowered(functools.partial(kconv.unroll_tied_conv, steps=2), x, x, w)
     assert ("custom_call @mosaic_gpu_v2" in text) == (engine == "wgmma")
     assert ("triton" in text.lower()) == (engine == "triton")
 
 
 def test_kernels_lower_under_vmap(monkeypatch):
     """A sweep vmaps the model over seeds: the batched kernels lower too."""
-    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
+    monkeypatch.setattr(common, "gpu_backend", lambda: True)
     x = jax.ShapeDtypeStruct((2, 4, 16, 16, 16), jnp.float32)
     w = jax.ShapeDtypeStruct((2, 3, 3, 16, 16), jnp.float32)
 
     def loss(a, b, c):
-        return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=2, interpret=False, engine="wgmma"))
+        return jnp.sum(kconv.unroll_tied_conv(a, b, c, steps=2, policy=KernelPolicy(interpret=False, engine="wgmma")))
 
     text = _lowered(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))), x, x, w)
     assert text.count("custom_call @mosaic_gpu_v2") == 2
@@ -211,13 +215,15 @@ def test_kernels_lower_under_vmap(monkeypatch):
 def test_kernel_size_does_not_grow_with_depth(monkeypatch):
     """The K steps are a loop inside each kernel, not unrolled: the gradient's lowered program at
     K = 200 is the size of K = 2's (what keeps compile time flat in K)."""
-    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
+    monkeypatch.setattr(common, "gpu_backend", lambda: True)
     x = jax.ShapeDtypeStruct((4, 16, 16, 16), jnp.float32)
     w = jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32)
 
     def size(steps):
         def loss(a, b, c):
-            return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=steps, interpret=False, engine="wgmma"))
+            return jnp.sum(
+                kconv.unroll_tied_conv(a, b, c, steps=steps, policy=KernelPolicy(interpret=False, engine="wgmma"))
+            )
 
         return len(_lowered(jax.grad(loss, argnums=(0, 1, 2)), x, x, w))
 

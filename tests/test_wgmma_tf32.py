@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import naisnet_jax.block_vjp
-from naisnet_jax import fused_block as fb
-from naisnet_jax import hopper_block as hb
-from naisnet_jax import hopper_tf32 as ht
+from naisnet_jax.kernels import KernelPolicy, common, policy, tf32_planes, tuning
+from naisnet_jax.kernels import conv as kconv
+from naisnet_jax.kernels import wgmma_split as hb
+from naisnet_jax.kernels import wgmma_tf32 as ht
 
 
 @pytest.mark.parametrize("H, C", [(32, 16), (16, 32), (8, 64)])
@@ -28,8 +28,8 @@ def test_window_views_address_every_window(H, C):
     addressing (core matrices of 8 rows x 16 bytes), from a byte image of the planes, equals the
     state's rows ``q0 + offset .. + 64`` for every tile: every instruction's 8 channels, in groups
     of one swizzle width (32 channels at 64: two ``wgmma_m64`` calls a tap)."""
-    layout = fb.Layout.of(H, H, 3, 3, 64 if C > 32 else fb.default_tiling(C)[0], align=8)
-    group = ht.swizzle_of(C) // 4  # channels of one wgmma_m64 call
+    layout = common.Layout.of(H, H, 3, 3, 64 if C > 32 else tuning.default_tiling(C)[0], align=8)
+    group = tf32_planes.swizzle_of(C) // 4  # channels of one wgmma_m64 call
     rng = np.random.default_rng(0)
     state = rng.standard_normal((layout.rows, C)).astype(np.float32)
     planes = np.ascontiguousarray(state.reshape(layout.rows, C // 4, 4).transpose(1, 0, 2))
@@ -41,7 +41,7 @@ def test_window_views_address_every_window(H, C):
         span = q0 * 16  # the span passed to the products starts `reach` rows before the tile
         for off in layout.offsets(3, 3):
             for i in range(C // 8):  # one m64nNk8 per 8 channels
-                f = ht.window_fields(S, off, plane_bytes, i * 8 // group * group)
+                f = tf32_planes.window_fields(S, off, plane_bytes, i * 8 // group * group)
                 addr = span + f["start"] + (i % (group // 8)) * f["k_step"] + (m // 8) * f["sbo"] + (m % 8) * 16
                 addr = addr + (k // 4) * f["lbo"] + (k % 4) * 4
                 got = memory[addr[..., None] + np.arange(4)].view(np.float32)[..., 0]
@@ -52,8 +52,8 @@ def test_window_views_address_every_window(H, C):
 def test_layout_align_keeps_the_image_and_slack():
     """``align=8``: rows a multiple of 8, the same image, at least the slack after it."""
     for H, C in ((32, 16), (16, 32), (8, 16)):
-        plain = fb.Layout.of(H, H, 3, 3, fb.default_tiling(C)[0])
-        aligned = fb.Layout.of(H, H, 3, 3, fb.default_tiling(C)[0], align=8)
+        plain = common.Layout.of(H, H, 3, 3, tuning.default_tiling(C)[0])
+        aligned = common.Layout.of(H, H, 3, 3, tuning.default_tiling(C)[0], align=8)
         assert aligned.rows % 8 == 0 and plain.rows <= aligned.rows < plain.rows + 8
         assert aligned.rows - aligned.slack - aligned.padded_rows >= aligned.slack
         x = jnp.asarray(np.random.default_rng(1).standard_normal((2, H, H, C)), jnp.float32)
@@ -71,7 +71,7 @@ def test_warpgroups_divide_tiles_and_fit(shape, activation, warpgroups):
     """The most warpgroups that divide the tiles and whose planes, staging slots (ReLU's sign in
     a byte, tanh's z in four) and taps fit in shared memory; one more does not fit."""
     H, W, C = shape
-    layout = fb.Layout.of(H, W, 3, 3, fb.default_tiling(C)[0], align=8)
+    layout = common.Layout.of(H, W, 3, 3, tuning.default_tiling(C)[0], align=8)
     nw = ht.choose_warpgroups(layout, C, activation)
     assert nw == warpgroups and hb.tiles_of(layout) % nw == 0
     assert ht.smem_bytes(layout, C, nw, activation) <= hb.SMEM_BYTES
@@ -80,30 +80,33 @@ def test_warpgroups_divide_tiles_and_fit(shape, activation, warpgroups):
 
 
 def test_refusals_name_the_problem():
-    layout = fb.Layout.of(32, 32, 3, 3, fb.default_tiling(16)[0], align=8)
+    layout = common.Layout.of(32, 32, 3, 3, tuning.default_tiling(16)[0], align=8)
     x = jnp.zeros((2, layout.rows, 16), jnp.float32)
     taps = jnp.zeros((9, 16, 16), jnp.float32)
     with pytest.raises(ValueError, match=r"warpgroups=5: a program needs \d+ bytes of shared memory"):
         ht.fused_forward(layout, x, x, taps, steps=2, h=1.0, activation="tanh", save=True, warpgroups=5)
-    plain = fb.Layout.of(32, 32, 3, 3, fb.default_tiling(16)[0])
+    plain = common.Layout.of(32, 32, 3, 3, tuning.default_tiling(16)[0])
     y = jnp.zeros((2, plain.rows, 16), jnp.float32)
     with pytest.raises(ValueError, match=f"rows are a multiple of 8.*got rows={plain.rows}"):
         ht.fused_forward(plain, y, y, taps, steps=2, h=1.0, activation="relu", save=True, warpgroups=5)
     big = jnp.zeros((2, 64, 64, 16), jnp.float32)
     assert "shared memory" in ht.unsupported(
-        fb.Layout.of(64, 64, 3, 3, fb.default_tiling(16)[0], align=8), big, jnp.zeros((3, 3, 16, 16)), "relu"
+        common.Layout.of(64, 64, 3, 3, tuning.default_tiling(16)[0], align=8), big, jnp.zeros((3, 3, 16, 16)), "relu"
     )
 
 
-def _kernels(precision=None, tf32=True, activation="relu", C=16, monkeypatch=None):
+def _kernels(precision=None, activation="relu", C=16, monkeypatch=None):
     """The wgmma kernels' names in the lowered gradient of a block, under ``precision``."""
-    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)  # as on a GPU
-    monkeypatch.setattr(fb, "WGMMA_TF32", tf32)
+    monkeypatch.setattr(common, "gpu_backend", lambda: True)  # as on a GPU
     x = jax.ShapeDtypeStruct((4, 16, 16, C), jnp.float32)
     w = jax.ShapeDtypeStruct((3, 3, C, C), jnp.float32)
 
     def loss(a, b, c):
-        return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=3, activation=activation, interpret=False, engine="wgmma"))
+        return jnp.sum(
+            kconv.unroll_tied_conv(
+                a, b, c, steps=3, activation=activation, policy=KernelPolicy(interpret=False, engine="wgmma")
+            )
+        )
 
     with jax.default_matmul_precision(precision):
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
@@ -119,10 +122,10 @@ def test_tf32_kernels_at_default_precision(activation, C, monkeypatch):
     assert _kernels("tensorfloat32", monkeypatch=monkeypatch)[0] == "hopper_tf32_backward_kernel"
 
 
-@pytest.mark.parametrize("precision, tf32", [("float32", True), ("highest", True), (None, False)])
-def test_three_bf16_products_where_more_is_asked(precision, tf32, monkeypatch):
-    """``float32``/``highest`` precision, or ``WGMMA_TF32 = False``: ``hopper_block``'s kernels."""
-    assert _kernels(precision, tf32=tf32, monkeypatch=monkeypatch) == [
+@pytest.mark.parametrize("precision", ["float32", "highest"])
+def test_three_bf16_products_where_more_is_asked(precision, monkeypatch):
+    """``float32``/``highest`` precision: the split engine's kernels (``wgmma_split``)."""
+    assert _kernels(precision, monkeypatch=monkeypatch) == [
         "hopper_backward_kernel",
         "hopper_forward_kernel",
     ]
@@ -131,10 +134,10 @@ def test_three_bf16_products_where_more_is_asked(precision, tf32, monkeypatch):
 def test_relu_backward_takes_z_or_its_sign():
     """The backward kernel takes ReLU's saved sign, or ``z_k`` itself reduced to its sign first
     (both lower; the staging slots stay a byte an element, so five warpgroups fit)."""
-    layout = fb.Layout.of(32, 32, 3, 3, fb.default_tiling(16)[0], align=8)
+    layout = common.Layout.of(32, 32, 3, 3, tuning.default_tiling(16)[0], align=8)
     g = jax.ShapeDtypeStruct((2, layout.rows, 16), jnp.float32)
     taps = jax.ShapeDtypeStruct((9, 16, 16), jnp.float32)
-    for dtype in (hb.MASK_DTYPE, jnp.float32):
+    for dtype in (hb.SIGN_DTYPE, jnp.float32):
         zs = jax.ShapeDtypeStruct((3, 2, layout.rows, 16), dtype)
         run = jax.jit(
             lambda a, z, t: ht.fused_backward(layout, a, z, t, steps=3, h=1.0, activation="relu", warpgroups=5)
@@ -148,7 +151,7 @@ def test_sixty_four_channels_single_buffered():
     and the refusal says so. Both kernels lower for CUDA (the values are checked on a GPU by
     ``benchmarks/wgmma_block.py --shapes=8x8x64``)."""
     assert [ht.buffers_of(C) for C in ht.CHANNELS] == [2, 2, 1]
-    layout = fb.Layout.of(8, 8, 3, 3, 64, align=8)
+    layout = common.Layout.of(8, 8, 3, 3, 64, align=8)
     assert ht.choose_warpgroups(layout, 64, "relu") == 2
     assert ht.smem_bytes(layout, 64, 2) == layout.rows * 64 * 4 + 2 * 64 * 64 + 2 * 64 * 64 * 4 + 9 * 64 * 64 * 4 + 1024
     x4 = jnp.zeros((2, 8, 8, 64), jnp.float32)
@@ -158,7 +161,7 @@ def test_sixty_four_channels_single_buffered():
     assert "16, 32 or 64 channels, got 128" in ht.unsupported(layout, jnp.zeros((2, 8, 8, 128), jnp.float32), w, "relu")
     x = jax.ShapeDtypeStruct((4, layout.rows, 64), jnp.float32)
     taps = jax.ShapeDtypeStruct((9, 64, 64), jnp.float32)
-    zs = jax.ShapeDtypeStruct((3, 4, layout.rows, 64), hb.MASK_DTYPE)
+    zs = jax.ShapeDtypeStruct((3, 4, layout.rows, 64), hb.SIGN_DTYPE)
     fwd = jax.jit(
         lambda a, b, t: ht.fused_forward(layout, a, b, t, steps=3, h=1.0, activation="relu", save=True, warpgroups=2)
     )
@@ -171,42 +174,42 @@ def test_wide_path_weight_gradient_from_xla_matches_the_loop():
     """The config of a 64-channel block on the wide path (the TF32 kernels' layout, the kernel's
     gradient by XLA's convolution gradient on the saved states), the block kernels run in the
     interpreter in float64: value and gradients equal the plain loop's."""
-    from naisnet_jax.block_vjp import conv_op, unroll_tied
+    from naisnet_jax.kernels.stacked import conv_op, unroll_tied
 
     rng = np.random.default_rng(3)
     x0, drive, cot = (jnp.asarray(rng.standard_normal((2, 6, 6, 64))) for _ in range(3))
     kernel = jnp.asarray(0.05 * rng.standard_normal((3, 3, 64, 64)))
-    config = fb.Config(interpret=True, tile_rows=fb.WIDE_TILE_ROWS, tf32=True, xla_wgrad=True)
+    config = policy.ConvPlan(interpret=True, tile_rows=tuning.WIDE_TILE_ROWS, tf32=True, xla_wgrad=True)
 
     def grads(run):
         return jax.value_and_grad(lambda a, b, c: jnp.vdot(run(a, b, c), cot), argnums=(0, 1, 2))(x0, drive, kernel)
 
-    got = grads(lambda a, b, c: fb._fused(a, b, c, 3, 0.5, "relu", config))
+    got = grads(lambda a, b, c: kconv._fused(a, b, c, 3, 0.5, "relu", config))
     want = grads(lambda a, b, c: unroll_tied(conv_op, a, b, c, steps=3, h=0.5, activation="relu"))
     np.testing.assert_allclose(got[0], want[0], rtol=1e-10)
     for g, w in zip(got[1], want[1]):
         np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize("wide", [True, False])
-def test_wide_blocks_take_the_tf32_kernels_only_when_switched_on(wide, monkeypatch):
-    """With ``WGMMA_WIDE`` a 64-channel block's gradient lowers to the TF32 kernels (forward and
-    backward) and a convolution for its kernel's gradient, no Triton kernel; without it the block
-    keeps the stacked VJP (no Mosaic kernel)."""
-    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)  # as on a GPU
-    monkeypatch.setattr(fb, "WGMMA_WIDE", wide)
-    monkeypatch.setattr(fb, "gpu_kernels_available", lambda x0: True)
-    monkeypatch.setattr(hb, "hopper_available", lambda: True)
+@pytest.mark.parametrize("precision", [None, "float32"])
+def test_wide_blocks_take_the_tf32_kernels_where_tf32_is_allowed(precision, monkeypatch):
+    """On a Hopper GPU at JAX's default precision a 64-channel block's gradient lowers to the TF32
+    kernels (forward and backward) and a convolution for its kernel's gradient, no Triton kernel;
+    where the precision asks for more than TF32 the block keeps the stacked VJP (no Mosaic
+    kernel)."""
+    monkeypatch.setattr(common, "gpu_backend", lambda: True)  # as on a GPU
+    monkeypatch.setattr(common, "gpu_kernels_available", lambda x0: True)
+    monkeypatch.setattr(common, "hopper_available", lambda: True)
     x = jax.ShapeDtypeStruct((4, 8, 8, 64), jnp.float32)
     w = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.float32)
 
     def loss(a, b, c):
-        return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=3, activation="relu"))
+        return jnp.sum(kconv.unroll_tied_conv(a, b, c, steps=3, activation="relu"))
 
-    with jax.default_matmul_precision(None):  # JAX's default (the tests' conftest asks "highest")
+    with jax.default_matmul_precision(precision):  # None: JAX's default (the tests' conftest asks "highest")
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
     kernels = sorted(set(re.findall(r"hopper\w*_kernel", text)))
-    if wide:
+    if precision is None:
         assert kernels == ["hopper_tf32_backward_kernel", "hopper_tf32_forward_kernel"]
         assert "triton" not in text.lower() and "convolution" in text
     else:
@@ -218,7 +221,7 @@ def test_interior_runs_cover_the_image_once(H, W, warpgroups):
     """``interior_runs``: the copies each warpgroup's tiles send with ``interior=True`` (a run of
     the staging slot's rows to a row of the image), replayed in numpy over every tile, rebuild
     exactly ``Layout.interior`` of the buffer, every pixel written once."""
-    layout = fb.Layout.of(H, W, 3, 3, 64, align=8)
+    layout = common.Layout.of(H, W, 3, 3, 64, align=8)
     C = 4
     buf = np.arange(layout.rows * C, dtype=np.float64).reshape(layout.rows, C)
     image, writes = np.full((H, W, C), np.nan), np.zeros((H, W), int)
@@ -238,7 +241,7 @@ def test_interior_runs_cover_the_image_once(H, W, warpgroups):
 def test_interior_outputs_need_rows_of_128_bytes():
     """``interior=True`` sends runs from any row of the staging slot, which TMA takes only at
     128-byte boundaries: 16 channels (64-byte rows) are refused by name, before anything is built."""
-    layout = fb.Layout.of(8, 8, 3, 3, 64, align=8)
+    layout = common.Layout.of(8, 8, 3, 3, 64, align=8)
     x = jnp.zeros((2, layout.rows, 16), jnp.float32)
     with pytest.raises(ValueError, match="interior=True.*64 bytes"):
         ht.fused_forward(
@@ -260,15 +263,15 @@ def test_wide_block_saves_states_as_images_for_the_weight_gradient(monkeypatch):
     lowered gradient of a 64-channel block (as on a Hopper GPU) takes its kernel gradient from a
     convolution over ``(K - 1) N`` images with no copy of the buffers' interiors before it (XLA
     would slice ``(K, N, rows, C)`` buffers otherwise)."""
-    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
-    monkeypatch.setattr(fb, "gpu_kernels_available", lambda x0: True)
-    monkeypatch.setattr(hb, "hopper_available", lambda: True)
+    monkeypatch.setattr(common, "gpu_backend", lambda: True)
+    monkeypatch.setattr(common, "gpu_kernels_available", lambda x0: True)
+    monkeypatch.setattr(common, "hopper_available", lambda: True)
     N, steps = 4, 3
     x = jax.ShapeDtypeStruct((N, 8, 8, 64), jnp.float32)
     w = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.float32)
 
     def loss(a, b, c):
-        return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=steps, activation="relu"))
+        return jnp.sum(kconv.unroll_tied_conv(a, b, c, steps=steps, activation="relu"))
 
     with jax.default_matmul_precision(None):
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
@@ -289,15 +292,15 @@ def test_wide_block_lowers_under_vmap(monkeypatch):
     CUDA (the taps come in a tap at a time and the saved images flat, so no TMA copy needs more
     than five dimensions), with the TF32 kernels: the forward's outputs carry the seeds' axis in
     front."""
-    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
-    monkeypatch.setattr(fb, "gpu_kernels_available", lambda x0: True)
-    monkeypatch.setattr(hb, "hopper_available", lambda: True)
+    monkeypatch.setattr(common, "gpu_backend", lambda: True)
+    monkeypatch.setattr(common, "gpu_kernels_available", lambda x0: True)
+    monkeypatch.setattr(common, "hopper_available", lambda: True)
     assert [ht.tap_copies(C) for C in (16, 32, 64)] == [1, 1, 9]
     x = jax.ShapeDtypeStruct((3, 4, 8, 8, 64), jnp.float32)
     w = jax.ShapeDtypeStruct((3, 3, 3, 64, 64), jnp.float32)
 
     def loss(a, b, c):
-        return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=3, activation="relu"))
+        return jnp.sum(kconv.unroll_tied_conv(a, b, c, steps=3, activation="relu"))
 
     with jax.default_matmul_precision(None):
         grad = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))
@@ -305,25 +308,3 @@ def test_wide_block_lowers_under_vmap(monkeypatch):
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     assert len(calls) == 2 and "triton" not in text.lower()  # the forward and backward kernels
     assert any("-> (tensor<3x3x4x64x64xf32>, tensor<3x4x64x64xf32>, tensor<3x3x4x152x64xi8>)" in c for c in calls)
-
-
-@pytest.mark.parametrize("side", [False, True])
-def test_wide_weight_gradient_stream(side, monkeypatch):
-    """``WIDE_WGRAD_SIDE``: the 64-channel blocks' kernel gradient (XLA's convolution gradient)
-    in a computation annotated for the second stream, or (the default) on the main one."""
-    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)
-    monkeypatch.setattr(fb, "gpu_kernels_available", lambda x0: True)
-    monkeypatch.setattr(hb, "hopper_available", lambda: True)
-    monkeypatch.setattr(fb, "WIDE_WGRAD_SIDE", side)
-    x = jax.ShapeDtypeStruct((4, 8, 8, 64), jnp.float32)
-    w = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.float32)
-
-    def loss(a, b, c):
-        return jnp.sum(fb.unroll_tied_conv(a, b, c, steps=3, activation="relu"))
-
-    with jax.default_matmul_precision(None):
-        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
-    assert fb.WIDE_WGRAD_SIDE is side and ("@compute_on" in text) is side
-    if side:
-        region = text[text.index("func.func private @compute_on") :].split("\n  }")[0]
-        assert "stablehlo.convolution" in region and '_xla_stream_annotation = "1"' in text

@@ -1,21 +1,22 @@
-"""A conv block's forward and backward kernels on Hopper's ``wgmma`` (Pallas, Mosaic GPU), in
-three bfloat16 products (about 16 significant bits). The blocks take them where JAX's matmul
-precision asks for more than TF32; at the default precision they take the faster TF32 kernels of
-:mod:`naisnet_jax.hopper_tf32`, which share this module's frame.
+"""The split-bfloat16 wgmma engine of a conv block: its forward and backward kernels on Hopper's
+``wgmma`` (Pallas, Mosaic GPU), in three bfloat16 products (about 16 significant bits). The
+blocks take them where JAX's matmul precision asks for more than TF32; at the default precision
+they take the faster TF32 kernels of :mod:`naisnet_jax.kernels.wgmma_tf32`, which share this
+module's frame.
 
-The same computation, buffers and layout as :mod:`naisnet_jax.fused_block`'s Triton kernels
+The same computation, buffers and layout as :mod:`naisnet_jax.kernels.triton_conv`'s kernels
 (its weight-gradient kernel takes these kernels' outputs unchanged), written for Pallas'
 Mosaic GPU backend, where a program holds a pattern's whole state in shared memory:
 
 - one program per pattern, of ``warpgroups`` warpgroups that share the state's 64-row tiles (a
   contiguous run each); the state (forward) or ``s_k`` (backward) double-buffered in shared
-  memory in ``fused_block.Layout``'s buffer layout (2 x 1,350 rows x 64 B at 32x32x16);
+  memory in :class:`naisnet_jax.kernels.common.Layout`'s buffer layout (2 x 1,350 rows x 64 B at 32x32x16);
 - per tile, each tap's window loaded from shared memory into registers at its row offset (any
   offset: ``wgmma`` takes a shared-memory operand only swizzled and 8-row tiled, which a window
   at an arbitrary row is not, and a register operand only in 16 or 8 bits), split into
   ``hi + lo`` in bfloat16 (:func:`split_bf16`) and multiplied with the taps, split the same way
   and held in swizzled shared memory, by three ``wgmma``: ``hi w_hi + lo w_hi + hi w_lo``. The
-  products carry about 16 significant bits, more than TF32's 11 (``tests/test_hopper_block.py``);
+  products carry about 16 significant bits, more than TF32's 11 (``tests/test_wgmma_split.py``);
 - forward: the drive held in registers for all K steps, ``x_0`` and the drive in by TMA, each
   new state out by TMA after its step (its tiled rows: the slack around them only feeds windows)
   and each pre-activation ``z_k`` through a staging buffer per warpgroup (two slots; one where a
@@ -27,11 +28,9 @@ Mosaic GPU backend, where a program holds a pattern's whole state in shared memo
 The warpgroups meet at a barrier after every step (the next step reads rows the others wrote);
 warpgroup 0 moves the whole buffers in and out.
 
-Measured on an H100 (``BENCHMARKS.md``, batch 128, K = 10, ReLU): a 32x32x16 block 0.154 ms
-forward / 0.175 ms backward with 5 warpgroups against 0.408 / 0.346 for the Triton kernels;
-16x16x32 0.159 / 0.155 with 3 against 0.213 / 0.201. Pallas' interpreter cannot run ``wgmma``,
-so the values are checked on a GPU (``benchmarks/wgmma_block.py``, ``benchmarks/hopper_checks.py``)
-and the tests lower the kernels for CUDA on the CPU.
+Pallas' interpreter cannot run ``wgmma``, so the values are checked on a GPU
+(``benchmarks/hopper_checks.py``) and the tests lower the kernels for CUDA on the CPU; their
+speed against the Triton kernels is in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -50,9 +49,7 @@ Array = jax.Array
 M = 64
 #: Rows of a TMA box at most.
 TMA_ROWS = 256
-#: Most warpgroups a program gets. On an H100 (forward / backward ms): at 32x32x16, 2 take
-#: 0.185 / 0.238, 4 take 0.227 / 0.282, 5 take 0.154 / 0.175; at 16x16x32, 2 take 0.180 / 0.183,
-#: 3 take 0.159 / 0.155, 6 take 0.175 / 0.179.
+#: Most warpgroups a program gets (the fastest count that fits is taken: :func:`choose_warpgroups`).
 MAX_WARPGROUPS = 5
 #: Shared memory a program may use on Hopper (227 KiB).
 SMEM_BYTES = 232_448
@@ -68,7 +65,7 @@ def _out_rows(layout, C: int) -> list[tuple[int, int]]:
     """The TMA chunks that send a state out: its tiled rows only, from the last 128-byte boundary
     at or before the first (a box starts aligned in shared memory). The slack rows around them,
     which only feed windows, are not written: the kernels that read these outputs mask them
-    (``fused_block``'s weight-gradient kernel) or take the image (``Layout.interior``)."""
+    (the Triton engine's weight-gradient kernel) or take the image (``Layout.interior``)."""
     per = max(1, 128 // (4 * C))  # rows in 128 bytes
     return _chunks(layout.slack // per * per, layout.slack + tiles_of(layout) * M)
 
@@ -133,9 +130,9 @@ def unsupported_shape(layout, x0: Array, kernel: Array, activation: str, channel
 
 
 def saved_dtype(activation: str):
-    """The dtype the forward kernel saves a pre-activation in: ReLU's sign in :data:`MASK_DTYPE`
+    """The dtype the forward kernel saves a pre-activation in: ReLU's sign in :data:`SIGN_DTYPE`
     (:func:`saves_mask`), else ``z_k`` in float32."""
-    return MASK_DTYPE if saves_mask(activation) else jnp.float32
+    return SIGN_DTYPE if saves_mask(activation) else jnp.float32
 
 
 def forward_out_type(layout, N: int, C: int, steps: int, save: bool, activation: str):
@@ -153,19 +150,6 @@ def backward_out_type(layout, N: int, C: int, steps: int):
     )
 
 
-def default_device():
-    """The device JAX computes on by default: the one ``jax.default_device`` names, if set (a
-    device, or a platform's name: that backend's first device), else the default backend's first."""
-    default = jax.config.jax_default_device
-    return jax.devices(default)[0] if default is None or isinstance(default, str) else default
-
-
-def hopper_available() -> bool:
-    """JAX's default device is a Hopper GPU (compute capability 9.x)."""
-    device = default_device()
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
-
-
 def split_bf16(x: Array) -> tuple[Array, Array]:
     """``(hi, lo)`` in bfloat16 with ``hi + lo`` carrying ``x`` to about 16 significant bits:
     ``hi`` is ``x`` with its low 16 bits cleared, ``lo = x - hi`` (exact in float32) rounded.
@@ -177,20 +161,15 @@ def split_bf16(x: Array) -> tuple[Array, Array]:
     return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
 
 
-#: For ReLU the forward kernel saves ``1[z_k > 0]`` in :data:`MASK_DTYPE` in place of ``z_k``
-#: (``False``: ``z_k`` in float32, as for tanh; read when a kernel is first built).
-SAVE_RELU_SIGN = True
-#: The dtype of the saved ReLU sign. int8: the same gradients bit for bit as
-#: bfloat16 and NAIS-Net10's peak memory 39.6 against 44.9 MiB an image at the same
-#: step time on an H200 (25.62 ms both; ``BENCHMARKS.md``).
-MASK_DTYPE = jnp.int8
+#: The dtype the forward kernel saves ReLU's sign ``1[z_k > 0]`` in (:func:`saves_mask`): a byte.
+SIGN_DTYPE = jnp.int8
 
 
 def saves_mask(activation: str) -> bool:
-    """Whether the forward kernel saves ``1[z_k > 0]`` in :data:`MASK_DTYPE` in place of ``z_k``:
+    """Whether the forward kernel saves ``1[z_k > 0]`` in :data:`SIGN_DTYPE` in place of ``z_k``:
     ReLU's slope needs only the sign, so the saved pre-activations move a quarter of the bytes
     (exactly the same gradient: the backward kernel tests ``> 0`` on either)."""
-    return SAVE_RELU_SIGN and activation == "relu"
+    return activation == "relu"
 
 
 def _load(ref, *idx):
@@ -254,8 +233,7 @@ def _team(nw):
 
 
 def _slope_tile(layout, q0, activation, h, z, g):
-    """``h act'(z) g`` for a tile's rows from ``q0``, zero outside the image (the kernels'
-    activation rules are ``fused_block``'s, imported here: it imports this module)."""
+    """``h act'(z) g`` for a tile's rows from ``q0``, zero outside the image."""
 
     return jnp.where(_inside(layout, q0, g.shape[-1]), scaled_slope(activation, h, z, g), jnp.zeros_like(g))
 
@@ -373,7 +351,7 @@ def _backward_kernel(
     zbar,
     sync,
 ):
-    """Pattern ``n``'s gradient from ``x_K`` back to ``x_0``, as ``fused_block``'s backward kernel:
+    """Pattern ``n``'s gradient from ``x_K`` back to ``x_0``, as the Triton engine's backward kernel:
     ``s_k = h act'(z_k) g_{k+1}``, ``g_k = g_{k+1} + conv^T(s_k)`` (``offsets``: the mirrored taps;
     the taps transposed). ``g`` stays in registers, ``s_k`` double-buffered in shared memory (read
     as windows while ``s_{k-1}`` is written), each ``z_{k-1}`` tile in by TMA one tile ahead through

@@ -1,6 +1,7 @@
-"""A conv block's forward and backward kernels on Hopper's ``wgmma`` in TF32, windows as views.
+"""The TF32 wgmma engine of a conv block: its forward and backward kernels on Hopper's ``wgmma``
+in TF32, the windows as views.
 
-The same computation, buffers and frame as :mod:`naisnet_jax.hopper_block` (one program per
+The same computation, buffers and frame as :mod:`naisnet_jax.kernels.wgmma_split` (one program per
 pattern, its warpgroups sharing the 64-row tiles, the state or ``s_k`` double-buffered in shared
 memory, the drive or the gradient in registers for all K steps). It differs in two ways:
 
@@ -11,54 +12,52 @@ memory, the drive or the gradient in registers for all K steps). It differs in t
   matrices along M (8 rows), a plane's bytes along K (4 channels). No window is loaded into
   registers or split; a tile's products are one ``m64nCk8`` per tap and 8 channels.
 - **TF32 products**, the precision of XLA's convolutions at JAX's default matmul precision
-  (and of the Triton kernels of :mod:`naisnet_jax.fused_block`): about 11 significant bits, where
-  ``hopper_block``'s three bfloat16 products keep about 16. :func:`naisnet_jax.fused_block.unroll_tied_conv`
+  (and of the Triton kernels of :mod:`naisnet_jax.kernels.triton_conv`): about 11 significant bits, where
+  the split engine's three bfloat16 products keep about 16. :func:`naisnet_jax.kernels.unroll_tied_conv`
   takes these kernels unless the default precision asks for more (``"highest"``, ``"float32"``).
 
-Global memory keeps ``fused_block.Layout``'s row-major buffers (``rows`` a multiple of 8, so
+Global memory keeps :class:`naisnet_jax.kernels.common.Layout`'s row-major buffers (``rows`` a multiple of 8, so
 that every TMA chunk moves whole 128-byte groups). The inputs move in by TMA a plane at a time,
 as ``(rows, 4)`` boxes of the ``(rows, C)`` buffer, once a kernel. The saved states and ``s_k``
 go out a tile at a time through a row-major staging slot per warpgroup: boxes of 16-byte rows
 move at a fraction of the bandwidth. A tile's state goes from planes to registers and back
-through :func:`_load_tile` and :func:`_store_tile` (the WGMMA register layout, 8-byte accesses).
+through :func:`load_tile` and :func:`store_tile` (the WGMMA register layout, 8-byte accesses).
 
-At 64 channels (``fused_block.WGMMA_WIDE``, ReLU) the float32 taps take 147 KB, so the state has
+At 64 channels (ReLU, at a precision that allows TF32) the float32 taps take 147 KB, so the state has
 one buffer (:func:`buffers_of`). A step computes every tile's products, the warpgroups meet, and
 then the step writes. The drive comes in a tile at a time through the staging slot, the taps
 one copy a tap (:func:`tap_copies`). For XLA's weight gradient the saved states and ``s_k``
 leave as images (``interior=True``: :func:`interior_runs`, a copy a run of pixels).
 
-Measured (``BENCHMARKS.md``, batch 128, K = 10, ReLU, forward / backward ms):
-
-- a step's products over every tile, one warpgroup (H200, a kernel microbenchmark): 2.9 us
-  at 32x32x16 and 1.7 us at 16x16x32, against 13.9 and 11.1 for ``hopper_block``'s loaded and
-  split windows;
-- a block on an H100 (``benchmarks/wgmma_block.py``): 0.128 / 0.198 at 32x32x16 against
-  ``hopper_block``'s 0.153 / 0.175, and 0.090 / 0.118 at 16x16x32 against 0.150 / 0.152;
-- NAIS-Net10's training step: 24.33 against 26.94 ms on an H100, 23.26 against 25.92 on an H200;
-- the 64-channel blocks (H100): the 8x8x64 block 0.095 / 0.114 against the Triton kernels' 1.000 / 0.983;
-  the step 23.18 against 24.51 ms with the 64-channel stage on it, 21.69 to 21.96 ms with the
-  states as images and the drives' kernel gradients on cuDNN.
+Pallas' interpreter cannot run ``wgmma``: the values are checked on a GPU
+(``benchmarks/hopper_checks.py``), the tests lower the kernels for CUDA on the CPU, and their
+speed against the split-bfloat16 and Triton engines is in BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
 
-from naisnet_jax import hopper_block as hb
+from naisnet_jax.kernels import wgmma_split as hb
 from naisnet_jax.kernels.common import act
+from naisnet_jax.kernels.tf32_planes import (
+    PLANE,
+    load_tile,
+    products,
+    store_tile,
+    swizzle_of,
+    taps_transforms,
+    tile_of,
+)
 
 M = hb.M
-#: Channels of a plane: 16 bytes of float32, one core matrix's row.
-PLANE = 4
 
 
 def saved_bytes(activation: str) -> int:
-    """Bytes of a saved pre-activation (:func:`naisnet_jax.hopper_block.saved_dtype`)."""
+    """Bytes of a saved pre-activation (:func:`naisnet_jax.kernels.wgmma_split.saved_dtype`)."""
     return jnp.dtype(hb.saved_dtype(activation)).itemsize
 
 
@@ -82,7 +81,7 @@ def smem_bytes(layout, C: int, warpgroups: int, activation: str = "relu") -> int
 
 
 def choose_warpgroups(layout, C: int, activation: str = "relu") -> int | None:
-    """The most warpgroups (up to ``hopper_block.MAX_WARPGROUPS``) that divide the tiles and fit
+    """The most warpgroups (up to ``wgmma_split.MAX_WARPGROUPS``) that divide the tiles and fit
     in shared memory, or ``None`` if not even one fits."""
     fits = [nw for nw in range(1, hb.MAX_WARPGROUPS + 1) if hb.tiles_of(layout) % nw == 0]
     fits = [nw for nw in fits if smem_bytes(layout, C, nw, activation) <= hb.SMEM_BYTES]
@@ -91,7 +90,7 @@ def choose_warpgroups(layout, C: int, activation: str = "relu") -> int | None:
 
 def unsupported(layout, x0, kernel, activation: str) -> str | None:
     """``None`` if these kernels take the block (``layout`` with rows a multiple of 8), else why not
-    (``hopper_block``'s rules with :data:`CHANNELS`, and this module's shared memory)."""
+    (``wgmma_split``'s rules with :data:`CHANNELS`, and this module's shared memory)."""
     C = x0.shape[-1]
     why = hb.unsupported_shape(layout, x0, kernel, activation, CHANNELS)
     if why is None and choose_warpgroups(layout, C, activation) is None:
@@ -99,206 +98,6 @@ def unsupported(layout, x0, kernel, activation: str) -> str | None:
         shape = "x".join(str(d) for d in x0.shape[1:])
         return f"a {shape} state needs {need} bytes of shared memory, more than {hb.SMEM_BYTES}"
     return why
-
-
-def _mgpu():
-    """Mosaic GPU's modules (imported when a kernel is built: they need jaxlib's GPU parts)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, nvvm, vector
-    from jax.experimental.mosaic import gpu as mgpu
-
-    mods = {m: importlib.import_module(f"jax.experimental.mosaic.gpu.{m}") for m in ("mma_utils", "utils", "wgmma")}
-    fa = importlib.import_module("jax.experimental.mosaic.gpu.fragmented_array")
-    return ir, arith, nvvm, vector, mgpu, mods["mma_utils"], mods["utils"], mods["wgmma"], fa
-
-
-def swizzle_of(C: int) -> int:
-    """Swizzle of the taps' rows in shared memory: ``C`` float32."""
-    return min(128, 4 * C)
-
-
-def taps_transforms(C: int):
-    """Shared-memory transforms of the ``(9, C, C)`` float32 taps, each ``(N, K)`` (TF32's B is
-    K-major): tiles of 8 rows x one swizzle width."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    swizzle = swizzle_of(C)
-    return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
-
-
-def window_fields(reach: int, offset: int, plane_bytes: int, first_channel: int = 0) -> dict:
-    """The shared-memory descriptor fields of a tap's window, in bytes from the span's first row
-    (``reach`` rows before the tile): ``start`` (the window's first row, at channel
-    ``first_channel``, a multiple of 4: where a ``wgmma_m64`` call's group of channels starts), ``lbo`` (between core
-    matrices along K: one plane, 4 channels), ``sbo`` (along M: 8 rows of 16 bytes), ``k_step``
-    (from one ``m64nNk8`` to the next: 8 channels, two planes). In the unswizzled K-major layout
-    element ``(m, k)`` of the window is at ``start + (m // 8) sbo + (m % 8) 16 + (k // 4) lbo +
-    (k % 4) 4`` for the instruction's ``k < 8`` (PTX's canonical layout; ``tests/test_hopper_tf32.py``
-    checks it against the planes)."""
-    row = 4 * PLANE
-    start = (reach + offset) * row + first_channel // PLANE * plane_bytes
-    return dict(start=start, lbo=plane_bytes, sbo=8 * row, k_step=2 * plane_bytes)
-
-
-def wgmma_sum(C: int, element_type, issue):
-    """In an mgpu function: the ``(M, C)`` float32 sum that ``issue(regs, types)`` accumulates
-    by ``wgmma_m64`` calls on ``regs``, a zeroed accumulator's registers, updated in place
-    (``regs[0:1] = wgmma_m64(regs[0:1], ..., **types)``); awaited, and back from the
-    accumulator's register tiling to the WGMMA layout. ``types`` names the operands'
-    ``element_type`` as this JAX's ``wgmma_m64`` takes it (one in jax 0.10, one an operand
-    later)."""
-    import inspect
-
-    _, _, nvvm, _, mgpu, _, _, wgmma, _ = _mgpu()
-    if "element_type" in inspect.signature(wgmma.wgmma_m64).parameters:
-        types = {"element_type": element_type}
-    else:
-        types = {"a_element_type": element_type, "b_element_type": element_type}
-    acc = wgmma.WGMMAAccumulator.zero(M, C)
-    regs = acc._value.registers.copy()
-    issue(regs, types)
-    nvvm.wgmma_commit_group_sync_aligned()
-    nvvm.wgmma_wait_group_sync_aligned(0)
-    value = mgpu.FragmentedArray(_registers=regs, _layout=acc._value.layout, _is_signed=None)
-    return wgmma.WGMMAAccumulator(_value=value, _original_layout=acc._original_layout, _sync=False).value
-
-
-def _tile_products(offsets, C: int, reach: int, plane_bytes: int):
-    """The mgpu function ``(ctx, span, taps) -> z`` of one tile: ``z = sum_t window_t @ B_t`` in
-    TF32, ``span`` the planes' rows from ``reach`` before the tile to ``reach`` after it
-    (``(C / 4, M + 2 reach, 4)``), tap ``t``'s window the ``M`` rows from ``reach + offsets[t]``;
-    ``taps`` ``(9, N, K)`` swizzled (``B_t`` transposed). A tap's K runs in groups of one swizzle
-    width (32 channels at most): one ``wgmma_m64`` call a group, its 8 planes on for the next."""
-    ir, _, _, _, _, mma_utils, utils, wgmma, _ = _mgpu()
-    from jax._src.lib.mlir.dialects import llvm
-
-    swizzle = swizzle_of(C)
-    k_group = swizzle // 4  # channels of one wgmma_m64 call
-
-    def products(ctx, span, taps):
-        del ctx
-        i8, i64 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(64)
-        base = utils.memref_ptr(span)
-        return wgmma_sum(C, ir.FloatTF32Type.get(), functools.partial(issue, base, taps, i8, i64))
-
-    def issue(base, taps, i8, i64, regs, types):
-        for t, off in enumerate(offsets):
-            # A, the window: K-major, unswizzled; core matrices 8 rows x 16 B, 128 B apart along M,
-            # a plane apart along K
-            for g in range(C // k_group):
-                fields = window_fields(reach, off, plane_bytes, g * k_group)
-                a_desc = mma_utils.encode_descriptor(
-                    utils.getelementptr(base, [fields["start"]], i8),
-                    leading_byte_offset=fields["lbo"],
-                    stride_byte_offset=fields["sbo"],
-                    swizzle=None,
-                )
-                # tap t as a (K tiles, N tiles, K tile, N tile) view of its (N, K) rows
-                b = utils.memref_transpose(utils.memref_slice(taps, t), (1, 0, 3, 2))
-                (b_desc, b_k_stride), (_, b_group_stride), b_fastest = mma_utils.create_descriptor(
-                    b, swizzle=swizzle, group_size=(k_group, C), logical_k_major=True
-                )
-                assert b_fastest == mma_utils.Dim.K, b_fastest
-                b_g = b_desc
-                if g:
-                    step = llvm.ConstantOp(i64, ir.IntegerAttr.get(i64, mma_utils.encode_addr(g * b_group_stride)))
-                    b_g = llvm.add(b_desc, step, overflow_flags=llvm.IntegerOverflowFlags.none)
-                regs[0:1] = wgmma.wgmma_m64(
-                    regs[0:1],
-                    a_desc,
-                    b_g,
-                    swizzle=swizzle,
-                    n=C,
-                    **types,
-                    a_transpose=False,
-                    a_k_stride=fields["k_step"],  # an instruction's 8 channels: two planes
-                    b_transpose=False,
-                    b_k_stride=b_k_stride[1][-1],
-                )
-
-    return products
-
-
-def _plane_index(arith, ir, r, c):
-    """``(plane, row, lane)`` of element ``(r, c)`` of a tile in planes."""
-    index = ir.IndexType.get()
-    four = arith.constant(index, PLANE)
-    return [arith.divui(c, four), r, arith.remui(c, four)]
-
-
-def _load_tile_fn(C: int):
-    """mgpu ``(ctx, tile) -> (M, C)`` in the WGMMA layout, ``tile`` a ``(C / 4, M, 4)`` view."""
-    ir, arith, _, vector, mgpu, _, _, _, fa = _mgpu()
-
-    def load(ctx, tile):
-        del ctx
-        layout = fa.WGMMA_LAYOUT
-        vec = ir.VectorType.get((2,), ir.F32Type.get())
-        regs = []
-        for r, c in layout.thread_idxs((M, C)):
-            regs.append(vector.load(vec, tile, _plane_index(arith, ir, r, c)))
-        import numpy as np
-
-        return mgpu.FragmentedArray(
-            _registers=np.array(regs, dtype=object).reshape(layout.registers_shape((M, C))),
-            _layout=layout,
-            _is_signed=None,
-        )
-
-    return load
-
-
-def _store_tile_fn(C: int):
-    """mgpu ``(ctx, value, tile) -> None``: an ``(M, C)`` WGMMA-layout value into the
-    ``(C / 4, M, 4)`` view ``tile``."""
-    ir, arith, _, vector, _, _, _, _, fa = _mgpu()
-
-    def store(ctx, value, tile):
-        del ctx
-        for reg, (r, c) in zip(value.registers.flat, fa.WGMMA_LAYOUT.thread_idxs((M, C))):
-            vector.store(reg, tile, _plane_index(arith, ir, r, c))
-
-    return store
-
-
-def _load_tile(planes):
-    """The ``(M, C)`` tile of a ``(C / 4, M, 4)`` planes view, in registers (WGMMA layout)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    C = planes.shape[0] * PLANE
-    return plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(),),
-        return_type=plgpu.ShapeDtypeStruct((M, C), jnp.float32, layout=plgpu.Layout.WGMMA),
-    )(_load_tile_fn(C))(planes)
-
-
-def _store_tile(value, planes):
-    """``value`` ``(M, C)`` (WGMMA layout) into a ``(C / 4, M, 4)`` planes view."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    C = planes.shape[0] * PLANE
-    plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(_store_tile_fn(C))(value, planes)
-
-
-def _products(layout, offsets, planes, buf, q0, taps):
-    """The tile at ``q0`` (first tiled row, counted from the slack): ``sum_t window_t @ B_t``
-    over ``planes[buf]``'s windows."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    C, rows = planes.shape[1] * PLANE, planes.shape[2]
-    S = layout.slack  # every window lies within the slack around the tile
-    products = plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(), plgpu.RefType(taps_transforms(C))),
-        return_type=plgpu.ShapeDtypeStruct((M, C), jnp.float32, layout=plgpu.Layout.WGMMA),
-    )(_tile_products(offsets, C, S, rows * 4 * PLANE))
-    return products(planes.at[buf, :, pl.ds(q0, M + 2 * S)], taps)
-
-
-def _tile(planes, buf, row):
-    from jax.experimental import pallas as pl
-
-    return planes.at[buf, :, pl.ds(row, M)]
 
 
 def _out_rows(layout) -> list[tuple[int, int]]:
@@ -391,7 +190,7 @@ def _planes_out(planes, dst, chunks):
 
 
 def _forward_kernel(layout, offsets, steps, h, activation, save, nw, interior, x0_ref, d_ref, taps_g, xs_ref, *rest):
-    """``hopper_block._forward_kernel`` with the state in planes and the windows as views. Saved
+    """``wgmma_split._forward_kernel`` with the state in planes and the windows as views. Saved
     states go out tile by tile through a row-major staging slot (a box of 16-byte rows, one a
     plane, would move at a fraction of the bandwidth), with ``interior`` as images; without
     ``save`` the last state goes out by planes."""
@@ -431,7 +230,7 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, interior, x
     plgpu.barrier_wait(bar)
     if not single:
         first = tiles()
-        drive = [_load_tile(_tile(state, 1, S + q0)) for q0 in first]
+        drive = [load_tile(tile_of(state, 1, S + q0)) for q0 in first]
 
     def send_x(value, k, j, pending):  # this warpgroup's tile j of x_k out through the staging slot
         plgpu.wait_smem_to_gmem(pending, wait_read_only=True)  # the slot's last copy has read it
@@ -445,7 +244,7 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, interior, x
 
     if save:  # xs[0] = x_0
         for j, q0 in enumerate(first):
-            send_x(_load_tile(_tile(state, 0, S + q0)), 0, j, 0)
+            send_x(load_tile(tile_of(state, 0, S + q0)), 0, j, 0)
 
     plgpu.commit_smem()
     everyone(sync)  # every warpgroup holds its drive before step 0 overwrites buffer 1
@@ -453,15 +252,15 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, interior, x
     def step(k, carry):
         src, dst = (0, 0) if single else (k % 2, 1 - k % 2)
         if single:  # every window of x_k read before any tile of x_{k+1} is written
-            zs = [_products(layout, offsets, state, src, q0, taps) + drive[j] for j, q0 in enumerate(first)]
+            zs = [products(layout, offsets, state, src, q0, taps) + drive[j] for j, q0 in enumerate(first)]
             everyone(sync)
         for j, q0 in enumerate(first):
             rows = pl.ds(S + q0, M)
-            z = zs[j] if single else _products(layout, offsets, state, src, q0, taps) + drive[j]
-            x = _load_tile(_tile(state, src, S + q0))
+            z = zs[j] if single else products(layout, offsets, state, src, q0, taps) + drive[j]
+            x = load_tile(tile_of(state, src, S + q0))
             keep, zero = hb._inside(layout, q0, C), jnp.zeros_like(z)
             new = jnp.where(keep, x + h * act(activation, z), zero)
-            _store_tile(new, _tile(state, dst, S + q0))
+            store_tile(new, tile_of(state, dst, S + q0))
             if save:
                 # copies in flight, newest first: z of the tile before (if any), then older ones
                 send_x(new, k + 1, j, 1)
@@ -488,7 +287,7 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, interior, x
 def _backward_kernel(
     layout, offsets, steps, h, activation, nw, interior, gk_ref, zs_ref, taps_g, g0_ref, ss_ref, *rest
 ):
-    """``hopper_block._backward_kernel`` with ``s_k`` in planes and the windows as views; each
+    """``wgmma_split._backward_kernel`` with ``s_k`` in planes and the windows as views; each
     ``s_k`` goes out tile by tile through a row-major staging slot (with ``interior`` as images),
     ``g_0`` by planes."""
     from jax.experimental import pallas as pl
@@ -515,7 +314,7 @@ def _backward_kernel(
         return hb._slope_tile(layout, first[j], activation, h, z, g)
 
     def put_s(j, s, buf, k):  # s_k's tile j into planes buf (windows) and out (row-major)
-        _store_tile(s, _tile(sbuf, buf, S + first[j]))
+        store_tile(s, tile_of(sbuf, buf, S + first[j]))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging slot's last copy has read it
         sstage[wg] = s
         plgpu.commit_smem()  # also: every thread is done with z's slot j % slots before it is refilled
@@ -529,7 +328,7 @@ def _backward_kernel(
         _planes_in(gk_ref.at[n], sbuf.at[into], bar, region)  # g_K through buffer 1 into registers
 
     plgpu.barrier_wait(bar)
-    g = [_load_tile(_tile(sbuf, into, S + q0)) for q0 in first]
+    g = [load_tile(tile_of(sbuf, into, S + q0)) for q0 in first]
     if single:
         everyone(sync)  # every g_K read before s_{K-1} overwrites it
     fetch_z(steps - 1, 0)
@@ -546,12 +345,12 @@ def _backward_kernel(
             fetch_z(k - 1, 0)
         g = list(g)
         if single:  # every window of s_k read before any tile of s_{k-1} is written
-            accs = [_products(layout, offsets, sbuf, src, q0, taps) for q0 in first]
+            accs = [products(layout, offsets, sbuf, src, q0, taps) for q0 in first]
             everyone(sync)
         for j in range(per):
             if not last and j + 1 < per:
                 fetch_z(k - 1, j + 1)
-            acc = accs[j] if single else _products(layout, offsets, sbuf, src, first[j], taps)
+            acc = accs[j] if single else products(layout, offsets, sbuf, src, first[j], taps)
             g[j] = jnp.where(hb._inside(layout, first[j], C), g[j] + acc, jnp.zeros_like(acc))
             if not last:
                 put_s(j, slope_tile(j, g[j]), dst, k - 1)
@@ -565,7 +364,7 @@ def _backward_kernel(
     # step's meeting
     free = 0 if single else 1 - (steps - 1) % 2  # one buffer: its last reads were before the last meeting
     for j, q0 in enumerate(first):
-        _store_tile(g[j], _tile(sbuf, free, S + q0))
+        store_tile(g[j], tile_of(sbuf, free, S + q0))
     plgpu.commit_smem()
     everyone(sync)
     lead_only(lambda: _planes_out(sbuf.at[free], g0_ref.at[n], _out_rows(layout)))
@@ -623,7 +422,7 @@ def _check_interior(C: int, interior: bool) -> None:
 
 
 def fused_forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups, interior=False):
-    """As :func:`naisnet_jax.hopper_block.fused_forward`, in TF32 (``layout.rows`` a multiple of 8).
+    """As :func:`naisnet_jax.kernels.wgmma_split.fused_forward`, in TF32 (``layout.rows`` a multiple of 8).
     ``interior`` (with ``save``; at least 32 channels): the states as images, not buffers, and
     ``x_K`` apart: ``(x_0 .. x_{K-1} (K, N, H, W, C), x_K (N, H, W, C), zs)`` (XLA's weight
     gradient takes the first as it is: no copy out of the buffers)."""
@@ -634,11 +433,11 @@ def fused_forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgrou
 
 
 def fused_backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups, interior=False):
-    """As :func:`naisnet_jax.hopper_block.fused_backward`, in TF32 (for ReLU, ``zs`` the saved
+    """As :func:`naisnet_jax.kernels.wgmma_split.fused_backward`, in TF32 (for ReLU, ``zs`` the saved
     signs, or ``z_k`` itself, reduced to its sign first). ``interior``: the ``s_k`` as images
     ``(K, N, H, W, C)``, as :func:`fused_forward`'s."""
-    if hb.saves_mask(activation) and zs.dtype != hb.MASK_DTYPE:  # z_k given: ReLU needs only its sign
-        zs = (zs > 0).astype(hb.MASK_DTYPE)
+    if hb.saves_mask(activation) and zs.dtype != hb.SIGN_DTYPE:  # z_k given: ReLU needs only its sign
+        zs = (zs > 0).astype(hb.SIGN_DTYPE)
     _check_program(layout, warpgroups, gb.shape[-1], activation)
     _check_interior(gb.shape[-1], interior)
     return _backward_call(layout, steps, float(h), activation, warpgroups, bool(interior))(gb, zs, taps)

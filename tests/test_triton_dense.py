@@ -14,11 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import naisnet_jax.block_vjp
 import naisnet_jax.models as M
-from naisnet_jax import fused_block as fb
-from naisnet_jax import fused_dense as fd
-from naisnet_jax.block_vjp import dense_op, unroll_tied
+from naisnet_jax.kernels import KernelPolicy, common
+from naisnet_jax.kernels import triton_dense as fd
+from naisnet_jax.kernels.stacked import dense_op, unroll_tied
 
 ACTS = {"relu": jax.nn.relu, "tanh": jnp.tanh}
 
@@ -56,7 +55,11 @@ CASES = [  # (batch, width, activation, steps, h, block rows)
 def test_kernels_match_the_plain_loop_values_and_gradients(batch, width, activation, steps, h, rows):
     x0, drive, A, cot = _case(batch, width)
     fused = functools.partial(
-        fd.unroll_tied_dense, steps=steps, h=h, activation=activation, interpret=True, block_rows=rows
+        fd.unroll_tied_dense,
+        steps=steps,
+        h=h,
+        activation=activation,
+        policy=KernelPolicy(interpret=True, block_rows=rows),
     )
     loop = functools.partial(_loop, steps=steps, h=h, activation=activation)
     value, grads = _value_and_grads(fused, x0, drive, A, cot)
@@ -72,7 +75,9 @@ def test_broadcast_drive_and_the_forward_without_saved_states():
     saves nothing (no gradient asked) gives the loop's x_K."""
     x0, _, A, cot = _case(6, 16, seed=1)
     drive = jnp.linspace(-1.0, 1.0, 16)
-    fused = functools.partial(fd.unroll_tied_dense, steps=5, h=0.5, activation="tanh", interpret=True)
+    fused = functools.partial(
+        fd.unroll_tied_dense, steps=5, h=0.5, activation="tanh", policy=KernelPolicy(interpret=True)
+    )
     loop = functools.partial(_loop, steps=5, h=0.5, activation="tanh")
     np.testing.assert_allclose(fused(x0, drive, A), loop(x0, drive, A), rtol=1e-12)
     (_, grads), (_, ref) = (_value_and_grads(f, x0, drive, A, cot) for f in (fused, loop))
@@ -107,7 +112,7 @@ def test_model_with_fused_blocks_matches_autodiff_through_the_kernels():
         return jax.value_and_grad(loss)(variables)
 
     ref = value_and_grad(ctor())
-    with fb.interpreted():
+    with common.interpreted():
         jaxpr = str(jax.make_jaxpr(lambda v: ctor(block_vjp="fused").apply(v, u))(variables))
         out = value_and_grad(ctor(block_vjp="fused"))
     assert "pallas_call" in jaxpr
@@ -140,27 +145,31 @@ def test_fallback_where_the_kernels_do_not_run():
 )
 def test_bad_arguments_are_refused(kwargs, match):
     x0, drive, A, _ = _case(4, 16)
-    args = dict(steps=2, h=0.5, activation="relu", interpret=True) | kwargs
+    kwargs = dict(kwargs)
+    tuning_args = {k: kwargs.pop(k) for k in ("block_rows", "num_warps") if k in kwargs}
+    args = dict(steps=2, h=0.5, activation="relu") | kwargs
     with pytest.raises(ValueError, match=match):
-        fd.unroll_tied_dense(x0, drive, A, **args)
+        fd.unroll_tied_dense(x0, drive, A, **args, policy=KernelPolicy(interpret=True, **tuning_args))
 
 
 def test_forcing_the_kernels_on_a_block_they_do_not_take_names_why():
     x0, drive, A, _ = _case(2, 130)
     with pytest.raises(ValueError, match="the width must be at most 128, got 130"):
-        fd.unroll_tied_dense(x0, drive, A, steps=2, interpret=True)
+        fd.unroll_tied_dense(x0, drive, A, steps=2, policy=KernelPolicy(interpret=True))
 
 
 @pytest.mark.parametrize("activation", ["relu", "tanh"])
 def test_kernels_lower_to_triton(activation, monkeypatch):
     """The GPU build: forward and backward kernels lower for CUDA (Triton) on this CPU, the
     stacked weight gradient inside a computation annotated for a second stream."""
-    monkeypatch.setattr(naisnet_jax.block_vjp, "_gpu_backend", lambda: True)  # as on a GPU
+    monkeypatch.setattr(common, "gpu_backend", lambda: True)  # as on a GPU
     x = jax.ShapeDtypeStruct((128, 100), jnp.float32)
     a = jax.ShapeDtypeStruct((100, 100), jnp.float32)
 
     def loss(x0, d, A):
-        return jnp.sum(fd.unroll_tied_dense(x0, d, A, steps=3, h=1.0, activation=activation, interpret=False))
+        return jnp.sum(
+            fd.unroll_tied_dense(x0, d, A, steps=3, h=1.0, activation=activation, policy=KernelPolicy(interpret=False))
+        )
 
     for fn, side_stream in ((loss, False), (jax.grad(loss, argnums=(0, 1, 2)), True)):
         text = jax.jit(fn).trace(x, x, a).lower(lowering_platforms=("cuda",)).as_text()
@@ -178,12 +187,12 @@ def test_kernels_under_vmap_as_in_a_sweep():
     def loss(run):
         return lambda a, b, c: jnp.sum(jnp.sin(run(a, b, c)))
 
-    fused = functools.partial(fd.unroll_tied_dense, steps=3, h=0.5, interpret=True)
+    fused = functools.partial(fd.unroll_tied_dense, steps=3, h=0.5, policy=KernelPolicy(interpret=True))
     loop = functools.partial(_loop, steps=3, h=0.5, activation="tanh")
     got = jax.vmap(jax.value_and_grad(loss(fused), argnums=(0, 1, 2)))(x0, drive, A)
     want = jax.vmap(jax.value_and_grad(loss(loop), argnums=(0, 1, 2)))(x0, drive, A)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), got, want)
-    gpu = functools.partial(fd.unroll_tied_dense, steps=2, interpret=False)
+    gpu = functools.partial(fd.unroll_tied_dense, steps=2, policy=KernelPolicy(interpret=False))
     spec = jax.ShapeDtypeStruct((2, 32, 64), jnp.float32)
     aspec = jax.ShapeDtypeStruct((2, 64, 64), jnp.float32)
     lowered = jax.jit(jax.vmap(jax.grad(loss(gpu), argnums=(0, 1, 2)))).trace(spec, spec, aspec)

@@ -1,4 +1,5 @@
-"""A tied NAIS block's K steps with a hand-written VJP (one weight-gradient op for all K).
+"""The stacked VJP: a tied NAIS block's K steps with a hand-written VJP (one weight-gradient op
+for all K), in plain JAX on any backend; the fallback of the fused engines.
 
 For a tied block ``x_{k+1} = x_k + h act(op(x_k, W) + drive)``, with ``op`` linear
 in each argument (``x @ A.T`` or ``conv(x, C)``), reverse mode by ``lax.scan``
@@ -26,38 +27,23 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from naisnet_jax.cell import ACTIVATIONS, check_activation, check_step_size, conv_same
-from naisnet_jax.checks import check_choice, check_int
-from naisnet_jax.unroll import check_scan_unroll
+from naisnet_jax.cell import ACTIVATIONS, conv_same
+from naisnet_jax.checks import check_choice
+from naisnet_jax.kernels import common
+from naisnet_jax.kernels.common import check_tied, sum_to_shape
 
 Array = jax.Array
 RESIDUALS = ("store", "recompute")
-
-#: Run the weight gradients of the hand-written VJPs (and of the fast paths' drive
-#: convolutions, :func:`side_stream_conv`) on a second GPU stream. Off the input-gradient
-#: chain, they can then overlap its latency-bound kernels: NAIS-Net10's step 39.5 -> 38.5 ms
-#: on an H200, then 41.2 -> 40.9 ms on an H100 with the drives' (``BENCHMARKS.md``). Read
-#: when a model is traced.
-SIDE_STREAM = True
-
-
-def _gpu_backend() -> bool:
-    return jax.default_backend() == "gpu"
-
-
-def _side_stream_default() -> bool:
-    """Whether weight gradients go to the second stream when not told: on a GPU backend with
-    :data:`SIDE_STREAM` set."""
-    return SIDE_STREAM and _gpu_backend()
 
 
 def on_side_stream(f: Callable, enabled: bool | None = None) -> Callable:
     """``f`` as a computation XLA runs on a second CUDA stream (``compute_on("gpu_stream:1")``),
     started where its inputs are ready and awaited where its outputs are used; the values
-    are ``f``'s. ``enabled=None``: on a GPU backend with :data:`SIDE_STREAM` set; elsewhere,
-    or with a JAX without the function form of ``compute_on``, ``f`` itself."""
+    are ``f``'s. ``enabled=None``: on a GPU backend; elsewhere, or with a JAX without the
+    function form of ``compute_on``, ``f`` itself. Off the input-gradient chain, a weight gradient
+    there overlaps that chain's latency-bound kernels."""
     if enabled is None:
-        enabled = _side_stream_default()
+        enabled = common.gpu_backend()
     if not enabled:
         return f
     try:
@@ -78,14 +64,14 @@ def on_side_stream(f: Callable, enabled: bool | None = None) -> Callable:
 def side_stream_conv(lhs: Array, rhs: Array, *args, **kwargs) -> Array:
     """``lax.conv_general_dilated(lhs, rhs, *args, **kwargs)`` with a kernel gradient that feeds
     only the optimiser, so it can run off the input-gradient chain: on the second stream
-    (:func:`on_side_stream`) on a GPU with :data:`SIDE_STREAM` set; elsewhere the plain
+    (:func:`on_side_stream`) on a GPU; elsewhere the plain
     convolution. A drop-in for ``flax.linen.Conv(conv_general_dilated=...)``: the fast paths
     (``block_vjp`` other than ``"autodiff"``) give it to their blocks' drive convolutions."""
 
     def conv(lhs, rhs):
         return lax.conv_general_dilated(lhs, rhs, *args, **kwargs)
 
-    side = _side_stream_default()
+    side = common.gpu_backend()
     if not side:
         return conv(lhs, rhs)
 
@@ -151,14 +137,6 @@ def _tied_fwd(op, x0, drive, W, steps, h, activation, residuals, scan_unroll):
     return x, (x0, drive, W, saved)
 
 
-def _sum_to_shape(a: Array, shape: tuple[int, ...]) -> Array:
-    """Sum the broadcast axes of ``a`` away so that it has ``shape``."""
-    lead = a.ndim - len(shape)
-    a = jnp.sum(a, axis=tuple(range(lead))) if lead else a
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and a.shape[i] != 1)
-    return jnp.sum(a, axis=axes, keepdims=True) if axes else a
-
-
 def _weight_grad(op):
     """``(stacked x, stacked s, W) -> op_W^T(x, s)``: the weight gradient over the stacked steps
     (``W`` gives only the shape and dtype)."""
@@ -191,7 +169,7 @@ def _tied_bwd(op, steps, h, activation, residuals, scan_unroll, res, g):
     stacked_x = xs.reshape((-1,) + xs.shape[2:])  # (K * batch, ...)
     stacked_s = ss.reshape((-1,) + ss.shape[2:])
     dW = on_side_stream(_weight_grad(op))(stacked_x, stacked_s, W)
-    return g0, _sum_to_shape(d_drive, drive.shape).astype(drive.dtype), dW
+    return g0, sum_to_shape(d_drive, drive.shape).astype(drive.dtype), dW
 
 
 _tied.defvjp(_tied_fwd, _tied_bwd)
@@ -228,16 +206,3 @@ def unroll_tied(
     check_choice("residuals", residuals, RESIDUALS)
     x0, drive, W, h = check_tied("unroll_tied", x0, drive, W, steps, h, activation, scan_unroll)
     return _tied(op, x0, drive, W, steps, h, activation, residuals, scan_unroll)
-
-
-def check_tied(name, x0, drive, W, steps, h, activation, scan_unroll):
-    """The common arguments of a tied block's unroll ``name``, checked: returns ``(x0, drive,
-    W, h)`` with the arrays in one dtype and ``h`` a Python float (it must be static)."""
-    check_int("steps", steps)
-    check_step_size(h)
-    check_activation(activation)
-    check_scan_unroll(scan_unroll)
-    if isinstance(h, jax.core.Tracer):
-        raise ValueError(f"{name} needs a static step size h (a Python float), not a traced value.")
-    dtype = jnp.result_type(x0, drive, W)
-    return x0.astype(dtype), drive.astype(dtype), W.astype(dtype), float(h)

@@ -1,20 +1,20 @@
-"""A tied dense NAIS block's K steps in one GPU kernel each way (Pallas, Triton).
+"""The Triton engine of a dense block, and its entry point: a tied dense NAIS block's K steps in
+one GPU kernel each way (Pallas, Triton; any CUDA GPU).
 
 XLA runs a dense block ``x_{k+1} = x_k + h act(x_k A^T + drive)`` through ``lax.scan``:
 every step is a small matrix product and an elementwise fusion forward, and about twice
 that backward, each a few microseconds of launch latency at the widths of the paper's FC
 nets (a 128 x 128 state matrix, a batch of 128), so a deep block is bound by launches. Its
 compile time grows with ``K`` too: the products inside the loop bodies are fusions the
-GPU autotuner compiles candidates for, which a one-step block (no loop) does not have
-(``BENCHMARKS.md``, compile time).
+GPU autotuner compiles candidates for, which a one-step block (no loop) does not have.
 
 Here one kernel runs the K forward steps and one the K backward steps. A dense block
 treats every pattern on its own, so program ``i`` takes rows ``i * R .. (i + 1) * R`` of the
 batch and keeps their state in registers from the first step to the last: no barrier, no
 round trip to memory between steps (only the saved states and pre-activations are written).
 The state matrix is read once per program. The weight gradient is the stacked product of
-:mod:`naisnet_jax.block_vjp`, ``dA = sum_k s_k^T x_k``, summed by a third kernel over groups of
-steps on the second stream (:func:`naisnet_jax.block_vjp.on_side_stream`); the backward kernel
+:mod:`naisnet_jax.kernels.stacked`, ``dA = sum_k s_k^T x_k``, summed by a third kernel over groups of
+steps on the second stream (:func:`naisnet_jax.kernels.stacked.on_side_stream`); the backward kernel
 sums the drive's gradient ``sum_k s_k`` as it goes. K changes only the kernels' loop bounds
 and grids, and the autotuner has nothing to tune in them, so the compile time does not grow
 with K.
@@ -26,8 +26,8 @@ changes no value and is cut off again. Widths up to :data:`MAX_WIDTH` (the state
 fit in a program's shared memory).
 
 :func:`unroll_tied_dense` is the entry point; it runs the kernels on a CUDA GPU (float32) and
-otherwise falls back to :func:`naisnet_jax.block_vjp.unroll_tied`, whose values it
-reproduces (``tests/test_fused_dense.py`` runs the kernels in Pallas' interpreter on the CPU,
+otherwise falls back to :func:`naisnet_jax.kernels.stacked.unroll_tied`, whose values it
+reproduces (``tests/test_triton_dense.py`` runs the kernels in Pallas' interpreter on the CPU,
 in float64, against the plain loop).
 """
 
@@ -40,31 +40,25 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from naisnet_jax.block_vjp import _sum_to_shape, check_tied, dense_op, on_side_stream, unroll_tied
-from naisnet_jax.checks import check_int
-from naisnet_jax.fused_block import _index, _pallas, gpu_kernels_available, kernel_mode
-from naisnet_jax.kernels.common import act, scaled_slope
+from naisnet_jax.kernels import common
+from naisnet_jax.kernels.common import act, check_tied, index, kernel_mode, pallas_triton, scaled_slope, sum_to_shape
+from naisnet_jax.kernels.policy import DEFAULT, KernelPolicy, check_policy
+from naisnet_jax.kernels.stacked import dense_op, on_side_stream, unroll_tied
+from naisnet_jax.kernels.tuning import DENSE_ROWS, DENSE_WARPS, DENSE_WGRAD_PROGRAMS, DENSE_WGRAD_WARPS
 
 Array = jax.Array
 
-#: Batch rows per program (the ``M`` of each product; Triton's products need at least 16).
-BLOCK_ROWS = 16
-#: Warps per program.
-NUM_WARPS = 4
 #: Widest state (after padding to a power of two) the kernels take: a 128 x 128 float32 state
 #: matrix is 64 KiB of a program's shared memory; 256 x 256 would not fit.
 MAX_WIDTH = 128
-#: Programs the weight-gradient kernel aims for (each sums a group of steps), and their warps.
-WGRAD_PROGRAMS = 128
-WGRAD_WARPS = 8
 
 
 class Config(NamedTuple):
     """How the kernels run: in Pallas' interpreter or on the GPU, and their tiling."""
 
     interpret: bool = False
-    block_rows: int = BLOCK_ROWS
-    num_warps: int = NUM_WARPS
+    block_rows: int = DENSE_ROWS
+    num_warps: int = DENSE_WARPS
 
 
 GPU = Config()  # the GPU kernels at the default tiling
@@ -79,13 +73,13 @@ def _forward_kernel(steps, h, activation, save, rows, x0_ref, d_ref, at_ref, x_r
     ``save``: write every state ``x_k`` and pre-activation ``z_k`` (k < K) for the backward."""
     from jax.experimental import pallas as pl
 
-    r = pl.ds(_index(pl.program_id(0)) * rows, rows)
+    r = pl.ds(index(pl.program_id(0)) * rows, rows)
     at, d = at_ref[...], d_ref[r, :]
 
     def step(k, x):
         z = jnp.dot(x, at, preferred_element_type=x.dtype) + d
         if save:
-            k = _index(k)
+            k = index(k)
             saved[0][k, r, :] = x
             saved[1][k, r, :] = z
         return x + h * act(activation, z)
@@ -98,12 +92,12 @@ def _backward_kernel(steps, h, activation, rows, g_ref, zs_ref, a_ref, g0_ref, s
     ``s_k = h act'(z_k) g_{k+1}`` (written out), ``g_k = g_{k+1} + s_k A``; and ``sum_k s_k``."""
     from jax.experimental import pallas as pl
 
-    r = pl.ds(_index(pl.program_id(0)) * rows, rows)
+    r = pl.ds(index(pl.program_id(0)) * rows, rows)
     a = a_ref[...]
 
     def step(i, carry):
         g, dd = carry
-        k = steps - 1 - _index(i)
+        k = steps - 1 - index(i)
         s = scaled_slope(activation, h, zs_ref[k, r, :], g)
         ss_ref[k, r, :] = s
         return g + jnp.dot(s, a, preferred_element_type=s.dtype), dd + s
@@ -135,7 +129,7 @@ def fused_forward(x0, drive, A, *, steps, h, activation, save=True, config=GPU):
     state = jax.ShapeDtypeStruct((Bp, Np), x0.dtype)
     saved = jax.ShapeDtypeStruct((steps, Bp, Np), x0.dtype)
     out_shape = (state, saved, saved) if save else (state,)
-    return _pallas(body, out_shape, Bp // config.block_rows, config)(x0p, dp, atp)
+    return pallas_triton(body, out_shape, Bp // config.block_rows, config)(x0p, dp, atp)
 
 
 def fused_backward(g, zs, A, *, steps, h, activation, config=GPU):
@@ -147,7 +141,7 @@ def fused_backward(g, zs, A, *, steps, h, activation, config=GPU):
         jax.ShapeDtypeStruct((steps, Bp, Np), g.dtype),
         jax.ShapeDtypeStruct((Bp, Np), g.dtype),
     )
-    return _pallas(body, out_shape, Bp // config.block_rows, config)(
+    return pallas_triton(body, out_shape, Bp // config.block_rows, config)(
         _pad(g, Bp, Np), zs, _pad(A.astype(g.dtype), Np, Np)
     )
 
@@ -156,10 +150,10 @@ def _weight_grad_kernel(rows, sub, xs_ref, ss_ref, out_ref):
     """Program ``p`` sums ``s^T x`` over its ``rows`` stacked rows, ``sub`` at a time."""
     from jax.experimental import pallas as pl
 
-    p = _index(pl.program_id(0))
+    p = index(pl.program_id(0))
 
     def body(j, acc):
-        r = pl.ds(p * rows + _index(j) * sub, sub)
+        r = pl.ds(p * rows + index(j) * sub, sub)
         return acc + jnp.dot(ss_ref[r, :].T, xs_ref[r, :], preferred_element_type=acc.dtype)
 
     n = out_ref.shape[-1]
@@ -167,9 +161,9 @@ def _weight_grad_kernel(rows, sub, xs_ref, ss_ref, out_ref):
 
 
 def _steps_per_program(steps: int) -> int:
-    """The most steps, a divisor of ``steps``, that leaves at least :data:`WGRAD_PROGRAMS` programs
+    """The most steps, a divisor of ``steps``, that leaves at least :data:`DENSE_WGRAD_PROGRAMS` programs
     (or one step a program)."""
-    most = max(1, steps // WGRAD_PROGRAMS)
+    most = max(1, steps // DENSE_WGRAD_PROGRAMS)
     return max(d for d in range(1, most + 1) if steps % d == 0)
 
 
@@ -186,7 +180,7 @@ def fused_weight_grad(xs: Array, ss: Array, config: Config = GPU) -> Array:
     sub = min(64, Bp & -Bp)  # the largest power of two dividing the padded batch (>= 16)
     body = functools.partial(_weight_grad_kernel, group * Bp, sub)
     out_shape = jax.ShapeDtypeStruct((steps // group, Np, Np), ss.dtype)
-    parts = _pallas(body, out_shape, steps // group, config, num_warps=WGRAD_WARPS)(
+    parts = pallas_triton(body, out_shape, steps // group, config, num_warps=DENSE_WGRAD_WARPS)(
         xs.reshape(-1, Np), ss.reshape(-1, Np)
     )
     return jnp.sum(parts, axis=0)
@@ -209,7 +203,7 @@ def _fused_bwd(steps, h, activation, config, res, g):
     g0, ss, dd = fused_backward(g, zs, A, steps=steps, h=h, activation=activation, config=config)
     weight_grad = functools.partial(fused_weight_grad, config=config)
     dA = on_side_stream(weight_grad, False if config.interpret else None)(xs, ss)
-    d_drive = _sum_to_shape(dd[:B, :N], drive.shape).astype(drive.dtype)
+    d_drive = sum_to_shape(dd[:B, :N], drive.shape).astype(drive.dtype)
     return g0[:B, :N], d_drive, dA[:N, :N].astype(A.dtype)
 
 
@@ -237,9 +231,7 @@ def unroll_tied_dense(
     h: float = 1.0,
     activation: str = "tanh",
     scan_unroll: int | bool = 1,
-    interpret: bool | None = None,
-    block_rows: int = BLOCK_ROWS,
-    num_warps: int = NUM_WARPS,
+    policy: KernelPolicy = DEFAULT,
 ) -> Array:
     """``x_K`` of a tied dense NAIS block; the fused Pallas kernels where they run.
 
@@ -250,24 +242,20 @@ def unroll_tied_dense(
             x = x + h * act(x @ A.T + drive)
         return x
 
-    ``drive`` broadcasts to ``x0`` (its gradient has its own shape). ``interpret=None`` runs
-    the GPU kernels when the block fits them (:func:`kernel_supported`) and
-    :func:`naisnet_jax.fused_block.gpu_kernels_available`, else the stacked pure-JAX VJP
-    (:func:`naisnet_jax.block_vjp.unroll_tied`, with ``scan_unroll``) or, inside
-    :func:`naisnet_jax.fused_block.interpreted`, the kernels in Pallas' interpreter.
-    ``interpret=True`` runs the interpreter (any backend and float dtype: the tests' path),
-    ``False`` forces the GPU kernels. ``block_rows`` (a power of two, at least 16: the batch
-    rows of a program) and ``num_warps`` tune the GPU kernels. The products run at the
-    default precision (TF32 on an NVIDIA GPU, as XLA's; ``jax_default_matmul_precision``
-    set to ``"highest"`` makes them float32).
+    ``drive`` broadcasts to ``x0`` (its gradient has its own shape). ``policy``
+    (:class:`naisnet_jax.kernels.KernelPolicy`): by default the GPU kernels when the block fits
+    them (:func:`kernel_supported`) on a CUDA GPU, else the stacked pure-JAX VJP
+    (:func:`naisnet_jax.kernels.stacked.unroll_tied`, with ``scan_unroll``) or, inside
+    :func:`naisnet_jax.kernels.interpreted`, the kernels in Pallas' interpreter; its
+    ``interpret``, ``block_rows`` and ``num_warps`` force or tune them. The products run at the
+    default precision (TF32 on an NVIDIA GPU, as XLA's; ``jax_default_matmul_precision`` set to
+    ``"highest"`` makes them float32).
     """
     x0, drive, A, h = check_tied("unroll_tied_dense", x0, drive, A, steps, h, activation, scan_unroll)
-    check_int("block_rows", block_rows, 16)
-    check_int("num_warps", num_warps)
-    if block_rows & (block_rows - 1):
-        raise ValueError(f"block_rows={block_rows!r} must be a power of two (a program's rows are one tile).")
+    policy = check_policy(policy)
     why = kernel_supported(x0, A)
-    mode = kernel_mode("unroll_tied_dense", interpret, why, gpu_kernels_available(x0))
+    mode = kernel_mode("unroll_tied_dense", policy.interpret, why, common.gpu_kernels_available(x0))
     if mode is None:
         return unroll_tied(dense_op, x0, drive, A, steps=steps, h=h, activation=activation, scan_unroll=scan_unroll)
-    return _fused(x0, drive, A, steps, h, activation, Config(mode, block_rows, num_warps))
+    config = Config(mode, policy.block_rows or DENSE_ROWS, policy.num_warps or DENSE_WARPS)
+    return _fused(x0, drive, A, steps, h, activation, config)
