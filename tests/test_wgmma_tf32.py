@@ -124,11 +124,34 @@ def test_tf32_kernels_at_default_precision(activation, C, monkeypatch):
 
 @pytest.mark.parametrize("precision", ["float32", "highest"])
 def test_three_bf16_products_where_more_is_asked(precision, monkeypatch):
-    """``float32``/``highest`` precision: the split engine's kernels (``wgmma_split``)."""
+    """Forced (``engine="wgmma"``) at ``float32``/``highest`` precision: the split engine's kernels."""
     assert _kernels(precision, monkeypatch=monkeypatch) == [
         "hopper_backward_kernel",
         "hopper_forward_kernel",
     ]
+
+
+@pytest.mark.parametrize("precision", ["float32", "highest"])
+def test_automatic_choice_above_tf32_takes_the_triton_kernels(precision, monkeypatch):
+    """Not forced, a block on a Hopper GPU at ``float32``/``highest`` precision takes the Triton
+    kernels (whose products Pallas lowers at that precision), not the wgmma ones (TF32 or about 16
+    bits): the fast path keeps float32 accuracy where it is asked for."""
+    monkeypatch.setattr(common, "gpu_backend", lambda: True)
+    monkeypatch.setattr(common, "gpu_kernels_available", lambda x0: True)
+    monkeypatch.setattr(common, "hopper_available", lambda: True)
+    x = jax.ShapeDtypeStruct((4, 16, 16, 16), jnp.float32)
+    w = jax.ShapeDtypeStruct((3, 3, 16, 16), jnp.float32)
+
+    def loss(a, b, c):
+        return jnp.sum(kconv.unroll_tied_conv(a, b, c, steps=3))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    for p, wgmma in ((None, True), (precision, False)):
+        with jax.default_matmul_precision(p):
+            text = grad.trace(x, x, w).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("mosaic_gpu" in text) == wgmma and "triton" in text.lower()
+        plan = policy.conv_plan(jnp.zeros((4, 16, 16, 16), jnp.float32), jnp.zeros((3, 3, 16, 16)), "relu")
+        assert plan is not None and plan.warpgroups == 0 and not plan.tf32  # outside the context: highest
 
 
 def test_relu_backward_takes_z_or_its_sign():

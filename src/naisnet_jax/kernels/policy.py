@@ -5,14 +5,21 @@ a tiling to try on another card). :func:`conv_plan` turns it, the block's shapes
 into a :class:`ConvPlan` (which kernels, which tiling), or ``None`` where the block runs the
 stacked VJP. Nothing here is a module switch: the same policy and machine give the same plan.
 
-The automatic choice for a conv block, where the GPU kernels run (a CUDA GPU, float32):
+The automatic choice for a conv block, where the GPU kernels run (a CUDA GPU, float32) and JAX's
+default matmul precision allows TF32 products (:data:`TF32_PRECISIONS`: its default, the
+precision of XLA's own convolutions there):
 
-- 16 and 32 channels: on a Hopper GPU the wgmma kernels, in TF32 where JAX's default matmul
-  precision allows it (:data:`TF32_PRECISIONS`, the precision of XLA's own convolutions there),
-  else in split bfloat16 (about 16 significant bits); on other cards the Triton kernels;
-- 64 channels, ReLU, 3x3, on a Hopper GPU at a precision that allows TF32: the TF32 wgmma
-  kernels with XLA's convolution gradient for the kernel's gradient;
+- 16 and 32 channels: on a Hopper GPU the TF32 wgmma kernels, on other cards the Triton kernels;
+- 64 channels, ReLU, 3x3, on a Hopper GPU: the TF32 wgmma kernels with XLA's convolution
+  gradient for the kernel's gradient;
 - anything else: the stacked VJP (cuDNN's convolutions are faster there).
+
+Where the precision asks for more than TF32 (``jax.default_matmul_precision("float32")`` or
+``"highest"``), the 16- and 32-channel blocks take the Triton kernels on every card: Pallas
+lowers their products at that precision (IEEE float32), so the fast path's gradients agree with
+autodiff's to float32 accuracy; the 64-channel blocks take the stacked VJP, whose convolutions
+XLA computes at that precision. Forced with ``engine="wgmma"``, a block there takes the
+split-bfloat16 wgmma kernels (about 16 significant bits: faster, not float32-exact).
 
 Each choice is the faster one measured on an H100 and an H200 (BENCHMARKS.md); none changes
 the maths beyond the products' precision.
@@ -163,9 +170,10 @@ def _wide_plan(x0, kernel, activation, policy: KernelPolicy) -> ConvPlan | None:
 
 def _wgmma_warpgroups(policy: KernelPolicy, x0, kernel, activation, tile_rows, tf32) -> int:
     """Warpgroups a program of the wgmma kernels gets for this block, or 0 for the Triton kernels:
-    ``engine=None`` takes wgmma where the block fits it on a Hopper GPU; ``"wgmma"`` refuses a
-    block it does not take, naming why. ``tf32``: the TF32 kernels, else the split ones."""
-    if policy.engine == "triton":
+    ``engine=None`` takes wgmma where the block fits it on a Hopper GPU and the precision allows
+    TF32 (above it, the Triton kernels, exact at that precision); ``"wgmma"`` refuses a block it
+    does not take, naming why. ``tf32``: the TF32 kernels, else the split ones."""
+    if policy.engine == "triton" or (policy.engine is None and not tf32):
         return 0
     layout = ConvPlan(tile_rows=tile_rows, tf32=tf32).layout(x0.shape[1], x0.shape[2], kernel.shape[0], kernel.shape[1])
     engine = wgmma_tf32 if tf32 else wgmma_split
@@ -199,6 +207,7 @@ def conv_plan(x0: Array, kernel: Array, activation: str, policy: KernelPolicy = 
     default_rows, default_warps = tuning.default_tiling(x0.shape[-1])
     tile_rows = policy.tile_rows or default_rows
     num_warps = policy.num_warps or default_warps
+    tf32 = tf32_allowed()
     runs_here = common.gpu_kernels_available(x0) and x0.shape[-1] <= tuning.AUTO_MAX_CHANNELS
     mode = common.kernel_mode("unroll_tied_conv", policy.interpret, why, runs_here)
     if mode is None:
@@ -208,7 +217,6 @@ def conv_plan(x0: Array, kernel: Array, activation: str, policy: KernelPolicy = 
             "unroll_tied_conv: engine='wgmma' needs a Hopper GPU: "
             "Pallas' interpreter (interpret=True) cannot run wgmma."
         )
-    tf32 = tf32_allowed()
     nw = 0 if mode else _wgmma_warpgroups(policy, x0, kernel, activation, tile_rows, tf32)
     hoist = x0.shape[-1] <= 32 if policy.hoist_taps is None else bool(policy.hoist_taps)  # 9 C x C taps in registers
     return ConvPlan(mode, tile_rows, num_warps, bool(policy.unroll_tiles), hoist, nw, tf32=tf32 and nw > 0)
