@@ -384,7 +384,6 @@ def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) 
         raise SystemExit(f"--variant={variant} is a PyTorch row; profile a JAX variant")
     if spec.get("precision"):
         jax.config.update("jax_default_matmul_precision", spec["precision"])
-    ts.apply_spec(spec)
     _, _, state = ts.model_and_state(spec, smoke)
     x, y = ts._batch(batch)
 

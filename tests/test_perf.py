@@ -546,3 +546,37 @@ def test_bad_adaptive_arguments_are_refused():
         M.NaisNetFC(adaptive_tol=0.1, check_every=0)
     with pytest.raises(ValueError, match="stream_slots=0"):
         M.NaisNetFC(adaptive_tol=0.1, stream_slots=0)
+
+
+# ------------------------------------------------------------- the fast path by default on a GPU
+
+
+def test_config_takes_the_fast_path_on_a_gpu(monkeypatch):
+    """``model_spec``: on a GPU a NAIS net whose config sets no speed option gets the fused path
+    (``fast_path="auto"``, the default); ``"plain"``, a config's own speed options, a form the
+    fused path does not take, a ResNet or a CPU keep the model's defaults; a bad value is named."""
+    from naisnet_jax.configs import default
+
+    def spec(**changes):
+        config = default.get_config()
+        for key, value in changes.items():
+            if key.startswith("kw_"):
+                config.model_kwargs[key[3:]] = value
+            else:
+                config[key] = value
+        return M.model_spec(config)
+
+    assert spec() == ("naisnet_mnist", {"eps": 0.01, "h": 0.1, "max_steps": 100})  # this CPU: plain
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert spec()[1] == {"eps": 0.01, "h": 0.1, "max_steps": 100, "block_vjp": "fused", "scan_unroll": 10}
+    assert "block_vjp" not in spec(fast_path="plain")[1]
+    assert (
+        spec(kw_block_vjp="stacked")[1]["block_vjp"] == "stacked"
+        and "scan_unroll" not in spec(kw_block_vjp="stacked")[1]
+    )
+    assert "block_vjp" not in spec(kw_untied=True)[1]
+    assert "block_vjp" not in spec(adaptive_tol=1e-3)[1]
+    assert "block_vjp" not in spec(model="resnet_sh")[1]
+    assert spec(model="naisnet_cifar10")[1]["block_vjp"] == "fused"
+    with pytest.raises(ValueError, match="config.fast_path='fast' must be one of"):
+        spec(fast_path="fast")

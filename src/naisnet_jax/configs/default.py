@@ -29,6 +29,9 @@ def get_config():
         None, field_type=float
     )  # stop each pattern when ||x_k - x_{k-1}|| < tol
     config.max_steps = 100  # bound on the adaptive unroll
+    # "auto": on a GPU a NAIS net gets block_vjp="fused", scan_unroll=10 unless model_kwargs sets
+    # its own speed options (same maths); "plain": the modules' defaults (naisnet_jax.models.model_spec)
+    config.fast_path = "auto"
     # data
     config.dataset = "fashion_mnist_idx"
     config.data_dir = ml_collections.FieldReference(

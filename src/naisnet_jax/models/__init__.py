@@ -73,6 +73,7 @@ import functools
 from collections.abc import Callable
 
 import flax.linen as nn
+import jax
 
 from naisnet_jax.models.layers import (
     BN_EPSILON,
@@ -240,12 +241,34 @@ def accepted_fields(name: str) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(MODELS[name].func)) - {"parent", "name"}
 
 
+#: ``config.fast_path``: ``"auto"`` gives a NAIS net trained on a GPU :data:`GPU_FAST_PATH` where its
+#: config sets none of those options (nor ``remat``, ``untied`` or an adaptive depth, which the
+#: fused path does not take); ``"plain"`` keeps the modules' defaults everywhere.
+FAST_PATHS = ("auto", "plain")
+#: The speed options of a NAIS net on a GPU by default (same values and gradients as the plain
+#: step: ``tests/test_perf.py``); on a CPU or TPU ``"fused"`` runs the stacked VJP.
+GPU_FAST_PATH = {"block_vjp": "fused", "scan_unroll": 10}
+
+
+def _fast_path(config, accepted: frozenset, kwargs: dict) -> dict:
+    """``kwargs`` with :data:`GPU_FAST_PATH` where ``config.fast_path`` asks for it and it applies."""
+    choice = config.get("fast_path", "auto")
+    if choice not in FAST_PATHS:
+        raise ValueError(f"config.fast_path={choice!r} must be one of {FAST_PATHS}.")
+    if choice == "plain" or jax.default_backend() != "gpu" or not set(GPU_FAST_PATH) <= accepted:
+        return kwargs
+    if set(kwargs) & {*GPU_FAST_PATH, "remat", "untied", "adaptive_tol"} or config.get("adaptive_tol") is not None:
+        return kwargs  # the config chose its speed options, or a form the fused path does not take
+    return {**kwargs, **GPU_FAST_PATH}
+
+
 def model_spec(config) -> tuple[str, dict]:
     """``(name, keyword arguments)`` of ``config``'s network: ``config.model_kwargs`` plus the
-    top-level :data:`CONFIG_FIELDS` the model takes. The one place a config becomes a model: the
-    trainers build it from this, and a checkpoint stores it
-    (:meth:`naisnet_jax.checkpoint.CheckpointMetadata.from_config`). Refuses ``model_kwargs`` that
-    repeat a top-level field or that the model does not take, naming them."""
+    top-level :data:`CONFIG_FIELDS` the model takes, and on a GPU the fast path
+    (:data:`GPU_FAST_PATH`, unless ``config.fast_path = "plain"`` or the config sets its own speed
+    options). The one place a config becomes a model: the trainers build it from this, and a
+    checkpoint stores it (:meth:`naisnet_jax.checkpoint.CheckpointMetadata.from_config`). Refuses
+    ``model_kwargs`` that repeat a top-level field or that the model does not take, naming them."""
     accepted = accepted_fields(config.model)
     kwargs = dict(config.model_kwargs)
     shadowed = sorted(set(kwargs) & set(CONFIG_FIELDS))
@@ -263,7 +286,7 @@ def model_spec(config) -> tuple[str, dict]:
             f"config.model_kwargs has fields {sorted(unknown)} that {config.model} does not take; "
             f"it takes {sorted(accepted)}."
         )
-    return config.model, kwargs
+    return config.model, _fast_path(config, accepted, kwargs)
 
 
 def get_model(name: str, **overrides) -> nn.Module:
