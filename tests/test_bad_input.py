@@ -20,6 +20,13 @@ Kinds (the test names say which):
 23. an empty directory for the verifier       24. a pickle planted as a checkpoint
 25. a corrupt metrics log on resume           26. a learning rate that makes training diverge
 27. non-finite parameters in a checkpoint     28. bad command lines (more in test_cli.py)
+...
+35. a damaged newest checkpoint: the newest intact step is used, with one warning line
+36. no intact checkpoint: refused in one line
+
+Tests 35-36 run the commands as subprocesses, as a user does: their stderr must hold exactly the
+lines the commands write themselves, with no traceback, no ``Event loop is closed`` from Orbax's
+reads and no ``ERROR:absl`` line.
 """
 
 from __future__ import annotations
@@ -33,8 +40,11 @@ import math
 import os
 import pathlib
 import pickle
+import re
 import shutil
 import struct
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -628,3 +638,131 @@ def test_34_audit_model_given_no_model_or_non_finite_inputs():
             audit_model(wrong, variables, inputs=x)
     with pytest.raises(ValueError, match="inputs has 1 non-finite"):
         audit_model(model, variables, inputs=x.at[0, 0, 0, 0].set(jnp.inf))
+
+
+# ------------------------------------------------------------------ 35-36. damaged checkpoints: commands
+
+BIN = pathlib.Path(sys.executable).parent
+NOISE = ("Traceback", "Event loop is closed", "ERROR:absl", "WARNING:absl", "TensorStore")
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax-cache")
+
+
+def command(cache, name, *args) -> tuple[int, str, str]:
+    """``naisnet-train`` / ``naisnet-verify`` in a subprocess: ``(exit status, stdout, stderr)``."""
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=str(cache),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
+    done = subprocess.run([str(BIN / name), *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
+    return done.returncode, done.stdout, done.stderr
+
+
+def stderr_lines(err: str, count: int) -> list[str]:
+    """The ``count`` lines of ``err``; none of them Orbax's or Python's noise."""
+    for noise in NOISE:
+        assert noise not in err, err[-3000:]
+    lines = err.splitlines()
+    assert len(lines) == count, err[-3000:]
+    return lines
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A workdir after 2 epochs, a checkpoint after each: steps 4 and 8."""
+    workdir = tmp_path_factory.mktemp("two-steps") / "base"
+    code, err = run_train(TINY_ARGS + [f"--workdir={workdir}", "--config.checkpoint_every_epochs=1"])
+    assert code == 0, err
+    assert sorted(p.name for p in (workdir / train.CHECKPOINT_DIR).iterdir()) == ["4", "8"]
+    return workdir
+
+
+@pytest.fixture
+def two(two_steps, tmp_path):
+    copy = tmp_path / "work"
+    shutil.copytree(two_steps, copy)
+    return copy
+
+
+def _array_data_files(step_dir) -> list[pathlib.Path]:
+    """As :func:`_state_data_files`, for any step."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    return [p for p in files if p.parent.parent.name.startswith("ocdbt.process")] or files
+
+
+def _truncate_array_data(step_dir):
+    for path in _array_data_files(step_dir):
+        os.truncate(path, 10)
+
+
+def _delete_array_data(step_dir):
+    for path in _array_data_files(step_dir):
+        path.unlink()
+
+
+def _garble_metadata(step_dir):
+    (step_dir / "metadata" / "metadata").write_bytes(b"garbage{{")
+
+
+DAMAGE = {
+    "truncated arrays": _truncate_array_data,
+    "deleted arrays": _delete_array_data,
+    "garbage metadata": _garble_metadata,
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_35_a_damaged_newest_checkpoint_gives_way_to_the_newest_intact_one(two, jax_cache, tmp_path, damage):
+    """Step 8 damaged, step 4 intact: ``naisnet-verify`` audits step 4 and ``naisnet-train``
+    resumes from it, each with one warning line naming the damaged step and a short reason; the
+    trainer sets step 8 aside (kept as ``8.damaged``) and saves step 8 again."""
+    checkpoints = two / train.CHECKPOINT_DIR
+    DAMAGE[damage](checkpoints / "8")
+    warning = re.compile(
+        rf"warning: checkpoint step 8 in {re.escape(str(checkpoints))} is damaged \((?P<reason>.+)\); using step 4"
+    )
+    code, out, err = command(jax_cache, "naisnet-verify", checkpoints, "--data=none", f"--json={tmp_path / 'c.json'}")
+    assert code == 0, err[-3000:]
+    (line,) = stderr_lines(err, 1)
+    match = warning.fullmatch(line)
+    assert match and len(match["reason"]) <= 2 * ckpt.REASON_CHARS, line
+    assert json.loads((tmp_path / "c.json").read_text())["checkpoint"]["step"] == 4
+    if damage != "truncated arrays":
+        return  # the trainer's fallback is the same code; one damage kind shows it
+    code, out, err = command(jax_cache, "naisnet-train", *TINY_ARGS, f"--workdir={two}", "--config.num_epochs=3")
+    assert code == 0, err[-3000:]
+    (line,) = stderr_lines(err, 1)
+    assert line.endswith(f" (set aside as {checkpoints / '8.damaged'})") and warning.match(line), line
+    assert f"Resuming from {checkpoints} at epoch 2 (step 4)." in out
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["12", "4", "8", "8.damaged"]
+    assert [json.loads(r)["epoch"] for r in (two / train.METRICS_FILE).read_text().splitlines()] == [1, 2, 3]
+    assert ckpt.load(str(checkpoints))[1]["epoch"] == 3
+
+
+def test_36_no_intact_checkpoint_is_refused_in_one_line(two, jax_cache):
+    checkpoints = two / train.CHECKPOINT_DIR
+    _garble_metadata(checkpoints / "8")
+    _truncate_array_data(checkpoints / "4")
+    before = snapshot(two)
+    refusal = re.compile(
+        rf"{re.escape(str(checkpoints))} holds no intact checkpoint \(step 8: cannot read the checkpoint metadata "
+        r"\(.+\); step 4: the checkpoint's arrays cannot be read \(.+\); it is corrupt or incomplete\); "
+        r"restore it from a copy, or use another directory\."
+    )
+    code, out, err = command(jax_cache, "naisnet-train", *TINY_ARGS, f"--workdir={two}", "--config.num_epochs=3")
+    assert code == 2, err[-3000:]
+    (line,) = stderr_lines(err, 1)
+    assert line.startswith("error: ") and refusal.fullmatch(line[len("error: ") :]), line
+    assert snapshot(two) == before  # nothing trained, moved or deleted
+    code, out, err = command(jax_cache, "naisnet-verify", checkpoints, "--data=none")
+    assert code == 2 and "CERTIFIED" not in out, err[-3000:]
+    (line,) = stderr_lines(err, 1)
+    prefix = "naisnet-verify: unusable checkpoint: "
+    assert line.startswith(prefix) and refusal.fullmatch(line[len(prefix) :]), line
+    assert snapshot(two) == before

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 from naisnet_jax import checkpoint as ckpt
-from naisnet_jax import train
+from naisnet_jax import engine, train
 
 pytestmark = pytest.mark.filterwarnings(
     # Orbax leaves asyncio tasks behind when a read fails; harmless, and out of our hands.
@@ -444,23 +444,51 @@ def delete_state_metadata(step_dir):
 
 
 @pytest.mark.parametrize("damage", [corrupt_state_data, garble_metadata, delete_state_metadata])
-def test_training_refuses_a_corrupt_latest_checkpoint(trained_workdir, tmp_path, damage, no_pickle):
+def test_training_resumes_from_the_newest_intact_checkpoint(trained_workdir, tmp_path, damage, no_pickle, capsys):
+    """The newest step damaged: training resumes from the intact step before it (one warning
+    naming both), sets the damaged step aside (kept, out of Orbax's sight) and saves that step
+    again; the metrics log is rewound to the step it resumed from."""
     workdir = tmp_path / "work"
     shutil.copytree(trained_workdir, workdir)
     checkpoints = workdir / train.CHECKPOINT_DIR
     assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4"]
     damage(checkpoints / "4")
+    config = tiny_config()
+    config.num_epochs = 3
+    train.train_and_evaluate(config, str(workdir))
+    out, err = capsys.readouterr()
+    (warning,) = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert f"checkpoint step 4 in {checkpoints} is damaged (" in warning and "; using step 2" in warning
+    assert "Resuming from" in out and "at epoch 2 (step 2)" in out
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4", "4.damaged", "6"]
+    assert [r["epoch"] for r in engine.read_metrics(workdir / train.METRICS_FILE)] == [1, 2, 3]
+    assert ckpt.load(str(checkpoints))[1]["epoch"] == 3
+
+
+def test_training_refuses_a_directory_without_an_intact_checkpoint(trained_workdir, tmp_path, no_pickle):
+    workdir = tmp_path / "work"
+    shutil.copytree(trained_workdir, workdir)
+    checkpoints = workdir / train.CHECKPOINT_DIR
+    corrupt_state_data(checkpoints / "4")
+    garble_metadata(checkpoints / "2")
     metrics_before = (workdir / train.METRICS_FILE).read_text()
     config = tiny_config()
     config.num_epochs = 3  # there is work left, so a silent restart would train
-    with pytest.raises(ckpt.CheckpointError) as info:
+    with pytest.raises(ckpt.NoIntactCheckpoint) as info:
         train.train_and_evaluate(config, str(workdir))
-    assert str(checkpoints) in str(info.value) and "step 4" in str(info.value)
-    # Nothing was trained, rewritten or deleted: no fallback to step 2 or to a fresh start.
+    message = str(info.value)
+    assert str(checkpoints) in message and "step 4: " in message and "step 2: " in message
+    assert [d.step for d in info.value.damaged] == [4, 2]
+    # Nothing was trained, rewritten, moved or deleted: no fresh start over damaged checkpoints.
     assert (workdir / train.METRICS_FILE).read_text() == metrics_before
     assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4"]
-    # The intact earlier checkpoint still loads.
-    assert ckpt.load(str(checkpoints / "2"))[1]["epoch"] == 1
+
+
+def test_damage_reasons_are_one_short_line():
+    long = "OUT_OF_RANGE: Error reading x. See full TensorStore details: <bound method ...{'driver': 'zarr'}>\nmore"
+    assert ckpt.short_reason(ValueError(long)) == "ValueError: OUT_OF_RANGE: Error reading x."
+    cut = ckpt.short_reason(ValueError("y" * 1000))
+    assert len(cut) == ckpt.REASON_CHARS and cut.endswith("...") and "\n" not in cut
 
 
 def test_trained_checkpoint_loads_without_pickle(trained_workdir, no_pickle):

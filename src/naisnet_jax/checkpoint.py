@@ -12,7 +12,10 @@ sub-directory per saved step, each with two items:
   ``digest`` of every array of ``state``.
 
 Restoring checks the format and the digest before anything is returned, so a
-corrupt or foreign checkpoint is refused as a whole, never half-loaded.
+corrupt or foreign checkpoint is refused as a whole, never half-loaded. Without
+a step, restoring takes the newest *intact* step: damaged newer steps are
+skipped with a one-line warning each (:class:`DamagedStep` says why), and a
+directory with no intact step is refused (:class:`NoIntactCheckpoint`).
 Training writes through this module and the verifier reads through it; neither
 imports the other.
 """
@@ -24,6 +27,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +42,45 @@ FORMAT_VERSION = 1
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, or not a naisnet-jax checkpoint."""
+
+
+class DamagedStep(CheckpointError):
+    """One step of a checkpoint directory that cannot be used: unreadable, truncated, not a
+    naisnet-jax checkpoint, or arrays that do not match their digest. ``reason`` is one short
+    line."""
+
+    def __init__(self, directory, step: int, reason: str):
+        self.directory, self.step, self.reason = str(directory), int(step), reason
+        super().__init__(f"{self.directory} (step {self.step}): {reason}")
+
+
+class NoIntactCheckpoint(CheckpointError):
+    """Every step of a checkpoint directory is damaged; ``damaged`` lists them, newest first."""
+
+    def __init__(self, directory, damaged: tuple[DamagedStep, ...]):
+        self.directory, self.damaged = str(directory), tuple(damaged)
+        steps = "; ".join(f"step {d.step}: {d.reason}" for d in self.damaged)
+        super().__init__(
+            f"{self.directory} holds no intact checkpoint ({steps}); restore it from a copy, or use another directory."
+        )
+
+
+class CheckpointMismatch(CheckpointError):
+    """An intact checkpoint whose arrays do not fit the tree asked for (another model or optimiser)."""
+
+
+REASON_CHARS = 160  # a damaged step's reason is cut to its first line and this many characters
+
+
+def short_reason(error: BaseException | str) -> str:
+    """``error`` in one short line: its type and the first line of its message, without the
+    TensorStore spec some errors append, at most :data:`REASON_CHARS` characters."""
+    text = str(error).strip()
+    text = text.split(" See full TensorStore details", 1)[0]
+    text = text.splitlines()[0].strip() if text else ""
+    if isinstance(error, BaseException):
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3].rstrip() + "..."
 
 
 METADATA_VERSION = 2
@@ -338,62 +381,198 @@ def save(mngr, step: int, state: Any, metadata: CheckpointMetadata) -> None:
     mngr.wait_until_finished()
 
 
-def _read_metadata(mngr, step: int, where: str) -> dict:
+def _read_metadata(mngr, step: int) -> dict:
+    """The metadata of ``step``, format checked; raises :class:`DamagedStep`."""
     ocp = _ocp()
     try:
         meta = mngr.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))["metadata"]
     except Exception as e:  # noqa: BLE001 - any failure means unusable
-        raise CheckpointError(f"{where}: cannot read the checkpoint metadata ({type(e).__name__}: {e}).") from e
+        raise DamagedStep(mngr.directory, step, f"cannot read the checkpoint metadata ({short_reason(e)})") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else meta
-        raise CheckpointError(f"{where} is not a {FORMAT} checkpoint (metadata format={found!r}).")
+        raise DamagedStep(mngr.directory, step, f"not a {FORMAT} checkpoint (metadata format={found!r})")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{where}: checkpoint format_version={meta.get('format_version')!r}, this code reads {FORMAT_VERSION}."
+        raise DamagedStep(
+            mngr.directory,
+            step,
+            f"checkpoint format_version={meta.get('format_version')!r}, this code reads {FORMAT_VERSION}",
         )
     return meta
 
 
+def _check_array_store(state_dir: str) -> None:
+    """Read every array of a step's OCDBT store, one after the other, and wait for each read.
+
+    Orbax reads all arrays at once; when one read fails it returns at once and closes its event
+    loop, and the reads still in flight then print ``RuntimeError: Event loop is closed``
+    tracebacks as they finish. Reading first, one array at a time, a damaged store fails here
+    with nothing left in flight, and Orbax only ever reads a store that reads whole. Raises
+    TensorStore's error. A store whose Orbax metadata cannot be read, or that is not OCDBT, is
+    left to Orbax (which refuses the former before it reads any array).
+    """
+    try:
+        with open(os.path.join(state_dir, "_METADATA")) as f:
+            layout = json.load(f)
+    except (OSError, ValueError):
+        return
+    if not isinstance(layout, dict) or not layout.get("use_ocdbt", False):
+        return
+    import tensorstore as ts  # Orbax's storage layer
+
+    base = {"driver": "ocdbt", "base": "file://" + os.path.abspath(state_dir) + "/"}
+    store = ts.KvStore.open(base).result()
+    suffix, driver = (b"/zarr.json", "zarr3") if layout.get("use_zarr3") else (b"/.zarray", "zarr")
+    names = sorted(key[: -len(suffix)].decode() for key in store.list().result() if key.endswith(suffix))
+    if not names:
+        raise ValueError("the array store lists no arrays")
+    for name in names:
+        ts.open({"driver": driver, "kvstore": {**base, "path": name + "/"}}, open=True).result().read().result()
+
+
+def _few(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _fit(tree: Any, target: Any, where: str) -> Any:
+    """``tree``'s arrays in ``target``'s structure and dtypes, matched by path (container types
+    ignored, as in :func:`tree_digest`); :class:`CheckpointMismatch` names the first array that
+    is missing, unexpected or of another shape."""
+    stored = {_path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    wanted, treedef = jax.tree_util.tree_flatten_with_path(target)
+    names = [_path_name(p) for p, _ in wanted]
+    missing = [name for name in names if name not in stored]
+    extra = sorted(set(stored) - set(names))
+    if missing or extra:
+        parts = ([f"it lacks {_few(missing)}"] if missing else []) + ([f"it also holds {_few(extra)}"] if extra else [])
+        raise CheckpointMismatch(f"{where}: the checkpoint's arrays are not the ones expected ({'; '.join(parts)})")
+    leaves = []
+    for name, (_, like) in zip(names, wanted):
+        value, shape = np.asarray(stored[name]), tuple(np.shape(like))
+        if value.shape != shape:
+            raise CheckpointMismatch(
+                f"{where}: the checkpoint's {name} has shape {value.shape}, where {shape} is expected"
+            )
+        dtype = like.dtype if hasattr(like, "dtype") else np.asarray(like).dtype
+        leaves.append(value.astype(dtype, copy=False))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _restore_step(mngr, step: int, *, target: Any = None, check=None) -> tuple[Any, dict]:
+    """``(state, metadata)`` of one step: metadata read and format checked, ``check(metadata)``
+    called, every array read and the digest compared; then, with ``target``, fitted to it.
+    Raises :class:`DamagedStep` for a step that cannot be used whole."""
+    ocp = _ocp()
+    meta = _read_metadata(mngr, step)
+    if check is not None:
+        check(meta)
+    try:
+        _check_array_store(os.path.join(str(mngr.directory), str(step), "state"))
+        state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+    except Exception as e:  # noqa: BLE001
+        raise DamagedStep(
+            mngr.directory,
+            step,
+            f"the checkpoint's arrays cannot be read ({short_reason(e)}); it is corrupt or incomplete",
+        ) from e
+    if tree_digest(state) != meta.get("digest"):
+        raise DamagedStep(
+            mngr.directory,
+            step,
+            "the arrays do not match the digest recorded when the checkpoint was written; it is corrupt",
+        )
+    if target is not None:
+        state = _fit(state, target, f"{mngr.directory} (step {step})")
+    return state, meta
+
+
+def _steps_newest_first(mngr) -> list[int]:
+    steps = sorted(mngr.all_steps(), reverse=True)
+    if not steps:
+        raise CheckpointError(f"{mngr.directory}: no checkpoint found.")
+    return steps
+
+
 def read_metadata(mngr, step: int | None = None) -> dict:
-    """The metadata of ``step`` (default: the latest); raises :class:`CheckpointError`."""
-    if step is None:
-        step = mngr.latest_step()
-        if step is None:
-            raise CheckpointError(f"{mngr.directory}: no checkpoint found.")
-    return _read_metadata(mngr, step, f"{mngr.directory} (step {step})")
+    """The metadata of ``step`` (default: the newest step whose metadata reads); raises
+    :class:`CheckpointError` (:class:`NoIntactCheckpoint` when no step's metadata reads)."""
+    if step is not None:
+        return _read_metadata(mngr, step)
+    damaged = []
+    for s in _steps_newest_first(mngr):
+        try:
+            return _read_metadata(mngr, s)
+        except DamagedStep as e:
+            damaged.append(e)
+    raise NoIntactCheckpoint(mngr.directory, damaged)
+
+
+def restore_newest(mngr, *, target: Any = None, check=None) -> tuple[Any, dict, tuple[DamagedStep, ...]]:
+    """The newest intact step of ``mngr``: ``(state, metadata, damaged)``, where ``damaged`` are
+    the newer steps skipped (:class:`DamagedStep`, newest first; a trainer resuming here should
+    :func:`set_aside` them before it saves those steps again).
+
+    ``check(metadata)`` runs on each step's metadata before its arrays are read: what it raises
+    (another run's checkpoint) ends the search. ``target`` as for :func:`restore`. Raises
+    :class:`NoIntactCheckpoint` when every step is damaged, :class:`CheckpointError` when there
+    is none, :class:`CheckpointMismatch` when the arrays do not fit ``target``.
+    """
+    damaged = []
+    for step in _steps_newest_first(mngr):
+        try:
+            state, meta = _restore_step(mngr, step, target=target, check=check)
+        except DamagedStep as e:
+            damaged.append(e)
+            continue
+        return state, meta, tuple(damaged)
+    raise NoIntactCheckpoint(mngr.directory, damaged)
+
+
+def damaged_warning(damaged: DamagedStep, used: int) -> str:
+    """The one line that says a damaged step was skipped for step ``used``."""
+    return (
+        f"warning: checkpoint step {damaged.step} in {damaged.directory} is damaged ({damaged.reason}); "
+        f"using step {used}"
+    )
 
 
 def restore(mngr, step: int | None = None, *, target: Any = None) -> tuple[Any, dict]:
-    """Restore ``(state, metadata)`` at ``step`` (default: the latest).
+    """Restore ``(state, metadata)`` at ``step`` (default: the newest intact step, with one
+    warning line on stderr per damaged newer step; see :func:`restore_newest`).
 
     ``target`` is a tree of arrays (or ``jax.ShapeDtypeStruct``) with the
-    expected structure; without it the stored structure is returned with
-    numpy-convertible arrays. Raises :class:`CheckpointError` when there is no
-    checkpoint, when it cannot be read, or when its digest does not match.
+    expected structure; the arrays come back in its structure and dtypes. Without it the
+    stored structure is returned with numpy arrays. Raises :class:`CheckpointError` when there
+    is no checkpoint, when it cannot be read, when its digest does not match
+    (:class:`DamagedStep`; :class:`NoIntactCheckpoint` without ``step``), or when the arrays do
+    not fit ``target`` (:class:`CheckpointMismatch`).
     """
-    ocp = _ocp()
-    where = str(mngr.directory)
-    if step is None:
-        step = mngr.latest_step()
-        if step is None:
-            raise CheckpointError(f"{where}: no checkpoint found.")
-    meta = _read_metadata(mngr, step, f"{where} (step {step})")
-    if target is not None:
-        target = jax.tree.map(lambda x: ocp.utils.to_shape_dtype_struct(jax.numpy.asarray(x)), target)
-    try:
-        state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(
-            f"{where} (step {step}): the checkpoint's arrays cannot be read "
-            f"({type(e).__name__}: {e}); it is corrupt or incomplete."
-        ) from e
-    digest = tree_digest(state)
-    if digest != meta.get("digest"):
-        raise CheckpointError(
-            f"{where} (step {step}): the arrays do not match the digest recorded when the "
-            f"checkpoint was written; it is corrupt."
-        )
+    if step is not None:
+        return _restore_step(mngr, step, target=target)
+    state, meta, damaged = restore_newest(mngr, target=target)
+    for d in damaged:
+        print(damaged_warning(d, int(meta["step"])), file=sys.stderr, flush=True)
     return state, meta
+
+
+DAMAGED_SUFFIX = ".damaged"
+
+
+def set_aside(mngr, steps) -> list[str]:
+    """Rename the directories of ``steps`` to ``<step>.damaged`` (``.damaged-2``, ... when taken),
+    where Orbax no longer sees them, and return the new paths: a trainer that resumes from an
+    older step saves these step numbers again, and keeps what was there for inspection."""
+    moved = []
+    for step in steps:
+        source = os.path.join(str(mngr.directory), str(step))
+        target, n = source + DAMAGED_SUFFIX, 1
+        while os.path.exists(target):
+            n += 1
+            target = f"{source}{DAMAGED_SUFFIX}-{n}"
+        os.rename(source, target)
+        moved.append(target)
+    if moved:
+        mngr.reload()
+    return moved
 
 
 def latest_step(directory: str) -> int | None:
@@ -406,9 +585,9 @@ def latest_step(directory: str) -> int | None:
 def load(path: str, step: int | None = None) -> tuple[dict, dict]:
     """Read a checkpoint for inspection: ``(state, metadata)`` with numpy arrays.
 
-    ``path`` is a checkpoint directory written by training (the latest step is
-    read) or one of its step sub-directories. Raises :class:`CheckpointError`
-    for anything that is not a complete naisnet-jax checkpoint.
+    ``path`` is a checkpoint directory written by training (its newest intact step is read,
+    with a warning line per damaged newer step) or one of its step sub-directories. Raises
+    :class:`CheckpointError` for anything that is not a complete naisnet-jax checkpoint.
     """
     path = os.path.abspath(path)
     if os.path.isfile(path):
@@ -423,7 +602,7 @@ def load(path: str, step: int | None = None) -> tuple[dict, dict]:
     try:
         mngr = manager(path, create=False)
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{path}: not a checkpoint directory ({type(e).__name__}: {e}).") from e
+        raise CheckpointError(f"{path}: not a checkpoint directory ({short_reason(e)}).") from e
     try:
         if not mngr.all_steps():
             raise CheckpointError(f"{path}: no checkpoint steps found (not a {FORMAT} checkpoint directory).")

@@ -102,13 +102,24 @@ def restore_into(state, tree: dict):
     )
 
 
-def restore_latest(mngr, target: dict) -> tuple[dict, int]:
-    """The latest checkpoint of ``mngr`` as ``target``'s structure, and the epoch it ends.
+def restore_latest(mngr, target: dict, *, check=None, incompatible: str = "") -> tuple[dict, int]:
+    """The newest intact checkpoint of ``mngr`` as ``target``'s structure, and the epoch it ends.
 
-    The arrays come back as fresh arrays of ``target``'s dtypes (the step counter is saved as
-    int32 but counts in int64 under x64), so a program compiled for the fresh state runs on them.
-    A damaged or foreign checkpoint raises :class:`naisnet_jax.checkpoint.CheckpointError`."""
-    tree, meta = ckpt.restore(mngr, target=target)
+    ``check(metadata)`` runs on each step's stored metadata before its arrays are read (raising
+    for another run's checkpoint). Newer damaged steps are skipped, each with one warning line on
+    stderr, and set aside as ``<step>.damaged`` (:func:`naisnet_jax.checkpoint.set_aside`) so the
+    resumed run can save those steps again. The arrays come back as fresh arrays of ``target``'s
+    dtypes (the step counter is saved as int32 but counts in int64 under x64), so a program
+    compiled for the fresh state runs on them. Intact arrays that do not fit ``target`` (another
+    optimiser, say) raise ``ValueError`` ending with ``incompatible``; a directory without an
+    intact step raises :class:`naisnet_jax.checkpoint.NoIntactCheckpoint`."""
+    try:
+        tree, meta, damaged = ckpt.restore_newest(mngr, target=target, check=check)
+    except ckpt.CheckpointMismatch as e:
+        raise ValueError(f"{e}{incompatible}") from None
+    kept = ckpt.set_aside(mngr, [d.step for d in damaged])
+    for d, path in zip(damaged, kept):
+        print(f"{ckpt.damaged_warning(d, int(meta['step']))} (set aside as {path})", file=sys.stderr, flush=True)
     tree = jax.tree.map(lambda x, like: jnp.asarray(np.asarray(x), like.dtype), tree, target)
     return tree, int(meta["epoch"])
 

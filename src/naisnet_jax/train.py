@@ -425,9 +425,16 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
         metrics_path = os.path.join(workdir, METRICS_FILE)
         metrics_log = metric_writers.JsonlWriter(metrics_path, fsync=True)
         start_epoch = 1
-        if mngr.latest_step() is not None:
-            _check_same_model(ckpt.read_metadata(mngr), config, mngr.directory)
-            tree, epoch = engine.restore_latest(mngr, engine.checkpoint_tree(state))
+        if mngr.all_steps():
+            try:  # the newest intact checkpoint, if it is this run's
+                tree, epoch = engine.restore_latest(
+                    mngr,
+                    engine.checkpoint_tree(state),
+                    check=lambda meta: _check_same_model(meta, config, mngr.directory),
+                )
+            except BaseException:
+                mngr.close()
+                raise
             state = engine.restore_into(state, tree)
             start_epoch = epoch + 1
             print(f"Resuming from {mngr.directory} at epoch {start_epoch} (step {int(state.step)}).")
