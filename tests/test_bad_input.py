@@ -22,9 +22,9 @@ Kinds (the test names say which):
 27. non-finite parameters in a checkpoint     28. bad command lines (more in test_cli.py)
 ...
 35. a damaged newest checkpoint: the newest intact step is used, with one warning line
-36. no intact checkpoint: refused in one line
+36. no intact checkpoint: refused in one line  38. Orbax's own log lines never reach the user
 
-Tests 35-36 run the commands as subprocesses, as a user does: their stderr must hold exactly the
+Tests 35-38 run the commands as subprocesses, as a user does: their stderr must hold exactly the
 lines the commands write themselves, with no traceback, no ``Event loop is closed`` from Orbax's
 reads and no ``ERROR:absl`` line.
 """
@@ -640,7 +640,7 @@ def test_34_audit_model_given_no_model_or_non_finite_inputs():
         audit_model(model, variables, inputs=x.at[0, 0, 0, 0].set(jnp.inf))
 
 
-# ------------------------------------------------------------------ 35-36. damaged checkpoints: commands
+# ------------------------------------------------------------------ 35-38. damaged checkpoints: commands
 
 BIN = pathlib.Path(sys.executable).parent
 NOISE = ("Traceback", "Event loop is closed", "ERROR:absl", "WARNING:absl", "TensorStore")
@@ -766,3 +766,17 @@ def test_36_no_intact_checkpoint_is_refused_in_one_line(two, jax_cache):
     prefix = "naisnet-verify: unusable checkpoint: "
     assert line.startswith(prefix) and refusal.fullmatch(line[len(prefix) :]), line
     assert snapshot(two) == before
+
+
+def test_38_orbax_log_lines_never_reach_the_user(two, jax_cache):
+    """Orbax logs an unreadable or missing ``_CHECKPOINT_METADATA`` (its own bookkeeping; the
+    step restores whole) at ERROR and WARNING: neither command shows it, nor anything else."""
+    checkpoints = two / train.CHECKPOINT_DIR
+    (checkpoints / "8" / "_CHECKPOINT_METADATA").write_bytes(b"\x89 not json")
+    (checkpoints / "4" / "_CHECKPOINT_METADATA").unlink()
+    code, out, err = command(jax_cache, "naisnet-verify", checkpoints, "--data=none")
+    assert code == 0, err[-3000:]
+    stderr_lines(err, 0)
+    code, out, err = command(jax_cache, "naisnet-train", *TINY_ARGS, f"--workdir={two}", "--config.num_epochs=3")
+    assert code == 0 and f"Resuming from {checkpoints} at epoch 3 (step 8)." in out, err[-3000:]
+    stderr_lines(err, 0)

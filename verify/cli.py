@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from naisnet_jax.checkpoint import CheckpointError
+from naisnet_jax.checkpoint import CheckpointError, quiet_orbax_logging
 from naisnet_jax.checks import check_output_dir, check_output_file
 
 from .certify import AuditOptions, audit, check_option
@@ -91,6 +91,7 @@ def main(argv=None) -> None:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    quiet_orbax_logging()  # the audit says itself what is wrong with a checkpoint
     options = AuditOptions(
         samples=args.samples,
         data=args.data,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import sys
@@ -314,6 +315,30 @@ class CheckpointMetadata:
                 f"the checkpoint's metadata does not describe a model this version can build "
                 f"(model={name!r}, {kwargs}): {e}"
             ) from e
+
+
+class _OrbaxRecords(logging.Filter):
+    """Drops the log records that Orbax's own code emits (found on the calling stack)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_globals.get("__name__", "").startswith("orbax."):
+                return False
+            frame = frame.f_back
+        return True
+
+
+def quiet_orbax_logging() -> None:
+    """Keep Orbax's log lines off stderr: for the commands, which say themselves what a user
+    must know (a damaged step in one warning line, an unusable checkpoint in one error line).
+
+    Orbax logs through absl: every save at INFO, and at WARNING or ERROR a step's bookkeeping
+    file (``_CHECKPOINT_METADATA``, timestamps) that is missing or unreadable, although the step
+    restores whole. Other absl records pass as before, and every failure still raises."""
+    absl_logger = logging.getLogger("absl")
+    if not any(isinstance(f, _OrbaxRecords) for f in absl_logger.filters):
+        absl_logger.addFilter(_OrbaxRecords())
 
 
 def _ocp():

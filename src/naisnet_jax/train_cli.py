@@ -290,10 +290,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from absl import logging
 
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    logging.set_verbosity(logging.WARNING)  # absl logs from INFO by default
     from naisnet_jax import train
+    from naisnet_jax.checkpoint import quiet_orbax_logging
     from naisnet_jax.metric_writers import default_writer
 
+    quiet_orbax_logging()  # Orbax's log lines (every save, its own bookkeeping files) are not the user's
     previous = _leave_on_ctrl_c(args.workdir)
     try:
         writer = default_writer(args.workdir, tensorboard=args.tensorboard)
