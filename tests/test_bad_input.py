@@ -22,7 +22,8 @@ Kinds (the test names say which):
 27. non-finite parameters in a checkpoint     28. bad command lines (more in test_cli.py)
 ...
 35. a damaged newest checkpoint: the newest intact step is used, with one warning line
-36. no intact checkpoint: refused in one line  38. Orbax's own log lines never reach the user
+36. no intact checkpoint: refused in one line  37. resuming a run of another dataset or optimiser
+38. Orbax's own log lines never reach the user
 
 Tests 35-38 run the commands as subprocesses, as a user does: their stderr must hold exactly the
 lines the commands write themselves, with no traceback, no ``Event loop is closed`` from Orbax's
@@ -765,6 +766,36 @@ def test_36_no_intact_checkpoint_is_refused_in_one_line(two, jax_cache):
     (line,) = stderr_lines(err, 1)
     prefix = "naisnet-verify: unusable checkpoint: "
     assert line.startswith(prefix) and refusal.fullmatch(line[len(prefix) :]), line
+    assert snapshot(two) == before
+
+
+def test_37_resuming_a_run_of_another_dataset_or_optimiser(two, jax_cache):
+    """Said from the checkpoint's metadata, in one line, exit 2, nothing changed; never reported
+    as a corrupt checkpoint."""
+    for meta_file in (two / train.CHECKPOINT_DIR).glob("*/metadata/metadata"):
+        meta = json.loads(meta_file.read_text())
+        meta["dataset"] = "fashion_mnist_idx"  # the arrays fit digits: only the metadata can tell
+        meta_file.write_text(json.dumps(meta))
+    before = snapshot(two)
+    code, out, err = command(jax_cache, "naisnet-train", *TINY_ARGS, f"--workdir={two}", "--config.num_epochs=3")
+    assert code == 2, err[-3000:]
+    assert stderr_lines(err, 1) == [
+        f"error: {two} holds a run on dataset 'fashion_mnist_idx'; this config asks for 'digits': "
+        "use another workdir or the same dataset."
+    ]
+    assert snapshot(two) == before
+    for meta_file in (two / train.CHECKPOINT_DIR).glob("*/metadata/metadata"):
+        meta = json.loads(meta_file.read_text())
+        meta["dataset"] = "digits"
+        meta_file.write_text(json.dumps(meta))
+    before = snapshot(two)
+    code, err = run_train(TINY_ARGS + [f"--workdir={two}", "--config.num_epochs=3", "--config.momentum=0"])
+    assert code == 2
+    assert_one_line(err, f"error: {two / train.CHECKPOINT_DIR} (step 8): the checkpoint's arrays are not the ones ")
+    assert "it also holds opt_state/" in err and err.endswith(
+        ": use another workdir, or the checkpoint's config, to resume.\n"
+    )
+    assert "corrupt" not in err
     assert snapshot(two) == before
 
 

@@ -368,9 +368,15 @@ def input_stats(config, train_images) -> tuple[np.ndarray, np.ndarray]:
     return np.zeros(channels), np.ones(channels)
 
 
-def _check_same_model(meta: dict, config, directory) -> None:
-    """Resuming with another model would fail as a shape mismatch; say what differs. Speed
-    options (:data:`naisnet_jax.models.SPEED_OPTIONS`) may differ: same parameters, same maths."""
+def _check_same_run(meta: dict, config, workdir) -> None:
+    """Resuming a run on another dataset or with another model would fail as a shape mismatch
+    (or, worse, train on); say what differs, from the checkpoint's stored metadata. Speed options
+    (:data:`naisnet_jax.models.SPEED_OPTIONS`) may differ: same parameters, same maths."""
+    if meta.get("dataset") != config.dataset:
+        raise ValueError(
+            f"{workdir} holds a run on dataset {meta.get('dataset')!r}; this config asks for "
+            f"{config.dataset!r}: use another workdir or the same dataset."
+        )
     try:
         theirs = ckpt.CheckpointMetadata.from_json(meta).model_spec()
     except ckpt.CheckpointError:
@@ -379,7 +385,7 @@ def _check_same_model(meta: dict, config, directory) -> None:
     theirs = (theirs[0], json.loads(json.dumps(theirs[1])))
     if (theirs[0], models.without_speed_options(theirs[1])) != (ours[0], models.without_speed_options(ours[1])):
         raise ValueError(
-            f"{directory} holds checkpoints of model {theirs[0]} with {theirs[1]}, but config.model="
+            f"{workdir} holds checkpoints of model {theirs[0]} with {theirs[1]}, but config.model="
             f"{ours[0]} with {ours[1]}: use another workdir, or the checkpoint's config, to resume."
         )
 
@@ -430,7 +436,8 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
                 tree, epoch = engine.restore_latest(
                     mngr,
                     engine.checkpoint_tree(state),
-                    check=lambda meta: _check_same_model(meta, config, mngr.directory),
+                    check=lambda meta: _check_same_run(meta, config, workdir),
+                    incompatible=": use another workdir, or the checkpoint's config, to resume.",
                 )
             except BaseException:
                 mngr.close()
