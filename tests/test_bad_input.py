@@ -23,9 +23,9 @@ Kinds (the test names say which):
 ...
 35. a damaged newest checkpoint: the newest intact step is used, with one warning line
 36. no intact checkpoint: refused in one line  37. resuming a run of another dataset or optimiser
-38. Orbax's own log lines never reach the user
+38. Orbax's own log lines never reach the user 39. parameters that overflow float32 in the audit
 
-Tests 35-38 run the commands as subprocesses, as a user does: their stderr must hold exactly the
+Tests 35-39 run the commands as subprocesses, as a user does: their stderr must hold exactly the
 lines the commands write themselves, with no traceback, no ``Event loop is closed`` from Orbax's
 reads and no ``ERROR:absl`` line.
 """
@@ -641,7 +641,7 @@ def test_34_audit_model_given_no_model_or_non_finite_inputs():
         audit_model(model, variables, inputs=x.at[0, 0, 0, 0].set(jnp.inf))
 
 
-# ------------------------------------------------------------------ 35-38. damaged checkpoints: commands
+# ------------------------------------------------------------------ 35-39. damaged checkpoints, overflow: commands
 
 BIN = pathlib.Path(sys.executable).parent
 NOISE = ("Traceback", "Event loop is closed", "ERROR:absl", "WARNING:absl", "TensorStore")
@@ -811,3 +811,38 @@ def test_38_orbax_log_lines_never_reach_the_user(two, jax_cache):
     code, out, err = command(jax_cache, "naisnet-train", *TINY_ARGS, f"--workdir={two}", "--config.num_epochs=3")
     assert code == 0 and f"Resuming from {checkpoints} at epoch 3 (step 8)." in out, err[-3000:]
     stderr_lines(err, 0)
+
+
+def test_39_parameters_that_overflow_float32_are_not_certified_with_the_reason(trained, jax_cache, tmp_path):
+    """Finite parameters whose float32 operator overflows (``R^T R`` of an ``R`` of 1e30 is inf):
+    the verdict is "not certified", the certificate says why; no exception, nothing on stderr."""
+    state, meta = ckpt.load(str(trained / train.CHECKPOINT_DIR))
+    state["params"]["block"]["R"][...] = 1e30
+    target = tmp_path / "huge"
+    manager = ckpt.manager(str(target))
+    ckpt.save(manager, meta["step"], state, ckpt.CheckpointMetadata.from_json(meta))
+    manager.close()
+    code, out, err = command(jax_cache, "naisnet-verify", target, "--data=none", f"--json={tmp_path / 'c.json'}")
+    assert code == 1, err[-3000:]
+    stderr_lines(err, 0)
+    assert "NOT CERTIFIED: not certified: block (its float32 operator overflows)" in out
+    (block,) = json.loads((tmp_path / "c.json").read_text())["blocks"]
+    assert block["verdict"] == "not proven" and block["certified"] is False
+    assert block["reason"].startswith("the float32 operator A has 64 non-finite entries (NaN or inf) out of 64: ")
+    assert "the parameters overflow float32 (largest |R| = 1e+30;" in block["reason"]
+    assert block["parameter"]["condition1_proven"] is False and block["spectrum"] is None
+
+    from naisnet_jax.verify import Certificate, audit_model
+
+    model = models.get_model("naisnet_fc_tiny")
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 8, 8, 1))
+    variables = model.init(jax.random.PRNGKey(1), x)
+    R = variables["params"]["block"]["R"]
+    assert audit_model(model, variables, inputs=x).certified  # as initialised
+    variables["params"]["block"]["R"] = R * 1e20  # finite; R^T R is not
+    cert = audit_model(model, variables, inputs=x)
+    assert not cert.certified and cert.reason == "not certified: block (its float32 operator overflows)"
+    (report,) = cert.blocks
+    assert not report.certified and "the parameters overflow float32" in report.reason
+    assert report.trajectory.skipped == "the float32 operator is not finite"
+    assert Certificate.from_json(cert.to_json()).blocks[0].reason == report.reason

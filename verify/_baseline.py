@@ -12,11 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._common import Block, group, stack
+from ._common import Block, all_finite, group, stack
 from .arnoldi import arnoldi_eigs_batch, stack_operators
 from .certificate import BaselineParameters, Spectrum
 from .operators import conv_operator, jacobian_operator, operator_matrix
 from .spectral import _dense_result, spectral_radius_info
+
+_OVERFLOW = "the float32 weights (times their BatchNorm scale) overflow float32: no radius"
+
+
+def _product_finite(operator, scale) -> bool:
+    """``operator * scale`` as the audit forms it (float32 times float32) stays finite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return all_finite(np.asarray(operator) * np.asarray(scale))
 
 
 def dense(blocks: list[Block], options) -> dict[int, tuple[BaselineParameters, Spectrum]]:
@@ -27,12 +35,14 @@ def dense(blocks: list[Block], options) -> dict[int, tuple[BaselineParameters, S
         Ws = W.reshape((-1,) + W.shape[-2:])
         g = None if p.scale is None else np.asarray(p.scale, np.float64).reshape(-1, W.shape[-1])
         layers = max(len(Ws), 0 if g is None else len(g))
-        radii, Js = [], []
+        Js = []
         for k in range(layers):
             Wk = Ws[k % len(Ws)]
-            Jk = np.eye(len(Wk)) + p.h * (Wk if g is None else g[k][:, None] * Wk)
-            radii.append(spectral_radius_info(Jk, method="dense").radius)
-            Js.append(Jk)
+            Js.append(np.eye(len(Wk)) + p.h * (Wk if g is None else g[k][:, None] * Wk))
+        if not all_finite(*Js):
+            out[b.index] = (BaselineParameters(note=_OVERFLOW, layers=layers), None)
+            continue
+        radii = [spectral_radius_info(Jk, method="dense").radius for Jk in Js]
         J = Js[int(np.argmax(radii))]  # the figure shows the worst layer
         params = BaselineParameters(
             layers=layers,
@@ -60,6 +70,8 @@ def conv(blocks: list[Block], options) -> dict[int, tuple[BaselineParameters, Sp
     for b in blocks:
         if not b.p32.square:
             out[b.index] = (BaselineParameters(note="changes width or resolution: no square state map"), None)
+        elif not _product_finite(b.p32.operator, b.p32.scale):
+            out[b.index] = (BaselineParameters(note=_OVERFLOW), None)
         else:
             square.append(b)
     for members in group(square, lambda b: (np.shape(b.p32.operator), np.shape(b.p32.u))):

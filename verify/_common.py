@@ -64,6 +64,11 @@ def map_groups(fn: Callable[[list[Block]], Any], groups: Sequence[list[Block]], 
         return list(pool.map(scoped, groups))
 
 
+def all_finite(*arrays) -> bool:
+    """Every entry of every array given (``None`` skipped) is finite."""
+    return all(a is None or bool(np.all(np.isfinite(np.asarray(a)))) for a in arrays)
+
+
 def stack(arrays) -> jax.Array:
     return jnp.stack([jnp.asarray(a, jnp.float64) for a in arrays])
 

@@ -19,7 +19,7 @@ import numpy as np
 from naisnet_jax.cell import ACTIVATIONS, activation_slope, conv_same
 from naisnet_jax.stability import kernel_gershgorin
 
-from ._common import Block, gain, group, map_groups, perturbation
+from ._common import Block, all_finite, gain, group, map_groups, perturbation
 from ._numerics import U64, float32_h, gamma
 from .arnoldi import arnoldi_eigs_batch, stack_operators
 from .certificate import ConvParameters, Equilibrium, Spectrum, Trajectory
@@ -94,7 +94,7 @@ def _steps(x):
 # ------------------------------------------------------------- parameter figures
 
 
-def parameters(blocks: list[Block], options) -> dict[int, tuple[ConvParameters, Spectrum]]:
+def parameters(blocks: list[Block], options) -> dict[int, tuple[ConvParameters, Spectrum | None]]:
     groups = group(blocks, lambda b: (_steps(b.p32.operator).shape, _hw(b)))
     out = {}
     for part in map_groups(functools.partial(_group_parameters, options=options), groups):
@@ -102,7 +102,7 @@ def parameters(blocks: list[Block], options) -> dict[int, tuple[ConvParameters, 
     return out
 
 
-def _group_parameters(members: list[Block], options) -> dict[int, tuple[ConvParameters, Spectrum]]:
+def _group_parameters(members: list[Block], options) -> dict[int, tuple[ConvParameters, Spectrum | None]]:
     out = {}
     kernels = np.stack([np.asarray(_steps(b.p32.operator), np.float64) for b in members])  # (G, S, k, k, C, C)
     deltas = np.stack([np.reshape(np.asarray(b.p32.factor, np.float64), (-1, kernels.shape[-1])) for b in members])
@@ -118,7 +118,13 @@ def _group_parameters(members: list[Block], options) -> dict[int, tuple[ConvPara
         np.asarray([b.p32.activation == "relu" for b in members]),
         np.asarray([b.p32.learn_delta for b in members]),
     )
-    radii = _radius_estimates(members, kernels, h, options) if options.estimate_conv_radius else {}
+    finite = [all_finite(k) for k in kernels]  # a kernel that overflowed has no spectrum to estimate
+    good = [i for i in range(len(members)) if finite[i]]
+    radii = (
+        _radius_estimates([members[i] for i in good], kernels[good], h[good], options)
+        if options.estimate_conv_radius and good
+        else {}
+    )
     centres, disc_r = kernel_gershgorin(kernels[:, 0])
     for i, b in enumerate(members):
         hw = _hw(b)
@@ -141,6 +147,9 @@ def _group_parameters(members: list[Block], options) -> dict[int, tuple[ConvPara
             rho_converged=None if est is None else est["converged"],
             steps=int(kernels.shape[1]),
         )
+        if not finite[i]:
+            out[b.index] = (params, None)
+            continue
         hb = float(h[i])
         eig = () if est is None else est["eigenvalues"]
         spectrum = Spectrum(

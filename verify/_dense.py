@@ -28,7 +28,7 @@ import numpy as np
 
 from naisnet_jax.cell import ACTIVATIONS, activation_slope
 
-from ._common import Block, gain, group, perturbation, stack
+from ._common import Block, all_finite, gain, group, perturbation, stack
 from ._numerics import U64, float32_h, gamma
 from .certificate import DenseParameters, Equilibrium, Spectrum, Trajectory
 from .spectral import spectral_radius_info
@@ -113,7 +113,7 @@ def _steps(x):
     return x if x.ndim == 3 else x[None]
 
 
-def parameters(blocks: list[Block], options) -> dict[int, tuple[DenseParameters, Spectrum]]:
+def parameters(blocks: list[Block], options) -> dict[int, tuple[DenseParameters, Spectrum | None]]:
     out = {}
     for members in group(blocks, lambda b: _steps(b.p32.operator).shape + _steps(b.p32.factor).shape):
         A32 = [_steps(b.p32.operator) for b in members]
@@ -151,7 +151,9 @@ def parameters(blocks: list[Block], options) -> dict[int, tuple[DenseParameters,
             h, eps = float32_h(p.h), float(p.eps)
             relu = p.activation == "relu"
             delta = 2 * (1 - eps) if options.relaxed else 1 - 2 * eps
-            lo, hi, kappa = float(np.min(lower[i])), float(np.max(upper[i])), float(np.max(skew[i]))
+            finite = all_finite(A32[i])  # a float32 A that overflowed has no eigenvalues to show
+            lo, hi = float(np.min(lower[i])), float(np.max(upper[i]))
+            kappa = float(np.max(skew[i])) if finite else float("inf")
             sym = symmetric[i]
 
             def bound(lo, hi, sigma, kappa=kappa):  # proven: sup of rho for slopes in [sigma, 1]
@@ -170,10 +172,12 @@ def parameters(blocks: list[Block], options) -> dict[int, tuple[DenseParameters,
             e = float(np.max(spread[i]))  # another float32 evaluation of A: within e (norm), skew too
             robust = bool(proven and condition1(lo - e, hi + e, kappa + e))
             lam_A = -lam[i]  # eigenvalues of A per step (ascending in M)
-            rho = float(np.max(np.abs(1 + h * lam_A)))
+            rho = float(np.max(np.abs(1 + h * lam_A))) if finite else None
             J0 = np.eye(n) + h * np.asarray(A[i, 0])
-            rho_eigvals = max(
-                spectral_radius_info(np.eye(n) + h * np.asarray(A[i, s]), method="dense").radius for s in range(S)
+            rho_eigvals = (
+                max(spectral_radius_info(np.eye(n) + h * np.asarray(A[i, s]), method="dense").radius for s in range(S))
+                if finite
+                else None
             )
             interval = (1 - h * (2 * (1 - eps) + eps) if options.relaxed else 1 - h * (1 - eps), 1 - h * eps)
             params = DenseParameters(
@@ -189,12 +193,15 @@ def parameters(blocks: list[Block], options) -> dict[int, tuple[DenseParameters,
                 rho_bar_bound=rho_bar,
                 condition1_proven=proven,
                 device_independent=robust,
-                eig_A=(float(lam_A.min()), float(lam_A.max())),
+                eig_A=(float(lam_A.min()), float(lam_A.max())) if finite else None,
                 lemma_interval_I_plus_hA=(float(interval[0]), float(interval[1])),
                 rho_I_plus_hA=rho,
-                rho_I_plus_hA_eigvals=float(rho_eigvals),
+                rho_I_plus_hA_eigvals=None if rho_eigvals is None else float(rho_eigvals),
                 steps=int(S),
             )
+            if not finite:
+                out[b.index] = (params, None)
+                continue
             spectrum = Spectrum(
                 eigenvalues=tuple(complex(z) for z in np.sort(1 + h * lam_A[0])),
                 all_eigenvalues=True,

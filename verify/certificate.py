@@ -84,12 +84,16 @@ class DenseParameters:
     device_independent: bool = _fig(
         "proven", "Condition 1 also holds for every float32 evaluation of A (any summation order, any device)"
     )
-    eig_A: tuple[float, float] = _fig("computed", "smallest and largest eigenvalue of the float32 A (eigvalsh)")
+    eig_A: tuple[float, float] | None = _fig(
+        "computed", "smallest and largest eigenvalue of the float32 A (eigvalsh; None: A is not finite)"
+    )
     lemma_interval_I_plus_hA: tuple[float, float] = _fig(
         "setting", "the Lemma's interval for the eigenvalues of I + h A"
     )
-    rho_I_plus_hA: float = _fig("computed", "rho(I + h A) of the float32 A, symmetric eigen-solver")
-    rho_I_plus_hA_eigvals: float = _fig("computed", "the same by the general eigen-solver (cross-check)")
+    rho_I_plus_hA: float | None = _fig(
+        "computed", "rho(I + h A) of the float32 A, symmetric eigen-solver (None: A is not finite)"
+    )
+    rho_I_plus_hA_eigvals: float | None = _fig("computed", "the same by the general eigen-solver (cross-check)")
     steps: int = _fig("setting", "number of state matrices (1 tied, K untied)", 1)
 
 

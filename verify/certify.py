@@ -42,7 +42,7 @@ from naisnet_jax.checks import check_finite, check_int, check_number, check_posi
 from naisnet_jax.probe import AUDIT_COLLECTION, BlockProbe
 
 from . import _baseline, _conv, _dense
-from ._common import Block
+from ._common import Block, all_finite
 from ._numerics import float32_h, single_threaded_blas, x64_scope
 from .certificate import (
     SCHEMA,
@@ -239,15 +239,18 @@ def _audit(
     }
 
     reports: dict[int, BlockReport] = {}
+    overflow = {b.index: why for b in blocks if b.kind in ("dense", "conv") and (why := non_finite_operator(b))}
+    no_states = {b.index: why for b in blocks if b.p64 is not None and (why := _unusable_states(b, overflow))}
+    traced = lambda kind: [b for b in by_kind[kind] if b.p64 is not None and b.index not in no_states]  # noqa: E731
     dense_par = _dense.parameters(by_kind["dense"], options)
     t = lap("dense: proofs", t)
     with single_threaded_blas():  # small host eigenproblems: BLAS threads only fight XLA's
-        dense_traj = _dense.trajectories([b for b in by_kind["dense"] if b.p64 is not None], dense_par, options)
+        dense_traj = _dense.trajectories(traced("dense"), dense_par, options)
     t = lap("dense: trajectories", t)
     conv_par = _conv.parameters(by_kind["conv"], options)
     t = lap("conv: proofs and radius estimates", t)
     with single_threaded_blas():
-        conv_traj = _conv.trajectories([b for b in by_kind["conv"] if b.p64 is not None], conv_par, options)
+        conv_traj = _conv.trajectories(traced("conv"), conv_par, options)
     t = lap("conv: trajectories", t)
     base = {**_baseline.dense(by_kind["dense-baseline"], options), **_baseline.conv(by_kind["conv-baseline"], options)}
     t = lap("baselines", t)
@@ -263,9 +266,11 @@ def _audit(
                     unsaturated_fraction=0.0,
                     slope_min=0.0,
                     rho_J_max=None,
-                    skipped="no states recorded for this block",
+                    skipped=no_states.get(b.index, "no states recorded for this block"),
                 )
-            verdict, reason = _decide(b, params, traj)
+            verdict, reason = (
+                (Verdict.NOT_PROVEN, overflow[b.index]) if b.index in overflow else _decide(b, params, traj)
+            )
             reports[b.index] = BlockReport(b.name, b.kind, verdict, reason, params, traj, spectrum)
         else:
             params, spectrum = base[b.index]
@@ -286,7 +291,11 @@ def _audit(
     elif not nais:
         reason = "baseline model: no NAIS block to certify"
     else:
-        failed = [r.name for r in ordered if not r.certified]
+        failed = [
+            r.name + (" (its float32 operator overflows)" if b.index in overflow else "")
+            for b, r in zip(blocks, ordered)
+            if not r.certified
+        ]
         reason = "every block certified stable" if not failed else f"not certified: {', '.join(failed)}"
     first_nais = next((b.p32 for b in blocks if b.kind in ("dense", "conv")), blocks[0].p32 if blocks else None)
     hyper = (
@@ -339,6 +348,40 @@ def _audit(
         },
         schema=SCHEMA,
     )
+
+
+def non_finite_operator(b: Block) -> str | None:
+    """Why no stability can be proven for a NAIS block whose float32 operator is not finite
+    (finite parameters too large for float32: ``R^T R`` of an ``R`` of 1e30 is inf), or
+    ``None`` when it is finite. The verdict on such a block is "not proven", with this reason."""
+    factor = b.p32.factor if b.kind == "dense" else None
+    largest = (
+        f" (largest |R| = {float(np.max(np.abs(np.asarray(factor, np.float64)))):.3g}; float32 holds magnitudes "
+        f"up to {float(np.finfo(np.float32).max):.3g})"
+        if factor is not None and np.size(factor)
+        else ""
+    )
+    try:
+        check_finite(
+            "the float32 operator A",
+            np.asarray(b.p32.operator),
+            f": the parameters overflow float32{largest}; no stability can be proven",
+        )
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _unusable_states(b: Block, overflow: dict[int, str]) -> str | None:
+    """Why a block's trajectory figures are skipped (its operator or its float64 states are not
+    finite), or ``None``."""
+    if b.index in overflow:
+        return "the float32 operator is not finite"
+    p = b.p64
+    for name, value in (("input", p.u), ("drive", p.drive), ("initial state", p.x0), ("states", p.states)):
+        if value is not None and not all_finite(value):
+            return f"the {name} of the float64 pass is not finite (the parameters or an earlier block overflow)"
+    return None
 
 
 def _decide(b: Block, par, traj) -> tuple[Verdict, str]:
