@@ -38,7 +38,9 @@ def importable() -> None:
 
 
 def cifar_config():
-    """The section 5.2 training config (SGD, momentum, weight decay, projection)."""
+    """The section 5.2 training config (SGD, momentum, weight decay, projection), with
+    ``fast_path="plain"``: each benchmark's model options are exactly those it names (the trainer
+    would otherwise give a NAIS net the fused path on a GPU)."""
     importable()
     try:
         from experiments.configs import cifar10_naisnet
@@ -47,7 +49,9 @@ def cifar_config():
             f"cannot import the experiment config ({e}); install ml_collections, e.g. carry "
             f"its wheel (pip download ml_collections -d .whl) and pip install --no-index .whl/*"
         ) from e
-    return cifar10_naisnet.get_config()
+    config = cifar10_naisnet.get_config()
+    config.fast_path = "plain"
+    return config
 
 
 def card_peaks(device_kind: str) -> dict | None:

@@ -51,7 +51,7 @@ def measure(spec, *, batch: int, smoke: bool, steps: int = 2) -> dict:
     import train_step as ts
 
     _, _, state = ts.model_and_state(spec, smoke)
-    x, y = ts._batch(batch)
+    x, y = ts.fixed_batch(batch)
     param_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.params))
 
     t0 = time.perf_counter()

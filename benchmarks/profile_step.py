@@ -385,7 +385,7 @@ def profile(variant: str, *, batch: int, steps: int, smoke: bool, log_dir: str) 
     if spec.get("precision"):
         jax.config.update("jax_default_matmul_precision", spec["precision"])
     _, _, state = ts.model_and_state(spec, smoke)
-    x, y = ts._batch(batch)
+    x, y = ts.fixed_batch(batch)
 
     f = ts.training_chunk(steps)
     state, loss = f(state, x, y)  # compile

@@ -136,6 +136,7 @@ def _countable(config, state):
         return state
     config = config.copy_and_resolve_references()
     config.model_kwargs.block_vjp = "stacked"
+    config.model_kwargs.pop("kernel_engine", None)  # an option of the fused path only
     return state.replace(apply_fn=train.build_model(config, 10).apply)
 
 

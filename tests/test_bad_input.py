@@ -160,6 +160,7 @@ def _state_data_files(workdir) -> list[pathlib.Path]:
 OUT_OF_RANGE = {
     "model": "nope",
     "model_kwargs": {"widht": 8},
+    "fast_path": "fast",
     "eps": 0.5,
     "eta": 0.005,
     "relaxed": "yes",

@@ -60,6 +60,7 @@ def validate_config(config) -> None:
 
     check_choice("config.model", config.model, sorted(models.MODELS))
     check_choice("config.dataset", config.dataset, data_lib.DATASET_NAMES)
+    check_choice("config.fast_path", config.get("fast_path", "auto"), models.FAST_PATHS)
     for field in (
         "batch_size",
         "eval_batch_size",

@@ -75,6 +75,7 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 
+from naisnet_jax.checks import check_choice
 from naisnet_jax.models.layers import (
     BN_EPSILON,
     BN_MOMENTUM,
@@ -252,9 +253,7 @@ GPU_FAST_PATH = {"block_vjp": "fused", "scan_unroll": 10}
 
 def _fast_path(config, accepted: frozenset, kwargs: dict) -> dict:
     """``kwargs`` with :data:`GPU_FAST_PATH` where ``config.fast_path`` asks for it and it applies."""
-    choice = config.get("fast_path", "auto")
-    if choice not in FAST_PATHS:
-        raise ValueError(f"config.fast_path={choice!r} must be one of {FAST_PATHS}.")
+    choice = check_choice("config.fast_path", config.get("fast_path", "auto"), FAST_PATHS)
     if choice == "plain" or jax.default_backend() != "gpu" or not set(GPU_FAST_PATH) <= accepted:
         return kwargs
     if set(kwargs) & {*GPU_FAST_PATH, "remat", "untied", "adaptive_tol"} or config.get("adaptive_tol") is not None:
