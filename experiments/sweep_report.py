@@ -103,16 +103,12 @@ def define_compilation_cache_flag() -> None:
 
 def enable_compilation_cache(directory: str | None, workdir: str) -> None:
     """JAX's persistent compilation cache in ``directory`` (default ``<workdir>/jax_cache``;
-    ``"none"``: off). Call before anything compiles; programs that compile to the same HLO
-    (a rerun, a resumed sweep, two datasets of one shape and scaling) then compile once."""
-    import jax
+    ``"none"``: off; :func:`naisnet_jax.compile_cache.enable`). Call before anything compiles;
+    programs that compile to the same HLO (a rerun, a resumed sweep, two datasets of one shape and
+    scaling) then compile once."""
+    from naisnet_jax import compile_cache
 
-    if directory == "none":
-        return
-    directory = directory or os.path.join(workdir, "jax_cache")
-    os.makedirs(directory, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    compile_cache.enable(directory or os.path.join(workdir, "jax_cache"))
 
 
 def script_version() -> str:

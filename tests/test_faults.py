@@ -272,3 +272,37 @@ def test_ctrl_c_ends_in_one_line_and_resumes(tmp_path):
     final = subprocess.run(_command(workdir, 40), env=env, capture_output=True, text=True, cwd=tmp_path)
     assert final.returncode == 0, final.stderr[-2000:]
     assert _resumed_at(final.stdout) is not None
+
+
+def test_commands_keep_compiled_programs_between_runs(tmp_path):
+    """``naisnet-train`` and ``naisnet-verify`` keep JAX's compiled programs in a persistent cache
+    (``--compilation_cache``; by default the user's cache folder): a second run reads them back
+    instead of compiling (its cache gains nothing); ``none`` keeps nothing."""
+    env = _env(tmp_path / "unused")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the commands' own default, not the test session's
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # every program, however quick
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    env.pop("NAISNET_JAX_CACHE", None)
+
+    def entries(folder):
+        return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+    default = tmp_path / "xdg" / "naisnet_jax" / "jax_cache"
+    first = subprocess.run(_command(tmp_path / "a", 1), env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    stored = entries(default)
+    assert stored, "the first run stored no compiled program in the user's cache folder"
+    again = subprocess.run(_command(tmp_path / "b", 1), env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert again.returncode == 0 and entries(default) == stored  # all read back, none compiled anew
+    verify = [str(pathlib.Path(sys.executable).parent / "naisnet-verify"), str(tmp_path / "a" / "checkpoints")]
+    audited = subprocess.run([*verify, "--data=none"], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert audited.returncode == 0, audited.stderr[-2000:]
+    assert len(entries(default)) > len(stored)  # the audit's programs kept too
+    off = subprocess.run(
+        [*_command(tmp_path / "c", 1), "--compilation_cache=none"],
+        env=dict(env, XDG_CACHE_HOME=str(tmp_path / "x2")),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert off.returncode == 0 and not (tmp_path / "x2").exists()

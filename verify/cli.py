@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from naisnet_jax import compile_cache
 from naisnet_jax.checkpoint import CheckpointError, quiet_orbax_logging
 from naisnet_jax.checks import check_output_dir, check_output_file
 
@@ -72,6 +73,13 @@ def main(argv=None) -> None:
         help="slope threshold of Condition 1's set P (for ReLU, P is 'every unit active')",
     )
     parser.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        default=None,
+        help="JAX's persistent compilation cache: a second audit of a model of the same shapes does not "
+        "compile again (default: $NAISNET_JAX_CACHE or ~/.cache/naisnet_jax/jax_cache; 'none': off)",
+    )
+    parser.add_argument(
         "--jacobian-samples",
         type=int,
         default=1,
@@ -92,6 +100,7 @@ def main(argv=None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     quiet_orbax_logging()  # the audit says itself what is wrong with a checkpoint
+    compile_cache.enable(args.compilation_cache)
     options = AuditOptions(
         samples=args.samples,
         data=args.data,

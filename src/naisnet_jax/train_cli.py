@@ -205,6 +205,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write TensorBoard event files to DIR/tensorboard (needs the [tensorboard] extra)",
     )
+    p.add_argument(
+        "--compilation_cache",
+        metavar="DIR",
+        default=None,
+        help="JAX's persistent compilation cache: a resumed or repeated run does not compile again "
+        "(default: $NAISNET_JAX_CACHE or ~/.cache/naisnet_jax/jax_cache; 'none' turns it off)",
+    )
     p.add_argument("--print_config", action="store_true", help="print the final config and exit")
     return p
 
@@ -291,11 +298,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # absl logs from INFO by default
-    from naisnet_jax import train
+    from naisnet_jax import compile_cache, train
     from naisnet_jax.checkpoint import quiet_orbax_logging
     from naisnet_jax.metric_writers import default_writer
 
     quiet_orbax_logging()  # Orbax's log lines (every save, its own bookkeeping files) are not the user's
+    compile_cache.enable(args.compilation_cache)
     previous = _leave_on_ctrl_c(args.workdir)
     try:
         writer = default_writer(args.workdir, tensorboard=args.tensorboard)

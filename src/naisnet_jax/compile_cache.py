@@ -1,0 +1,50 @@
+"""JAX's persistent compilation cache, as the commands use it.
+
+A program that compiled once (a training step, an epoch's scan, the verifier's batched figures)
+is read back from disk the next time instead of compiled again: a resumed run, a second audit
+or a second run of the same config starts in seconds. ``naisnet-train`` and ``naisnet-verify``
+turn it on by default in the user's cache folder; the library never does on its own.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: Where the commands keep compiled programs: ``$NAISNET_JAX_CACHE`` if set (``none``: nowhere),
+#: else ``$XDG_CACHE_HOME/naisnet_jax/jax_cache`` (``~/.cache/...``).
+ENV = "NAISNET_JAX_CACHE"
+#: Programs that compile faster than this many seconds are not stored (they cost more to read).
+MIN_COMPILE_SECONDS = 1.0
+
+
+def default_directory() -> str:
+    """The commands' cache folder (:data:`ENV`, else the user's cache folder)."""
+    if os.environ.get(ENV):
+        return os.environ[ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "naisnet_jax", "jax_cache")
+
+
+def enable(directory: str | None = None) -> str | None:
+    """Turn JAX's persistent compilation cache on in ``directory`` (default
+    :func:`default_directory`; ``"none"``: leave it off) and return the folder, or ``None`` if it
+    stays off. A cache the user configured for JAX itself (``JAX_COMPILATION_CACHE_DIR``) is kept.
+    A folder that cannot be created leaves the cache off: a cache never stops the work."""
+    import jax
+
+    if directory is None and jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    directory = directory or default_directory()
+    if directory == "none":
+        return None
+    directory = os.path.abspath(os.path.expanduser(directory))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(directory, os.W_OK):
+        return None
+    jax.config.update("jax_compilation_cache_dir", directory)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # else the user's threshold
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    return directory
