@@ -365,7 +365,11 @@ def latest_step(directory: str) -> int | None:
     """Latest saved step in ``directory`` (None if none)."""
     if not os.path.isdir(directory):
         return None
-    return manager(directory, create=False).latest_step()
+    mngr = manager(directory, create=False)
+    try:
+        return mngr.latest_step()
+    finally:
+        mngr.close()
 
 
 def load(path: str, step: int | None = None) -> tuple[dict, dict]:
