@@ -134,7 +134,7 @@ def reference(args) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from naisnet_jax.verify import conv_operator, jacobian_operator, spectral_radius_info
+    from naisnet_jax.verify import conv_operator, jacobian_operator, spectral_radius_info, x64_scope
 
     from naisnet_jax import checkpoint as ckpt
     from naisnet_jax.cell import activation_slope, conv_same
@@ -142,10 +142,7 @@ def reference(args) -> None:
 
     size = SIZES[args.size]
     out = _load(os.path.join(args.out, "reference.json"), {})
-    x64 = getattr(jax, "enable_x64", None)
-    if x64 is None:  # older JAX
-        from jax.experimental import enable_x64 as x64
-    with x64(True), jax.default_matmul_precision("highest"):  # as the verifier audits
+    with x64_scope():  # float64, highest matmul precision: as the verifier audits
         state, raw = ckpt.load(os.path.join(args.out, "checkpoint"))
         meta = ckpt.CheckpointMetadata.from_json(raw)
         model = meta.build_model()

@@ -12,6 +12,7 @@ Gershgorin discs and infinity-norm bounds read off convolution kernels, exact
 spectra of periodic convolutions by FFT.
 """
 
+from ._numerics import x64_scope
 from .arnoldi import ArnoldiResult, arnoldi_eigs, arnoldi_eigs_batch, stack_operators
 from .bounds import conv_inf_norm_bound, dense_gershgorin, gershgorin
 from .certificate import (
@@ -73,6 +74,7 @@ __all__ = [
     "spectral_radius",
     "spectral_radius_info",
     "stack_operators",
+    "x64_scope",
 ]
 
 from .cli import audit_and_report  # noqa: E402

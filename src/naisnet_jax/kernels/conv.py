@@ -44,12 +44,13 @@ def fused_forward(x0, drive, kernel, *, steps, h, activation, save=True, plan=GP
     layout = plan.layout(H, W, kh, kw)
     x0b = layout.to_buffer(x0)
     db = layout.to_buffer(jnp.broadcast_to(drive, x0.shape).astype(x0.dtype))
+    taps = taps_of(kernel.astype(x0.dtype))
     if plan.warpgroups and not plan.interpret:
         out = plan.wgmma().fused_forward(
             layout,
             x0b,
             db,
-            taps_of(kernel.astype(x0.dtype)),
+            taps,
             steps=steps,
             h=h,
             activation=activation,
@@ -60,10 +61,8 @@ def fused_forward(x0, drive, kernel, *, steps, h, activation, save=True, plan=GP
         if save and plan.xla_wgrad:  # the split engine writes buffers only
             out = ((out[0], out[1]), out[2]) if plan.tf32 else (_states_apart(layout, out[0], steps), out[1])
         return (layout, *out) if save else (layout, out[0][0])
-    offsets = layout.offsets(kh, kw)
-    taps = taps_of(kernel.astype(x0.dtype))
     out = triton_conv.forward(
-        layout, offsets, x0b, db, taps, steps=steps, h=h, activation=activation, save=save, config=plan
+        layout, layout.offsets(kh, kw), x0b, db, taps, steps=steps, h=h, activation=activation, save=save, config=plan
     )
     if save and plan.xla_wgrad:
         out = (_states_apart(layout, out[0], steps), out[1])
@@ -81,12 +80,13 @@ def fused_backward(layout, g, zs, kernel, *, steps, h, activation, plan=GPU):
     """``(g_0, s_0 .. s_{K-1})`` as buffers from the gradient ``g`` at ``x_K`` (with the plan's
     ``xla_wgrad`` the ``s_k`` as images, as :func:`fused_forward`'s states)."""
     kh, kw = kernel.shape[:2]
+    taps = taps_of(kernel.astype(g.dtype))
     if plan.warpgroups and not plan.interpret:
         g0, ss = plan.wgmma().fused_backward(
             layout,
             layout.to_buffer(g),
             zs,
-            taps_of(kernel.astype(g.dtype)),
+            taps,
             steps=steps,
             h=h,
             activation=activation,
@@ -94,7 +94,6 @@ def fused_backward(layout, g, zs, kernel, *, steps, h, activation, plan=GPU):
             **(dict(interior=plan.xla_wgrad) if plan.tf32 else {}),
         )
         return (g0, layout.interior(ss)) if plan.xla_wgrad and not plan.tf32 else (g0, ss)
-    taps = taps_of(kernel.astype(g.dtype))
     g0, ss = triton_conv.backward(
         layout, layout.offsets(kh, kw), g, zs, taps, steps=steps, h=h, activation=activation, config=plan
     )

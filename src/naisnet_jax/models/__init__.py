@@ -256,7 +256,7 @@ def _fast_path(config, accepted: frozenset, kwargs: dict) -> dict:
     choice = check_choice("config.fast_path", config.get("fast_path", "auto"), FAST_PATHS)
     if choice == "plain" or jax.default_backend() != "gpu" or not set(GPU_FAST_PATH) <= accepted:
         return kwargs
-    if set(kwargs) & {*GPU_FAST_PATH, "remat", "untied", "adaptive_tol"} or config.get("adaptive_tol") is not None:
+    if set(kwargs) & {*GPU_FAST_PATH, "remat", "untied", "adaptive_tol"}:  # adaptive_tol: from config's top level
         return kwargs  # the config chose its speed options, or a form the fused path does not take
     return {**kwargs, **GPU_FAST_PATH}
 
