@@ -134,9 +134,12 @@ def _countable(config, state):
 
     if config.model_kwargs.get("block_vjp") != "fused":
         return state
+    import ml_collections
+
+    kwargs = dict(config.model_kwargs.to_dict(), block_vjp="stacked")
+    kwargs.pop("kernel_engine", None)  # an option of the fused path only
     config = config.copy_and_resolve_references()
-    config.model_kwargs.block_vjp = "stacked"
-    config.model_kwargs.pop("kernel_engine", None)  # an option of the fused path only
+    config.model_kwargs = ml_collections.ConfigDict(kwargs)
     return state.replace(apply_fn=train.build_model(config, 10).apply)
 
 

@@ -45,3 +45,18 @@ def test_a_second_process_runs_the_same_variant():
     """``--one=NAME@2`` runs NAME's spec (the row keeps the suffix)."""
     spec = train_step.VARIANTS[train_step._base("nais10_fused_unroll10@2")]
     assert spec is train_step.VARIANTS["nais10_fused_unroll10"]
+
+
+def test_the_fused_step_is_counted_as_its_stacked_form():
+    """The FLOP count of a ``block_vjp="fused"`` variant (kernels the jaxpr counter cannot see
+    into) is the stacked form's count: the same products, fused or not. The smoke models build on a CPU."""
+    x, y = train_step.fixed_batch(4)
+    counts = {}
+    for name in ("nais10_fused_unroll10", "nais10_fused_unroll10_triton", "nais10_stacked_unroll10"):
+        config, _, state = train_step.model_and_state(train_step.VARIANTS[name], smoke=True)
+        counted = train_step._countable(config, state)
+        assert (counted is state) == (name == "nais10_stacked_unroll10")
+        counts[name] = train_step.step_flops(counted, x, y)
+    assert counts["nais10_stacked_unroll10"]["flops"] > 0
+    assert counts["nais10_fused_unroll10"] == counts["nais10_stacked_unroll10"]
+    assert counts["nais10_fused_unroll10_triton"] == counts["nais10_stacked_unroll10"]
