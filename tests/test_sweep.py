@@ -157,10 +157,13 @@ def test_a_bn_resnet_seed_is_its_single_run(bn_sweep, index):
 def test_step_keys_are_the_chunked_keys_of_the_single_run():
     key = jax.random.PRNGKey(7)
     got = np.asarray(sweep.step_keys(key, 7, 3))
-    expected = []
+    expected, shorter = [], []
     for c, start in enumerate(range(0, 7, 3)):
-        expected.extend(np.asarray(jax.random.split(jax.random.fold_in(key, c), min(3, 7 - start))))
+        expected.extend(np.asarray(jax.random.split(jax.random.fold_in(key, c), 3))[: 7 - start])
+        shorter.extend(np.asarray(jax.random.split(jax.random.fold_in(key, c), min(3, 7 - start))))
     np.testing.assert_array_equal(got, np.stack(expected))
+    # the padded last chunk's keys are those a chunk of its own length would get
+    np.testing.assert_array_equal(got, np.stack(shorter))
 
 
 # ------------------------------------------------------------------ records, export, audit

@@ -190,6 +190,58 @@ def test_metrics_records_every_documented_field(finished_run):
     assert {k: result[k] for k in records[-1]} == records[-1]
 
 
+def test_every_chunk_of_a_run_runs_in_one_compiled_program(tmp_path, monkeypatch):
+    """Chunks of 3 and 1 steps (4 steps an epoch): the last one is padded to 3 rows and runs
+    in the program the first compiled, not in a second one."""
+    made = []
+    make = train.make_train_chunk
+
+    def recording(*args, **kwargs):
+        made.append(make(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(train, "make_train_chunk", recording)
+    train.train_and_evaluate(get_config(num_epochs=1), str(tmp_path / "run"))
+    assert len(made) == 1 and made[0]._cache_size() == 1
+
+
+def test_a_padded_chunk_equals_a_python_loop_of_train_steps():
+    """``num_steps`` of the padded rows, against the plain loop: ``train_step`` on each real
+    batch with the keys of ``split(key, num_steps)`` (pad-and-crop augmentation on)."""
+    from naisnet_jax import data as data_lib
+
+    config = get_config()
+    state = train.create_train_state(config, train.build_model(config, 10), (8, 8, 1), 4)
+    rng = np.random.default_rng(0)
+    d = data_lib.DeviceData(
+        images=rng.integers(0, 255, (64, 8, 8, 1)).astype(np.uint8), labels=rng.integers(0, 10, 64).astype(np.int32)
+    )
+    idx = rng.permutation(64).astype(np.int32).reshape(4, 16)
+    key = jax.random.PRNGKey(3)
+    rows, count = train.chunk_rows(idx, 2, 3)
+    assert count == 2 and rows.shape == (3, 16)
+    np.testing.assert_array_equal(rows, np.concatenate([idx[2:], idx[2:3]]))
+    chunk = train.make_train_chunk(0.5, 0.25, "crop")
+    copy = jax.tree.map(np.array, state)  # the chunk donates its state
+    got, metrics = chunk(state, d, rows, key, np.int32(count))
+
+    step = jax.jit(train.train_step)
+    expected, losses = copy, []
+    for i, k in enumerate(jax.random.split(key, count)):
+        batch = data_lib.get_batch(d, idx[2 + i], mean=0.5, std=0.25, key=k, augment="crop")
+        expected, m = step(expected, batch)
+        losses.append(float(m["loss"]))
+    assert int(got.step) == int(copy.step) + 2
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(expected.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert float(metrics["loss"]) == pytest.approx(np.mean(losses), rel=1e-5)
+    # any number of real steps: one program (the first call's input state is typed otherwise)
+    got, _ = chunk(got, d, rows, key, np.int32(3))
+    programs = chunk._cache_size()
+    chunk(got, d, rows, key, np.int32(1))
+    assert chunk._cache_size() == programs
+
+
 def test_test_metrics_match_an_independent_evaluation(finished_run):
     config, workdir, result = finished_run
     loss, accuracy = reference_eval(result, config)

@@ -45,14 +45,15 @@ def check_seeds(seeds: Sequence[int]) -> tuple[int, ...]:
 def step_keys(aug_key: jax.Array, num_steps: int, steps_per_chunk: int) -> jax.Array:
     """The per-step augmentation keys of ``train.train_and_evaluate``, ``(num_steps, 2)``.
 
-    That loop runs an epoch in chunks of ``steps_per_chunk`` steps and gives chunk ``c`` the
-    keys ``split(fold_in(aug_key, c), chunk_length)``; in plain Python::
+    That loop runs an epoch in chunks of ``steps_per_chunk`` steps (the last one padded to that
+    length) and gives chunk ``c`` the keys ``split(fold_in(aug_key, c), steps_per_chunk)``, of
+    which a shorter last chunk uses the first; in plain Python::
 
         [k for c, start in enumerate(range(0, num_steps, steps_per_chunk))
-           for k in split(fold_in(aug_key, c), min(steps_per_chunk, num_steps - start))]
+           for k in split(fold_in(aug_key, c), steps_per_chunk)[: num_steps - start]]
     """
     parts = [
-        jax.random.split(jax.random.fold_in(aug_key, c), min(steps_per_chunk, num_steps - start))
+        jax.random.split(jax.random.fold_in(aug_key, c), steps_per_chunk)[: num_steps - start]
         for c, start in enumerate(range(0, num_steps, steps_per_chunk))
     ]
     return jnp.concatenate(parts, axis=0)

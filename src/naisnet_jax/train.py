@@ -216,29 +216,53 @@ def augmentation(config) -> bool | str:
 
 
 def make_train_chunk(mean, std, augment: bool | str, mesh: Mesh | None = None) -> Callable:
-    """``(state, data, idx_rows, key) -> (state, metrics)``: a scan of train steps.
+    """``(state, data, idx_rows, key, num_steps=None) -> (state, metrics)``: train steps in one
+    jitted loop, ``metrics`` their mean loss and accuracy.
 
-    With a ``mesh`` of several devices, each batch is split over them
-    (:func:`data_parallel_step`) and the state comes back replicated (pass it in
-    replicated: ``replicate``).
+    Step ``i`` trains on the rows ``idx_rows[i]`` with the augmentation key
+    ``split(key, len(idx_rows))[i]``. ``num_steps`` (an int32 scalar, at most ``len(idx_rows)``)
+    runs only the first ``num_steps`` of them: an epoch's shorter last chunk, padded to the
+    others' length, then runs in the same compiled program instead of compiling a second one
+    (the keys are those of ``split(key, num_steps)``: JAX's threefry splits are prefixes of
+    each other). With a ``mesh`` of several devices, each batch is split over them
+    (:func:`data_parallel_step`) and the state comes back replicated (pass it in replicated:
+    ``replicate``).
     """
 
-    def train_chunk(state, data, idx_rows, key):
-        def body(state, inputs):
-            idx, k = inputs
-            batch = data_lib.get_batch(data, idx, mean=mean, std=std, key=k, augment=augment)
-            if mesh is None or mesh.devices.size == 1:  # one device: the plain step, bit for bit
-                return train_step(state, shard_batch(batch, mesh))
-            return data_parallel_step(state, batch, mesh)
+    def step(state, batch):
+        if mesh is None or mesh.devices.size == 1:  # one device: the plain step, bit for bit
+            return train_step(state, shard_batch(batch, mesh))
+        return data_parallel_step(state, batch, mesh)
 
+    def train_chunk(state, data, idx_rows, key, num_steps=None):
         keys = jax.random.split(key, idx_rows.shape[0])
-        state, metrics = jax.lax.scan(body, state, (idx_rows, keys))
-        return state, jax.tree.map(jnp.mean, metrics)
+        count = idx_rows.shape[0] if num_steps is None else num_steps
+
+        def body(i, carry):
+            state, sums = carry
+            batch = data_lib.get_batch(data, idx_rows[i], mean=mean, std=std, key=keys[i], augment=augment)
+            state, metrics = step(state, batch)
+            return state, {k: sums[k] + metrics[k].astype(jnp.float32) for k in sums}
+
+        sums = {"loss": jnp.zeros((), jnp.float32), "accuracy": jnp.zeros((), jnp.float32)}
+        state, sums = jax.lax.fori_loop(0, count, body, (state, sums))
+        return state, {k: v / count for k, v in sums.items()}
 
     if mesh is None:
         return jax.jit(train_chunk, donate_argnums=(0,))
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(train_chunk, donate_argnums=(0,), out_shardings=(replicated, replicated))
+
+
+def chunk_rows(idx, start: int, steps_per_chunk: int) -> tuple[np.ndarray, int]:
+    """The batches ``idx[start : start + steps_per_chunk]`` of an epoch padded to
+    ``steps_per_chunk`` rows (with its first row), and how many are real: every chunk of a run,
+    the last included, has one shape and so one compiled program."""
+    rows = np.asarray(idx[start : start + steps_per_chunk])
+    count = rows.shape[0]
+    if count < steps_per_chunk:
+        rows = np.concatenate([rows, np.repeat(rows[:1], steps_per_chunk - count, axis=0)])
+    return rows, count
 
 
 def make_evaluate(mean, std, batch_size: int, mesh: Mesh | None = None) -> Callable:
@@ -470,12 +494,18 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
             t0 = time.time()
             epoch_key = jax.random.fold_in(base_key, epoch)
             perm_key, aug_key = jax.random.split(epoch_key)
-            idx = data_lib.epoch_batches(perm_key, n_train, config.batch_size)
+            idx = np.asarray(data_lib.epoch_batches(perm_key, n_train, config.batch_size))
             sums, seen = {"loss": 0.0, "accuracy": 0.0}, 0
             for c, start in enumerate(range(0, steps_per_epoch, config.steps_per_chunk)):
-                rows = replicate(idx[start : start + config.steps_per_chunk], mesh)
+                rows, count = chunk_rows(idx, start, config.steps_per_chunk)
                 t_chunk = time.perf_counter()
-                state, m = train_chunk(state, train_data, rows, replicate(jax.random.fold_in(aug_key, c), mesh))
+                state, m = train_chunk(
+                    state,
+                    train_data,
+                    replicate(rows, mesh),
+                    replicate(jax.random.fold_in(aug_key, c), mesh),
+                    replicate(np.int32(count), mesh),
+                )
                 m = jax.device_get(m)
                 t_chunk = time.perf_counter() - t_chunk
                 if not all(np.isfinite(v) for v in m.values()):
@@ -487,9 +517,9 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
                 if warning:
                     print(warning, file=sys.stderr, flush=True)
                 for k in sums:
-                    sums[k] += float(m[k]) * rows.shape[0]
-                seen += rows.shape[0]
-                progress.update(rows.shape[0])
+                    sums[k] += float(m[k]) * count
+                seen += count
+                progress.update(count)
                 progress.set_postfix(epoch=epoch, loss=f"{float(m['loss']):.4f}")
                 step = int(state.step)
                 writer.write_scalars(
@@ -498,7 +528,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
                         "train/loss": float(m["loss"]),
                         "train/accuracy": float(m["accuracy"]),
                         "train/learning_rate": float(schedule(step - 1)),
-                        "train/steps_per_second": rows.shape[0] / max(t_chunk, 1e-9),
+                        "train/steps_per_second": count / max(t_chunk, 1e-9),
                     },
                 )
             test = jax.device_get(evaluate(state, test_data))
