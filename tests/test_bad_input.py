@@ -189,6 +189,7 @@ OUT_OF_RANGE = {
     "num_seeds": 0,
     "num_devices": 0,
     "standardize": "yes",
+    "sync_batch_norm": "no",
 }
 
 

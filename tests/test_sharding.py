@@ -259,3 +259,89 @@ def test_data_parallel_step_lowers_with_wgmma_kernels_per_device():
     result = _run_on_two_cpu_devices(HOPPER_SCRIPT)
     assert result["calls"] >= 4, result  # forward and backward kernels of both stages
     assert result["local"] == result["calls"] and result["global"] == 0, result
+
+
+PER_DEVICE_BN_SCRIPT = textwrap.dedent(
+    """
+    import json, re
+    import jax, jax.numpy as jnp, numpy as np
+    from experiments.configs import digits_tiny
+    from naisnet_jax import data as data_lib, train
+
+    config = digits_tiny.get_config()
+    config.model, config.model_kwargs = "naisnet_conv_tiny", {"steps": 2}
+    state = train.create_train_state(config, train.build_model(config, 10), (8, 8, 1), 10)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8, 8, 1)).astype(np.float32)
+    y = rng.integers(0, 10, 32).astype(np.int32)
+    mesh = train.make_mesh(2)
+
+    def sharded(sync):
+        step = jax.jit(lambda s, b: train.data_parallel_step(s, b, mesh, sync_batch_norm=sync))
+        args = (train.replicate(state, mesh), train.replicate((x, y), mesh))
+        text = step.lower(*args).compile().as_text()
+        new, metrics = step(*args)
+        return new, metrics, len(re.findall(r" all-reduce(?:-start)?\\(", text))
+
+    # the reference: each half of the batch through the model alone (its own BatchNorm
+    # statistics), the two gradients averaged, one update; running averages averaged
+    grads, stats, losses = [], [], []
+    for half in (slice(0, 16), slice(16, 32)):
+        def loss_fn(p):
+            logits, upd = state.apply_fn({"params": p, "batch_stats": state.batch_stats}, x[half],
+                                         train=True, mutable=["batch_stats"])
+            return jnp.mean(train.cross_entropy(logits, y[half])), upd
+        (loss, upd), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        grads.append(g); stats.append(upd["batch_stats"]); losses.append(float(loss))
+    mean = lambda a, b: (a + b) / 2
+    expected = state.apply_gradients(grads=jax.tree.map(mean, *grads))
+    expected_stats = jax.tree.map(mean, *stats)
+
+    local, metrics, local_reduces = sharded(False)
+    _, _, global_reduces = sharded(True)
+    rel = lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)) / (1e-3 + np.abs(np.asarray(b)))))
+    bn_layers = len([p for p, _ in jax.tree_util.tree_flatten_with_path(state.batch_stats)[0]
+                     if "mean" in jax.tree_util.keystr(p)])
+    print(json.dumps({
+        "params": max(rel(a, b) for a, b in zip(jax.tree.leaves(local.params), jax.tree.leaves(expected.params))),
+        "stats": max(rel(a, b) for a, b in zip(jax.tree.leaves(local.batch_stats), jax.tree.leaves(expected_stats))),
+        "loss": [float(metrics["loss"]), float(np.mean(losses))],
+        "all_reduces": [local_reduces, global_reduces], "bn_layers": bn_layers,
+    }))
+    """
+)
+
+
+def test_per_device_batch_norm_is_each_half_alone_with_the_gradients_averaged():
+    """``sync_batch_norm=False``: each device normalises its rows by their own statistics. The
+    reference runs each half of the batch through the model on its own, averages the two
+    gradients into one update and the two running averages into one; the compiled step loses
+    the BatchNorm layers' all-reduces: what is left (gradients, running averages, metrics) XLA
+    combines into one, where the synchronised step all-reduces each layer's statistics in turn."""
+    result = _run_on_two_cpu_devices(PER_DEVICE_BN_SCRIPT)
+    assert result["params"] < 1e-5, result
+    assert result["stats"] < 1e-6, result
+    assert result["loss"][0] == pytest.approx(result["loss"][1], rel=1e-6)
+    local, synced = result["all_reduces"]
+    assert local == 1 and synced >= 1 + result["bn_layers"], result
+
+
+def test_scaling_benchmark_smoke_both_batch_norms(tmp_path):
+    """``benchmarks/scaling.py --smoke`` (2 CPU devices): weak and strong rows for BatchNorm by
+    the whole batch and by each device, against the targets (95% weak, 90% strong on 2)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "src")]))
+    script = os.path.join(root, "benchmarks", "scaling.py")
+    args = [sys.executable, script, f"--out={tmp_path}", "--smoke", "--batch-norm=global,device"]
+    proc = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "scaling.json") as f:
+        rows = json.load(f)["rows"]
+    assert [(r["name"], r["target"]) for r in rows] == [
+        ("weak: 1 -> 2 devices", 95.0),
+        ("strong: 1 -> 2 devices", 90.0),
+        ("weak: 1 -> 2 devices, BatchNorm per device", 95.0),
+        ("strong: 1 -> 2 devices, BatchNorm per device", 90.0),
+    ]
+    for r in rows:
+        assert r["efficiency"] > 0 and r["pass"] == (r["efficiency"] >= r["target"])

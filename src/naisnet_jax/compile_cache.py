@@ -13,8 +13,12 @@ import os
 #: Where the commands keep compiled programs: ``$NAISNET_JAX_CACHE`` if set (``none``: nowhere),
 #: else ``$XDG_CACHE_HOME/naisnet_jax/jax_cache`` (``~/.cache/...``).
 ENV = "NAISNET_JAX_CACHE"
-#: Programs that compile faster than this many seconds are not stored (they cost more to read).
-MIN_COMPILE_SECONDS = 1.0
+#: Every program is stored, however quickly it compiled (JAX's own default keeps only those over
+#: a second): a cold audit or first epoch also compiles a hundred or more small programs (eager
+#: operations on the parameters among them), each slower to compile than to read back.
+MIN_COMPILE_SECONDS = 0.0
+#: The cache's size in bytes: beyond it JAX evicts the least recently used programs.
+MAX_BYTES = 4 * 2**30
 
 
 def default_directory() -> str:
@@ -47,4 +51,6 @@ def enable(directory: str | None = None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", directory)
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # else the user's threshold
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:  # else the user's bound
+        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return directory

@@ -85,6 +85,7 @@ def validate_config(config) -> None:
         check_bool(f"config.{field}", config[field])
     check_bool("config.augment_flip", config.get("augment_flip", True))
     check_bool("config.standardize", config.get("standardize", True))
+    check_bool("config.sync_batch_norm", config.get("sync_batch_norm", True))
     for field in ("limit_train", "limit_test", "num_devices", "num_seeds"):
         if config.get(field) is not None:
             check_int(f"config.{field}", config[field])
@@ -127,13 +128,19 @@ def cross_entropy(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
-def train_step(state: TrainState, batch, *, axis_name: str | None = None) -> tuple[TrainState, dict]:
+def train_step(
+    state: TrainState, batch, *, axis_name: str | None = None, sync_batch_norm: bool = True
+) -> tuple[TrainState, dict]:
     """One SGD step followed by the stability projection. Pure.
 
     ``axis_name``: inside ``jax.shard_map`` over a batch split on that mesh axis, BatchNorm
     averages its statistics over the axis and the gradients and metrics are averaged over it
     (equal shards: the global batch's mean loss), so every device applies the same update
-    (:func:`data_parallel_step`)."""
+    (:func:`data_parallel_step`). With ``sync_batch_norm=False`` each device normalises by its
+    own rows' statistics instead (as TensorFlow's and PyTorch's data-parallel BatchNorm do by
+    default), which saves a small all-reduce per BatchNorm layer in the forward pass (each
+    waiting for the layer before) and its gradient's in the backward pass; the running averages
+    are then averaged over the axis, so the state stays the same on every device."""
     x, y = batch
 
     def loss_fn(params):
@@ -146,20 +153,25 @@ def train_step(state: TrainState, batch, *, axis_name: str | None = None) -> tup
         loss = jnp.mean(cross_entropy(logits, y))
         return loss, (logits, updates)
 
-    with models.batch_axis(axis_name):
+    with models.batch_axis(axis_name if sync_batch_norm else None):
         (loss, (logits, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     if axis_name is not None:
         grads = jax.lax.pmean(grads, axis_name)
     state = state.apply_gradients(grads=grads)
     if state.batch_stats is not None:
-        state = state.replace(batch_stats=updates["batch_stats"])
+        batch_stats = updates["batch_stats"]
+        if axis_name is not None and not sync_batch_norm:
+            batch_stats = jax.lax.pmean(batch_stats, axis_name)
+        state = state.replace(batch_stats=batch_stats)
     metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == y)}
     if axis_name is not None:
         metrics = jax.lax.pmean(metrics, axis_name)
     return state, metrics
 
 
-def data_parallel_step(state: TrainState, batch, mesh: Mesh) -> tuple[TrainState, dict]:
+def data_parallel_step(
+    state: TrainState, batch, mesh: Mesh, *, sync_batch_norm: bool = True
+) -> tuple[TrainState, dict]:
     """:func:`train_step` with the batch split over ``mesh``'s ``"data"`` axis (call inside
     ``jit``; ``state`` replicated).
 
@@ -169,10 +181,11 @@ def data_parallel_step(state: TrainState, batch, mesh: Mesh) -> tuple[TrainState
     Left to the SPMD partitioner, the same step all-reduced the state kernel's gradient at
     every one of a block's K backward steps (a loop-carried sum of per-device parts) and
     gathered the whole batch's stacked states for the stacked VJP; here the only collectives
-    are the BatchNorm statistics and one all-reduce of the gradients per step."""
+    are the BatchNorm statistics and one all-reduce of the gradients per step.
+    ``sync_batch_norm=False``: BatchNorm by each device's own rows (:func:`train_step`)."""
     replicated, split = PartitionSpec(), PartitionSpec(DATA_AXIS)
     step = shard_map(
-        functools.partial(train_step, axis_name=DATA_AXIS),
+        functools.partial(train_step, axis_name=DATA_AXIS, sync_batch_norm=sync_batch_norm),
         mesh=mesh,
         in_specs=(replicated, split),
         out_specs=(replicated, replicated),
@@ -215,7 +228,9 @@ def augmentation(config) -> bool | str:
     return True if config.get("augment_flip", True) else "crop"
 
 
-def make_train_chunk(mean, std, augment: bool | str, mesh: Mesh | None = None) -> Callable:
+def make_train_chunk(
+    mean, std, augment: bool | str, mesh: Mesh | None = None, *, sync_batch_norm: bool = True
+) -> Callable:
     """``(state, data, idx_rows, key, num_steps=None) -> (state, metrics)``: train steps in one
     jitted loop, ``metrics`` their mean loss and accuracy.
 
@@ -225,14 +240,15 @@ def make_train_chunk(mean, std, augment: bool | str, mesh: Mesh | None = None) -
     others' length, then runs in the same compiled program instead of compiling a second one
     (the keys are those of ``split(key, num_steps)``: JAX's threefry splits are prefixes of
     each other). With a ``mesh`` of several devices, each batch is split over them
-    (:func:`data_parallel_step`) and the state comes back replicated (pass it in replicated:
+    (:func:`data_parallel_step`, BatchNorm by the whole batch or, ``sync_batch_norm=False``, by
+    each device's rows) and the state comes back replicated (pass it in replicated:
     ``replicate``).
     """
 
     def step(state, batch):
         if mesh is None or mesh.devices.size == 1:  # one device: the plain step, bit for bit
             return train_step(state, shard_batch(batch, mesh))
-        return data_parallel_step(state, batch, mesh)
+        return data_parallel_step(state, batch, mesh, sync_batch_norm=sync_batch_norm)
 
     def train_chunk(state, data, idx_rows, key, num_steps=None):
         keys = jax.random.split(key, idx_rows.shape[0])
@@ -475,7 +491,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
         engine.rewind(writer, int(state.step) if start_epoch > 1 else -1)
 
         state = replicate(state, mesh)
-        train_chunk = make_train_chunk(mean, std, augment, mesh)
+        train_chunk = make_train_chunk(mean, std, augment, mesh, sync_batch_norm=config.get("sync_batch_norm", True))
         evaluate = make_evaluate(mean, std, config.eval_batch_size, mesh)
         base_key = jax.random.PRNGKey(config.seed + 1)
         schedule = learning_rate_schedule(config, steps_per_epoch)

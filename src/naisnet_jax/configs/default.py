@@ -62,4 +62,7 @@ def get_config():
     config.progress = True
     # devices: batches are split over this many (None: all); see train.make_mesh
     config.num_devices = ml_collections.FieldReference(None, field_type=int)
+    # with several devices: BatchNorm by the whole batch (True: one device's numbers) or by each
+    # device's rows (False: no all-reduce per BatchNorm layer; see train.train_step)
+    config.sync_batch_norm = True
     return config
