@@ -11,6 +11,12 @@ Two questions, one run:
 2. **The NAIS-Net10 step** (``block_vjp="fused"``, ``scan_unroll=10``, batch 128, float32),
    both engines compiled in one process and timed in alternating rounds of 10 steps (best and
    median ms a step), with the losses of the first 30 steps from the same state.
+3. **Precision.** The gradient of NAIS-Net10's training loss (batch 64, training mode) by the
+   fast path and by autodiff through ``lax.scan``, under ``jax.default_matmul_precision`` of
+   ``"float32"``, ``"highest"`` and the default (TF32 on these cards), each against autodiff at
+   ``"highest"``: the global relative error ``|g - g_ref| / |g_ref|`` over every parameter and
+   the worst leaf's. Above TF32 the fast path takes the exact (Triton, IEEE) kernels, so it
+   should agree to float32 accuracy: target a global error of at most 1e-5.
 
     python benchmarks/hopper_checks.py --out=$OUT/hopper_checks
     python benchmarks/hopper_checks.py --out=/tmp/hc --smoke   # CPU: lowers the two engines only
@@ -114,6 +120,58 @@ def step_rows(batch: int, rounds: int, chunk: int = 10) -> list[dict]:
     return rows
 
 
+#: the fast path's global relative gradient error above TF32 (float32 accuracy over 540 steps)
+PRECISION_TARGET = 1e-5
+
+
+def precision_rows(batch: int, smoke: bool = False) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import train_step as ts
+
+    from naisnet_jax import train
+
+    x, y = ts.fixed_batch(batch)
+    states = {
+        "autodiff": ts.model_and_state(dict(model=ts.N10), smoke)[2],
+        "fast path": ts.model_and_state(dict(model=ts.N10, kwargs=dict(block_vjp="fused", scan_unroll=10)), smoke)[2],
+    }
+
+    def grads(state):
+        def loss(params):
+            variables = {"params": params, "batch_stats": state.batch_stats}
+            logits, _ = state.apply_fn(variables, x, train=True, mutable=["batch_stats"])
+            return jnp.mean(train.cross_entropy(logits, y))
+
+        return jax.jit(jax.grad(loss))(state.params)
+
+    def leaves(tree):
+        return [np.asarray(a, np.float64) for a in jax.tree.leaves(tree)]
+
+    with jax.default_matmul_precision("highest"):
+        want = leaves(grads(states["autodiff"]))
+    norm = np.sqrt(sum(np.sum(b * b) for b in want))
+    rows = []
+    for precision in ("float32", "highest", None):
+        for path, state in states.items():
+            with jax.default_matmul_precision(precision):
+                got = leaves(grads(state))
+            diffs = [np.sqrt(np.sum((a - b) ** 2)) for a, b in zip(got, want)]
+            worst = max(d / max(np.sqrt(np.sum(b * b)), 1e-30) for d, b in zip(diffs, want))
+            error = float(np.sqrt(sum(d * d for d in diffs)) / norm)
+            row = dict(
+                precision=precision or "default",
+                path=path,
+                global_rel=error,
+                worst_leaf_rel=float(worst),
+                met=None if precision is None else error <= PRECISION_TARGET,
+            )
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def smoke() -> None:
     """Both engines lower for CUDA here (the GPU build, without a GPU)."""
     import jax
@@ -138,7 +196,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--smoke", action="store_true", help="lower both engines for CUDA only (any machine)")
     parser.add_argument("--skip-values", action="store_true")
-    parser.add_argument("--skip-steps", action="store_true", help="the value checks only")
+    parser.add_argument("--skip-steps", action="store_true", help="leave out the timed step")
+    parser.add_argument("--skip-precision", action="store_true", help="leave out the precision check")
+    parser.add_argument("--precision-batch", type=int, default=64, help="batch of the precision check")
     args = parser.parse_args(argv)
     _common.importable()
     if args.smoke:
@@ -149,6 +209,7 @@ def main(argv=None):
         return
     values = [] if args.skip_values else value_rows(args.value_batch, args.steps)
     steps = [] if args.skip_steps else step_rows(args.batch, args.rounds)
+    precision = [] if args.skip_precision else precision_rows(args.precision_batch)
     device = _common.device_summary()
     text_v, md_v = _common.table(
         values,
@@ -172,17 +233,32 @@ def main(argv=None):
             ("compile_s", "compile s", ".1f"),
         ],
     )
+    text_p, md_p = _common.table(
+        precision,
+        [
+            ("precision", "matmul precision", "s"),
+            ("path", "path", "s"),
+            ("global_rel", "global rel. error", ".1e"),
+            ("worst_leaf_rel", "worst leaf", ".1e"),
+            ("met", f"<= {PRECISION_TARGET:.0e}", ""),
+        ],
+    )
     header = (
         f"wgmma against Triton block kernels on {device['device_kind']}: relative max error against the stacked"
         f" VJP at highest precision (vmap over 3 seeds, batch {args.value_batch}, K = {args.steps}), and the"
-        f" NAIS-Net10 step (batch {args.batch}, fused, unroll 10, {args.rounds} alternating rounds of 10 steps)"
+        f" NAIS-Net10 step (batch {args.batch}, fused, unroll 10, {args.rounds} alternating rounds of 10 steps);"
+        f" the NAIS-Net10 gradient (batch {args.precision_batch}) against autodiff at highest precision"
     )
     _common.write_results(
-        args.out, "hopper_checks", dict(device=device, values=values, steps=steps), f"{header}\n\n{md_v}\n\n{md_s}"
+        args.out,
+        "hopper_checks",
+        dict(device=device, values=values, steps=steps, precision=precision),
+        f"{header}\n\n{md_v}\n\n{md_s}\n\n{md_p}",
     )
     print(header)
     print(text_v)
     print(text_s)
+    print(text_p)
 
 
 if __name__ == "__main__":

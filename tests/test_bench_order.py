@@ -60,3 +60,23 @@ def test_the_fused_step_is_counted_as_its_stacked_form():
     assert counts["nais10_stacked_unroll10"]["flops"] > 0
     assert counts["nais10_fused_unroll10"] == counts["nais10_stacked_unroll10"]
     assert counts["nais10_fused_unroll10_triton"] == counts["nais10_stacked_unroll10"]
+
+
+def test_the_precision_check_compares_both_paths_with_autodiff_at_highest():
+    """``hopper_checks.py``'s precision rows on the smoke model (a CPU: the fast path is the
+    stacked VJP here): every precision and path, each error finite and, above TF32, within the
+    target; autodiff at "highest" against itself is exact."""
+    import hopper_checks
+
+    rows = hopper_checks.precision_rows(batch=4, smoke=True)
+    assert [(r["precision"], r["path"]) for r in rows] == [
+        (p, path) for p in ("float32", "highest", "default") for path in ("autodiff", "fast path")
+    ]
+    by = {(r["precision"], r["path"]): r for r in rows}
+    assert by[("highest", "autodiff")]["global_rel"] == 0.0
+    for r in rows:
+        assert 0.0 <= r["global_rel"] <= r["worst_leaf_rel"] * (1 + 1e-9)  # a mean of the leaves' ratios
+        if r["precision"] != "default":
+            assert r["met"] is True and r["global_rel"] <= hopper_checks.PRECISION_TARGET, r
+        else:
+            assert r["met"] is None
