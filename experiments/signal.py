@@ -216,10 +216,10 @@ def measure(variant: str, *, workdir: str, dataset: str, steps: int, epochs: int
         first = steps if epoch == 0 else 0  # epoch 0's first steps were the measured ones
         losses, accs = [], []
         for s in range(first, order.shape[0], config.steps_per_chunk):
-            rows = order[s : s + config.steps_per_chunk]
-            state, m = chunk(state, train_data, rows, jax.random.fold_in(key, 10_000 * epoch + s))
-            losses.append(float(m["loss"]) * rows.shape[0])
-            accs.append(float(m["accuracy"]) * rows.shape[0])
+            rows, count = train.chunk_rows(np.asarray(order), s, config.steps_per_chunk)  # one program
+            state, m = chunk(state, train_data, rows, jax.random.fold_in(key, 10_000 * epoch + s), np.int32(count))
+            losses.append(float(m["loss"]) * count)
+            accs.append(float(m["accuracy"]) * count)
         done = order.shape[0] - first
         test = jax.tree.map(float, evaluate(state, test_data))
         history.append(
