@@ -37,6 +37,11 @@ def target(mode: str, n: int) -> float:
     return TARGETS.get((mode, n), TARGETS[mode])
 
 
+def run_key(devices: int, batch: int, norm: str) -> str:
+    """The name of a measurement in ``scaling_runs.json`` (one device: BatchNorm is the same)."""
+    return f"{devices}x{batch}" + ("" if norm == "global" or devices == 1 else "_device_bn")
+
+
 def measure(
     n_devices: int,
     global_batch: int,
@@ -130,7 +135,7 @@ def main(argv=None):
     for n in counts:
         plan += [(1, b * n, "global")] + [(n, b * n, norm) for norm in norms if n > 1]
     for devices, batch, norm in dict.fromkeys(plan):
-        key = f"{devices}x{batch}" + ("" if norm == "global" or devices == 1 else "_device_bn")
+        key = run_key(devices, batch, norm)
         if key not in runs:
             print(f"{devices} device(s), global batch {batch}, BatchNorm by {norm}", flush=True)
             runs[key] = measure(
@@ -147,9 +152,9 @@ def main(argv=None):
     rows = []
     for n in counts:
         for norm in norms if n > 1 else ["global"]:
-            many = runs[f"{n}x{b * n}" + ("" if norm == "global" or n == 1 else "_device_bn")]
+            many = runs[run_key(n, b * n, norm)]
             for mode in ("weak", "strong"):
-                one = runs[f"1x{b if mode == 'weak' else b * n}"]
+                one = runs[run_key(1, b if mode == "weak" else b * n, "global")]
                 eff = many["images_per_s"] / (n * one["images_per_s"])
                 rows.append(
                     {

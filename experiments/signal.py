@@ -212,11 +212,13 @@ def measure(variant: str, *, workdir: str, dataset: str, steps: int, epochs: int
     evaluate = train.make_evaluate(mean, std, config.eval_batch_size)
     history = []
     for epoch in range(epochs):
-        order = data_lib.epoch_batches(jax.random.fold_in(key, epoch), train_data.num_examples, config.batch_size)
+        order = np.asarray(
+            data_lib.epoch_batches(jax.random.fold_in(key, epoch), train_data.num_examples, config.batch_size)
+        )
         first = steps if epoch == 0 else 0  # epoch 0's first steps were the measured ones
         losses, accs = [], []
         for s in range(first, order.shape[0], config.steps_per_chunk):
-            rows, count = train.chunk_rows(np.asarray(order), s, config.steps_per_chunk)  # one program
+            rows, count = train.chunk_rows(order, s, config.steps_per_chunk)  # one program
             state, m = chunk(state, train_data, rows, jax.random.fold_in(key, 10_000 * epoch + s), np.int32(count))
             losses.append(float(m["loss"]) * count)
             accs.append(float(m["accuracy"]) * count)
