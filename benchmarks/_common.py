@@ -73,7 +73,15 @@ def host_summary() -> dict:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         pass
-    return {"host_cpu": model or platform.processor() or "unknown", "host_cores": os.cpu_count()}
+    return {"host_cpu": model or platform.processor() or "unknown", "host_cores": os.cpu_count(), "script": script()}
+
+
+def script() -> str:
+    """The commit of the tree the benchmark ran from (``experiments.sweep_report.script_version``)."""
+    importable()
+    from experiments.sweep_report import script_version
+
+    return script_version()
 
 
 def device_summary() -> dict:

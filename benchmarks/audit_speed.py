@@ -30,6 +30,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
 SIZES = {
     "cifar": dict(stage_sizes=(18, 18, 18), filters=(16, 32, 64), steps=10, image=32, samples=16),
     "tiny": dict(stage_sizes=(2, 2, 2), filters=(4, 4, 8), steps=2, image=32, samples=4),
@@ -263,6 +266,7 @@ def main(argv=None) -> None:
             )
     result = {
         "device": device,
+        "script": _common.script(),
         "size": args.size,
         **SIZES[args.size],
         "rows": rows,
@@ -270,7 +274,8 @@ def main(argv=None) -> None:
     }
     _dump(result, os.path.join(args.out, "audit_speed.json"))
     lines = [
-        f"device: {device}; model: {args.size} shape, {rows[0]['blocks']} blocks, {SIZES[args.size]['samples']} inputs",
+        f"device: {device}; model: {args.size} shape, {rows[0]['blocks']} blocks, "
+        f"{SIZES[args.size]['samples']} inputs; script {result['script']}",
         "",
         "| audit | run | wall s | CPU s | certified |",
         "|---|---|---|---|---|",
