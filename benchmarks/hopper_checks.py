@@ -13,10 +13,14 @@ Two questions, one run:
    median ms a step), with the losses of the first 30 steps from the same state.
 3. **Precision.** The gradient of NAIS-Net10's training loss (batch 64, training mode) by the
    fast path and by autodiff through ``lax.scan``, under ``jax.default_matmul_precision`` of
-   ``"float32"``, ``"highest"`` and the default (TF32 on these cards), each against autodiff at
-   ``"highest"``: the global relative error ``|g - g_ref| / |g_ref|`` over every parameter and
-   the worst leaf's. Above TF32 the fast path takes the exact (Triton, IEEE) kernels, so it
-   should agree to float32 accuracy: target a global error of at most 1e-5.
+   ``"float32"``, ``"highest"`` and the default (TF32 on these cards), each against autodiff in
+   float64: the global relative error ``|g - g_64| / |g_64|`` over every parameter and the worst
+   leaf's. Above TF32 the fast path takes exact kernels, so it must be as accurate as autodiff at
+   the same precision: at most :data:`PRECISION_RATIO` times autodiff's error, plus
+   :data:`PRECISION_FLOOR`. Two forms: the shipped one (``x(0) = 0``), whose gradients grow
+   towards the input at initialisation and amplify every rounding (float32 autodiff itself is
+   14% off float64 there, on a CPU), and the start ``x(0) = u``, where nothing explodes and the test
+   is sharp.
 
     python benchmarks/hopper_checks.py --out=$OUT/hopper_checks
     python benchmarks/hopper_checks.py --out=/tmp/hc --smoke   # CPU: lowers the two engines only
@@ -120,8 +124,12 @@ def step_rows(batch: int, rounds: int, chunk: int = 10) -> list[dict]:
     return rows
 
 
-#: the fast path's global relative gradient error above TF32 (float32 accuracy over 540 steps)
-PRECISION_TARGET = 1e-5
+#: above TF32 the fast path's gradient error against float64 is at most this many times autodiff's
+PRECISION_RATIO = 2.0
+#: ... plus this much (float32 accuracy over 540 steps, where autodiff's own error is tiny)
+PRECISION_FLOOR = 1e-6
+#: the NAIS-Net10 forms of the precision check: the shipped start and x(0) = u
+PRECISION_FORMS = {"x(0) = 0 (shipped)": {}, "x(0) = u": {"initial_state": "input"}}
 
 
 def precision_rows(batch: int, smoke: bool = False) -> list[dict]:
@@ -129,46 +137,56 @@ def precision_rows(batch: int, smoke: bool = False) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
     import train_step as ts
+    from naisnet_jax.verify import x64_scope
 
     from naisnet_jax import train
 
     x, y = ts.fixed_batch(batch)
-    states = {
-        "autodiff": ts.model_and_state(dict(model=ts.N10), smoke)[2],
-        "fast path": ts.model_and_state(dict(model=ts.N10, kwargs=dict(block_vjp="fused", scan_unroll=10)), smoke)[2],
-    }
 
-    def grads(state):
+    def grads(state, dtype=jnp.float32):
+        def cast(tree):
+            return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
         def loss(params):
-            variables = {"params": params, "batch_stats": state.batch_stats}
-            logits, _ = state.apply_fn(variables, x, train=True, mutable=["batch_stats"])
+            variables = {"params": params, "batch_stats": cast(state.batch_stats)}
+            logits, _ = state.apply_fn(variables, x.astype(dtype), train=True, mutable=["batch_stats"])
             return jnp.mean(train.cross_entropy(logits, y))
 
-        return jax.jit(jax.grad(loss))(state.params)
+        return [np.asarray(a, np.float64) for a in jax.tree.leaves(jax.jit(jax.grad(loss))(cast(state.params)))]
 
-    def leaves(tree):
-        return [np.asarray(a, np.float64) for a in jax.tree.leaves(tree)]
-
-    with jax.default_matmul_precision("highest"):
-        want = leaves(grads(states["autodiff"]))
-    norm = np.sqrt(sum(np.sum(b * b) for b in want))
     rows = []
-    for precision in ("float32", "highest", None):
-        for path, state in states.items():
-            with jax.default_matmul_precision(precision):
-                got = leaves(grads(state))
-            diffs = [np.sqrt(np.sum((a - b) ** 2)) for a, b in zip(got, want)]
-            worst = max(d / max(np.sqrt(np.sum(b * b)), 1e-30) for d, b in zip(diffs, want))
-            error = float(np.sqrt(sum(d * d for d in diffs)) / norm)
-            row = dict(
-                precision=precision or "default",
-                path=path,
-                global_rel=error,
-                worst_leaf_rel=float(worst),
-                met=None if precision is None else error <= PRECISION_TARGET,
-            )
-            rows.append(row)
-            print(row, flush=True)
+    for form, extra in PRECISION_FORMS.items():
+        states = {
+            "autodiff": ts.model_and_state(dict(model=ts.N10, kwargs=extra), smoke)[2],
+            "fast path": ts.model_and_state(dict(model=ts.N10, kwargs={**extra, **ts.FAST}), smoke)[2],
+        }
+        with x64_scope():
+            want = grads(states["autodiff"], jnp.float64)
+        norm = np.sqrt(sum(np.sum(b * b) for b in want))
+        for precision in ("float32", "highest", None):
+            errors = {}
+            for path, state in states.items():
+                with jax.default_matmul_precision(precision):
+                    got = grads(state)
+                diffs = [np.sqrt(np.sum((a - b) ** 2)) for a, b in zip(got, want)]
+                worst = max(d / max(np.sqrt(np.sum(b * b)), 1e-30) for d, b in zip(diffs, want))
+                errors[path] = error = float(np.sqrt(sum(d * d for d in diffs)) / norm)
+                fast = path == "fast path"
+                row = dict(
+                    form=form,
+                    precision=precision or "default",
+                    path=path,
+                    global_rel=error,
+                    worst_leaf_rel=float(worst),
+                    x_autodiff=error / errors["autodiff"] if fast and errors["autodiff"] > 0 else None,
+                    met=(
+                        error <= PRECISION_RATIO * errors["autodiff"] + PRECISION_FLOOR
+                        if fast and precision is not None
+                        else None
+                    ),
+                )
+                rows.append(row)
+                print(row, flush=True)
     return rows
 
 
@@ -236,18 +254,20 @@ def main(argv=None):
     text_p, md_p = _common.table(
         precision,
         [
+            ("form", "form", "s"),
             ("precision", "matmul precision", "s"),
             ("path", "path", "s"),
             ("global_rel", "global rel. error", ".1e"),
             ("worst_leaf_rel", "worst leaf", ".1e"),
-            ("met", f"<= {PRECISION_TARGET:.0e}", ""),
+            ("x_autodiff", "x autodiff's", ".2f"),
+            ("met", f"<= {PRECISION_RATIO:g} x autodiff's + {PRECISION_FLOOR:.0e}", ""),
         ],
     )
     header = (
         f"wgmma against Triton block kernels on {device['device_kind']}: relative max error against the stacked"
         f" VJP at highest precision (vmap over 3 seeds, batch {args.value_batch}, K = {args.steps}), and the"
         f" NAIS-Net10 step (batch {args.batch}, fused, unroll 10, {args.rounds} alternating rounds of 10 steps);"
-        f" the NAIS-Net10 gradient (batch {args.precision_batch}) against autodiff at highest precision"
+        f" the NAIS-Net10 gradient (batch {args.precision_batch}, training mode) against float64 autodiff"
     )
     _common.write_results(
         args.out,

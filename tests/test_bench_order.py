@@ -62,21 +62,27 @@ def test_the_fused_step_is_counted_as_its_stacked_form():
     assert counts["nais10_fused_unroll10_triton"] == counts["nais10_stacked_unroll10"]
 
 
-def test_the_precision_check_compares_both_paths_with_autodiff_at_highest():
+def test_the_precision_check_measures_both_paths_against_float64_autodiff():
     """``hopper_checks.py``'s precision rows on the smoke model (a CPU: the fast path is the
-    stacked VJP here): every precision and path, each error finite and, above TF32, within the
-    target; autodiff at "highest" against itself is exact."""
+    stacked VJP here, exact float32): both forms, every precision and path, each error finite and
+    at float32's level; the fast path's rows above TF32 meet the target, and the check would fail
+    a gradient off by 1e-3 (what TF32 products give)."""
     import hopper_checks
 
     rows = hopper_checks.precision_rows(batch=4, smoke=True)
-    assert [(r["precision"], r["path"]) for r in rows] == [
-        (p, path) for p in ("float32", "highest", "default") for path in ("autodiff", "fast path")
+    assert [(r["form"], r["precision"], r["path"]) for r in rows] == [
+        (form, p, path)
+        for form in hopper_checks.PRECISION_FORMS
+        for p in ("float32", "highest", "default")
+        for path in ("autodiff", "fast path")
     ]
-    by = {(r["precision"], r["path"]): r for r in rows}
-    assert by[("highest", "autodiff")]["global_rel"] == 0.0
     for r in rows:
-        assert 0.0 <= r["global_rel"] <= r["worst_leaf_rel"] * (1 + 1e-9)  # a mean of the leaves' ratios
-        if r["precision"] != "default":
-            assert r["met"] is True and r["global_rel"] <= hopper_checks.PRECISION_TARGET, r
+        assert 0.0 < r["global_rel"] <= r["worst_leaf_rel"] * (1 + 1e-9)  # a mean of the leaves' ratios
+        assert r["global_rel"] < 1e-5, r  # float32 against float64 on a 2-block net (a CPU has no TF32)
+        if r["path"] == "fast path" and r["precision"] != "default":
+            assert r["met"] is True, r
+            assert (
+                1e-3 > hopper_checks.PRECISION_RATIO * r["global_rel"] / r["x_autodiff"] + hopper_checks.PRECISION_FLOOR
+            )
         else:
             assert r["met"] is None
