@@ -19,7 +19,7 @@ Two questions, one run:
    the same precision: at most :data:`PRECISION_RATIO` times autodiff's error, plus
    :data:`PRECISION_FLOOR`. Two forms: the shipped one (``x(0) = 0``), whose gradients grow
    towards the input at initialisation and amplify every rounding (float32 autodiff itself is
-   14% off float64 there, on a CPU), and the start ``x(0) = u``, where nothing explodes and the test
+   far from float64 there; the rows say how far), and the start ``x(0) = u``, where nothing explodes and the test
    is sharp.
 
     python benchmarks/hopper_checks.py --out=$OUT/hopper_checks
