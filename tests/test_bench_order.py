@@ -86,3 +86,30 @@ def test_the_precision_check_measures_both_paths_against_float64_autodiff():
             )
         else:
             assert r["met"] is None
+
+
+def test_first_epoch_runs_the_trainer_cold_then_from_the_cache(tmp_path):
+    """``benchmarks/first_epoch.py --smoke``: two trainer processes on one cache directory; each
+    row's difference is its first epoch less the median of its later ones, and the second run,
+    reading the first's compiled programs, starts its training faster."""
+    import json
+    import statistics
+
+    import first_epoch
+
+    first_epoch.main([f"--out={tmp_path}", "--smoke"])
+    with open(tmp_path / "first_epoch.json") as f:
+        result = json.load(f)
+    cold, cached = result["rows"]
+    assert (cold["run"], cached["run"]) == ("cold", "cached")
+    for row in (cold, cached):
+        assert len(row["epoch_seconds"]) == 3
+        assert row["over_steady_s"] == pytest.approx(
+            row["epoch_seconds"][0] - statistics.median(row["epoch_seconds"][1:])
+        )
+        assert row["first_chunk_steps"] == 4
+    assert cached["first_chunk_s"] < cold["first_chunk_s"]
+    assert result["verdict"]["pass"] == (cached["over_steady_s"] <= first_epoch.TARGET_OVER_STEADY)
+    assert os.listdir(tmp_path / "cache")  # the programs the second run read
+    with pytest.raises(SystemExit, match="--epochs=1: expected at least 2"):
+        first_epoch.main([f"--out={tmp_path}", "--epochs=1"])
