@@ -203,7 +203,8 @@ def claims(rows) -> list[dict]:
                         "resnet": sub[base]["label"],
                         "accuracy_difference": float(a.mean() - b.mean()),
                         "difference_se": float(np.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))),
-                        "gap_ratio": float(ga.mean() / gb.mean()) if gb.mean() > 0 else None,
+                        # a ratio of gaps says how much smaller NAIS-Net's gap is only if both are positive
+                        "gap_ratio": float(ga.mean() / gb.mean()) if min(ga.mean(), gb.mean()) > 0 else None,
                         "spread_ratio": float(a.std() / b.std()) if b.std() > 0 else None,
                     }
                 )
@@ -217,10 +218,11 @@ def claims_table(rows) -> str:
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in claims(rows):
-        ratio = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        gap = "n/a (a gap <= 0)" if c["gap_ratio"] is None else f"{c['gap_ratio']:.2f}"
+        spread = "-" if c["spread_ratio"] is None else f"{c['spread_ratio']:.2f}"
         lines.append(
             f"| {c['dataset']} | {c['nais']} | {c['resnet']} | {100 * c['accuracy_difference']:+.2f} ± "
-            f"{100 * c['difference_se']:.2f} | {ratio(c['gap_ratio'])} | {ratio(c['spread_ratio'])} |"
+            f"{100 * c['difference_se']:.2f} | {gap} | {spread} |"
         )
     return "\n".join(lines)
 

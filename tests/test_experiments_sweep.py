@@ -135,6 +135,11 @@ def test_conv_claims_compare_each_nais_net_with_each_resnet():
     np.testing.assert_allclose(c["gap_ratio"], 0.02 / 0.04, rtol=1e-12)
     np.testing.assert_allclose(c["spread_ratio"], x.std() / y.std(), rtol=1e-12)
     assert "| mnist_pinned | NAIS-Net10 | ResNet | +1.50 ± 0.87 | 0.50 | 0.73 |" in conv.claims_table(rows)
+    # a NAIS-Net that fits its training set less than its test set has no smaller gap to report
+    rows[0]["generalisation_gap"]["per_seed"] = [-0.01, -0.02, 0.0, None]
+    (c,) = conv.claims(rows)
+    assert c["gap_ratio"] is None
+    assert "| +1.50 ± 0.87 | n/a (a gap <= 0) | 0.73 |" in conv.claims_table(rows)
 
 
 @pytest.mark.parametrize("arg", ["cifar10,naisnet_cifar10", "cifar100,naisnet_cifar1", "cifar10,resnet_cifar"])
