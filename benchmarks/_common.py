@@ -65,8 +65,9 @@ def card_peaks(device_kind: str) -> dict | None:
 
 
 def host_summary() -> dict:
-    """The host's CPU model and core count: a step bound by kernel launches runs at the
-    host's pace (``torch.compile``'s default mode on NAIS-Net10, thousands of kernels a step)."""
+    """The host's CPU model and core count (a step bound by kernel launches runs at the
+    host's pace: ``torch.compile``'s default mode on NAIS-Net10, thousands of kernels a step),
+    and the version of the script (:func:`script`)."""
     model = ""
     try:
         with open("/proc/cpuinfo") as f:

@@ -29,8 +29,7 @@ import _common  # noqa: E402
 #: the most a cached first epoch may cost over a steady one, in seconds
 TARGET_OVER_STEADY = 30.0
 CONFIG = os.path.join(_common.ROOT, "experiments", "configs", "cifar10_naisnet.py")
-SMOKE = (
-    "--config.dataset=digits",
+SMOKE = (  # with --config.dataset=digits
     "--config.model=naisnet_conv_tiny",
     "--config.limit_train=256",
     "--config.limit_test=100",
@@ -39,11 +38,6 @@ SMOKE = (
     "--config.augment=False",
     "--config.steps_per_chunk=4",
 )
-
-
-def _records(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def train_once(workdir: str, cache: str, *, dataset: str, epochs: int, smoke: bool) -> dict:
@@ -67,8 +61,11 @@ def train_once(workdir: str, cache: str, *, dataset: str, epochs: int, smoke: bo
     )
     with open(os.path.join(os.path.dirname(workdir), os.path.basename(workdir) + ".log"), "w") as log:
         subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
-    epochs_s = [r["epoch_seconds"] for r in _records(os.path.join(workdir, "metrics.jsonl"))]
-    first = _records(os.path.join(workdir, "scalars.jsonl"))[0]
+    _common.importable()
+    from naisnet_jax.metric_writers import read_jsonl
+
+    epochs_s = [r["epoch_seconds"] for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))]
+    first = read_jsonl(os.path.join(workdir, "scalars.jsonl"))[0]
     steady = statistics.median(epochs_s[1:])
     return {
         "epoch_seconds": epochs_s,
@@ -103,13 +100,13 @@ def main(argv=None):
         raise SystemExit(f"--epochs={args.epochs}: expected at least 2 (a first epoch and a steady one)")
     os.makedirs(args.out, exist_ok=True)
     cache = os.path.join(args.out, "cache")
+    dataset = "digits" if args.smoke else args.dataset
     rows = []
     for run in ("cold", "cached"):
         workdir = os.path.join(args.out, run)
         shutil.rmtree(workdir, ignore_errors=True)  # each run starts afresh, never resumes
         if run == "cold":
             shutil.rmtree(cache, ignore_errors=True)
-        dataset = "digits" if args.smoke else args.dataset
         row = dict(run=run, **train_once(workdir, cache, dataset=dataset, epochs=args.epochs, smoke=args.smoke))
         rows.append(row)
         print(f"{run}: first epoch {row['first_epoch_s']:.1f} s, steady {row['steady_epoch_s']:.1f} s", flush=True)

@@ -162,14 +162,15 @@ def precision_rows(batch: int, smoke: bool = False) -> list[dict]:
         }
         with x64_scope():
             want = grads(states["autodiff"], jnp.float64)
-        norm = np.sqrt(sum(np.sum(b * b) for b in want))
+        leaf_norms = [np.sqrt(np.sum(b * b)) for b in want]
+        norm = np.sqrt(sum(n * n for n in leaf_norms))
         for precision in ("float32", "highest", None):
             errors = {}
             for path, state in states.items():
                 with jax.default_matmul_precision(precision):
                     got = grads(state)
                 diffs = [np.sqrt(np.sum((a - b) ** 2)) for a, b in zip(got, want)]
-                worst = max(d / max(np.sqrt(np.sum(b * b)), 1e-30) for d, b in zip(diffs, want))
+                worst = max(d / max(n, 1e-30) for d, n in zip(diffs, leaf_norms))
                 errors[path] = error = float(np.sqrt(sum(d * d for d in diffs)) / norm)
                 fast = path == "fast path"
                 row = dict(
