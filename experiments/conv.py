@@ -18,7 +18,8 @@ Writes to ``--workdir``: ``results.json`` / ``results.md`` (test accuracy, train
 generalisation gap, mean +- std over seeds, per dataset), ``accuracy_<dataset>.png`` (train and
 test accuracy over epochs, figure 4 right) and ``gap.png``; each sweep lives in
 ``<workdir>/<dataset>/<variant>`` and resumes; a finished one is read back from its
-``summary.json``.
+``summary.json``. ``--report_only`` writes the tables from the finished sweeps alone (sweeps run on
+several machines, gathered in one workdir) and names the ones not yet run.
 """
 
 from __future__ import annotations
@@ -287,6 +288,7 @@ def run(
     full_audit: bool = False,
     limit_train: int | None = None,
     fast: bool = True,
+    report_only: bool = False,
 ) -> list[dict]:
     from naisnet_jax.verify import AuditOptions
 
@@ -328,7 +330,23 @@ def run(
 
     options = AuditOptions(data="none", estimate_conv_radius=full_audit)
     t0 = time.time()
-    rows = [run_variant(v, config, workdir, options) for v, config in configs]
+    missing = []
+    if report_only:  # the tables of the sweeps that have finished; nothing is trained
+        rows = []
+        for v, c in configs:
+            row = read_summary(os.path.join(workdir, c.dataset, v, "summary.json"), c)
+            if row is None:
+                missing.append(f"{c.dataset}/{v}")
+            else:
+                rows.append(row)
+        if not rows:
+            raise ValueError(
+                f"--report_only: no finished sweep under {workdir!r} for {[f'{c.dataset}/{v}' for v, c in configs]}"
+            )
+        if missing:
+            print(f"not finished, left out of the report: {', '.join(missing)}", flush=True)
+    else:
+        rows = [run_variant(v, config, workdir, options) for v, config in configs]
     wall = time.time() - t0
     config = configs[0][1]
     header = {
@@ -352,6 +370,8 @@ def run(
         ),
         "paper": "CIFAR-10 numbers shown for reference only (5 runs, 450 epochs); these runs are on (Fashion-)MNIST",
     }
+    if missing:
+        header["not yet run"] = ", ".join(missing)
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump({"header": header, "rows": rows, "claims": claims(rows)}, f, indent=1)
     md = ["# Section 5.2 on MNIST and Fashion-MNIST: NAIS-Net1, NAIS-Net10 and the one-convolution ResNet", ""]
@@ -406,6 +426,9 @@ def _define_flags() -> None:
     flags.DEFINE_integer("limit_train", None, "Train on the first N training images only (the test set stays whole).")
     flags.DEFINE_bool("full_audit", False, "Also compute Arnoldi spectral radii of every conv block (slow).")
     flags.DEFINE_bool("fast", True, f"NAIS nets with the speed options {NAIS_FAST} (same maths); --nofast: plain step.")
+    flags.DEFINE_bool(
+        "report_only", False, "Write the tables from the sweeps that have finished (say which have not); train nothing."
+    )
 
 
 def _main(argv):
@@ -424,6 +447,7 @@ def _main(argv):
             full_audit=FLAGS.full_audit,
             limit_train=FLAGS.limit_train,
             fast=FLAGS.fast,
+            report_only=FLAGS.report_only,
         )
     except ValueError as e:
         raise app.UsageError(str(e)) from e

@@ -111,6 +111,40 @@ def test_conv_smoke_writes_the_table_and_figures(tmp_path):
     assert "same fractions of the run" in text and "NAIS-Net1, x(0) = 0" in text
 
 
+def test_conv_report_only_tables_the_finished_sweeps_and_trains_nothing(tmp_path):
+    """Sweeps gathered from several machines: the report reads the finished ones, names the rest,
+    and refuses when none has finished."""
+    from experiments import conv, sweep_report
+
+    workdir = str(tmp_path)
+    with open(os.path.join(os.path.dirname(__file__), "..", "experiments", "results", "conv", "results.json")) as f:
+        stored = json.load(f)["rows"]
+    row = next(r for r in stored if r["variant"] == "naisnet1")
+    config = conv.make_config("naisnet1", dataset="mnist_pinned", seeds=2, epochs=None, smoke=True)
+    sweep_report.write_summary(os.path.join(workdir, "digits", "naisnet1", "summary.json"), config, row)
+    rows = conv.run(
+        workdir=workdir,
+        datasets=["mnist_pinned"],
+        seeds=2,
+        variants=["naisnet1", "resnet"],
+        smoke=True,
+        report_only=True,
+    )
+    assert rows == [row]
+    assert sorted(os.listdir(os.path.join(workdir, "digits"))) == ["naisnet1"]  # nothing trained
+    with open(os.path.join(workdir, "results.md")) as f:
+        text = f.read()
+    assert "- not yet run: digits/resnet" in text and pm_text(row) in text
+    with pytest.raises(ValueError, match="no finished sweep"):
+        conv.run(workdir=workdir, datasets=["mnist_pinned"], seeds=2, variants=["resnet"], smoke=True, report_only=True)
+
+
+def pm_text(row) -> str:
+    from experiments.sweep_report import pm
+
+    return pm(row["test_accuracy"])
+
+
 def test_conv_claims_compare_each_nais_net_with_each_resnet():
     """The paper's three claims from the per-seed numbers: difference of means with Welch's
     standard error, ratio of mean gaps, ratio of the spreads; a diverged seed (NaN) is left out."""
