@@ -8,6 +8,9 @@ as the trainer passes it) on 1 device and on n:
   ``images/s(n) / (n x images/s(1))``;
 - strong scaling: global batch fixed at 128 x n; efficiency likewise.
 
+``--per-device-batch=128,256`` measures several per-device batches in one call (a card's
+throughput grows with its batch, which bounds strong scaling: see BENCHMARKS.md).
+
 Targets: weak at least 95%; strong at least 90% on 2 GPUs and 85% on 4. ``--devices=2,4``
 measures several n in one call; ``--batch-norm=global,device`` measures BatchNorm by the whole
 batch (the default, one device's numbers) and by each device's rows
@@ -102,7 +105,9 @@ def main(argv=None):
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="naisnet_cifar10")
     parser.add_argument("--model-kwargs", default="{}", help="JSON, e.g. '{\"scan_unroll\": 10}'")
-    parser.add_argument("--per-device-batch", type=int, default=128)
+    parser.add_argument(
+        "--per-device-batch", default=None, help="images a device, or several: 128,256 (default 128; 8 with --smoke)"
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--devices", default="all", help="device counts to scale to, e.g. 2,4 (default: all)")
@@ -112,7 +117,7 @@ def main(argv=None):
     if args.smoke:  # before jax starts
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        args.model, args.per_device_batch, args.steps, args.repeats = "naisnet_conv_tiny", 8, 2, 1
+        args.model, args.steps, args.repeats = "naisnet_conv_tiny", 2, 1
     _common.importable()
     import jax
 
@@ -122,6 +127,12 @@ def main(argv=None):
     counts = [available] if args.devices == "all" else sorted({int(d) for d in args.devices.split(",")})
     if any(not 1 <= d <= available for d in counts):
         parser.error(f"--devices={args.devices!r}: this host has {available} device(s)")
+    try:
+        batches = [int(b) for b in (args.per_device_batch or ("8" if args.smoke else "128")).split(",")]
+    except ValueError:
+        parser.error(f"--per-device-batch={args.per_device_batch!r}: expected positive integers, e.g. 128,256")
+    if any(b < 1 for b in batches):
+        parser.error(f"--per-device-batch={args.per_device_batch!r}: expected positive integers, e.g. 128,256")
     norms = args.batch_norm.split(",")
     if any(b not in ("global", "device") for b in norms):
         parser.error(f"--batch-norm={args.batch_norm!r}: expected global, device or global,device")
@@ -130,10 +141,11 @@ def main(argv=None):
     if os.path.exists(path):  # resume
         with open(path) as f:
             runs = json.load(f)
-    b = args.per_device_batch
-    plan = [(1, b, "global")]
-    for n in counts:
-        plan += [(1, b * n, "global")] + [(n, b * n, norm) for norm in norms if n > 1]
+    plan = []
+    for b in batches:
+        plan.append((1, b, "global"))
+        for n in counts:
+            plan += [(1, b * n, "global")] + [(n, b * n, norm) for norm in norms if n > 1]
     for devices, batch, norm in dict.fromkeys(plan):
         key = run_key(devices, batch, norm)
         if key not in runs:
@@ -150,7 +162,7 @@ def main(argv=None):
             with open(path, "w") as f:
                 json.dump(runs, f, indent=2)
     rows = []
-    for n in counts:
+    for b, n in ((b, n) for b in batches for n in counts):
         for norm in norms if n > 1 else ["global"]:
             many = runs[run_key(n, b * n, norm)]
             for mode in ("weak", "strong"):
@@ -158,7 +170,9 @@ def main(argv=None):
                 eff = many["images_per_s"] / (n * one["images_per_s"])
                 rows.append(
                     {
-                        "name": f"{mode}: 1 -> {n} devices" + (", BatchNorm per device" if norm == "device" else ""),
+                        "name": f"{mode}: 1 -> {n} devices"
+                        + (f", {b} images a device" if len(batches) > 1 else "")
+                        + (", BatchNorm per device" if norm == "device" else ""),
                         "images_per_s_1": one["images_per_s"],
                         "images_per_s_n": many["images_per_s"],
                         "batch_1": one["global_batch"],
@@ -183,7 +197,7 @@ def main(argv=None):
     )
     head = (
         f"device: {jax.devices()[0].device_kind} x {available}; model {args.model} {kwargs or ''}; "
-        f"per-device batch {args.per_device_batch}; best of {args.repeats} chunks of {args.steps} steps"
+        f"per-device batch {', '.join(map(str, batches))}; best of {args.repeats} chunks of {args.steps} steps"
     )
     if counts == [1]:
         head += " (one device: nothing to scale; run on a machine with several GPUs)"

@@ -333,15 +333,42 @@ def test_scaling_benchmark_smoke_both_batch_norms(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "src")]))
     script = os.path.join(root, "benchmarks", "scaling.py")
     args = [sys.executable, script, f"--out={tmp_path}", "--smoke", "--batch-norm=global,device"]
-    proc = subprocess.run(args, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [*args, "--per-device-batch=4,8"], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "scaling.json") as f:
-        rows = json.load(f)["rows"]
-    assert [(r["name"], r["target"]) for r in rows] == [
-        ("weak: 1 -> 2 devices", 95.0),
-        ("strong: 1 -> 2 devices", 90.0),
-        ("weak: 1 -> 2 devices, BatchNorm per device", 95.0),
-        ("strong: 1 -> 2 devices, BatchNorm per device", 90.0),
+        result = json.load(f)
+    rows, runs = result["rows"], result["runs"]
+    names = [
+        "weak: 1 -> 2 devices",
+        "strong: 1 -> 2 devices",
+        "weak: 1 -> 2 devices, BatchNorm per device",
+        "strong: 1 -> 2 devices, BatchNorm per device",
     ]
+    expected = [
+        (n.replace("devices", f"devices, {b} images a device", 1), 95.0 if n[0] == "w" else 90.0)
+        for b in (4, 8)
+        for n in names
+    ]
+    assert [(r["name"], r["target"]) for r in rows] == expected
+    # one device at 8 images serves the strong rows of 4 a device and the weak rows of 8: measured once
+    assert sorted(runs) == ["1x16", "1x4", "1x8", "2x16", "2x16_device_bn", "2x8", "2x8_device_bn"]
     for r in rows:
         assert r["efficiency"] > 0 and r["pass"] == (r["efficiency"] >= r["target"])
+    weak4, strong4 = rows[0], rows[1]
+    assert (
+        weak4["images_per_s_1"] == runs["1x4"]["images_per_s"]
+        and strong4["images_per_s_1"] == runs["1x8"]["images_per_s"]
+    )
+    # a single batch keeps the plain names; typed mistakes are one line, exit 2
+    proc = subprocess.run(
+        [*args, "--per-device-batch=8"], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "scaling.json") as f:
+        assert [r["name"] for r in json.load(f)["rows"]] == names
+    proc = subprocess.run(
+        [*args, "--per-device-batch=8,x"], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 2 and "--per-device-batch='8,x'" in proc.stderr
