@@ -174,6 +174,15 @@ def test_conv_claims_compare_each_nais_net_with_each_resnet():
     (c,) = conv.claims(rows)
     assert c["gap_ratio"] is None
     assert "| +1.50 ± 0.87 | n/a (a gap <= 0) | 0.73 |" in conv.claims_table(rows)
+    # an ablation row is compared with the one-convolution ResNet only, after the shipped nets
+    rows.append(row("naisnet10_input", [0.97, 0.98, 0.99, 0.98], [0.02, 0.02, 0.02, 0.02]))
+    rows.append(row("resnet2", b, [0.03, 0.03, 0.06, 0.04]))
+    assert [(c["nais"], c["resnet"]) for c in conv.claims(rows)] == [
+        ("NAIS-Net10", "ResNet"),
+        ("NAIS-Net10", conv.VARIANTS["resnet2"][0]),
+        ("NAIS-Net10, x(0) = u", "ResNet"),
+    ]
+    np.testing.assert_allclose(conv.claims(rows)[2]["gap_ratio"], 0.02 / 0.04, rtol=1e-12)
 
 
 @pytest.mark.parametrize("arg", ["cifar10,naisnet_cifar10", "cifar100,naisnet_cifar1", "cifar10,resnet_cifar"])
