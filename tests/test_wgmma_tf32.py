@@ -1,4 +1,4 @@
-"""The TF32 wgmma block kernels (``naisnet_jax.hopper_tf32``): the window views' addressing
+"""The TF32 wgmma block kernels (``naisnet_jax.kernels.wgmma_tf32``): the window views' addressing
 against the planes, the layout they need, the choice of kernels by precision, their shared memory
 and warpgroups, and the GPU build lowered for CUDA on this CPU.
 

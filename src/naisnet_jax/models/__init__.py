@@ -45,7 +45,7 @@ memory or compile time, never the maths:
   are recomputed; the K states are kept);
 - ``block_vjp``: ``"autodiff"``, or a tied block's hand-written VJP that
   computes the state weight's gradient with one operation over the K states
-  stacked on the batch axis (:mod:`naisnet_jax.block_vjp`), keeping the states
+  stacked on the batch axis (:mod:`naisnet_jax.kernels.stacked`), keeping the states
   (``"stacked"``) or recomputing them (``"stacked_recompute"``); ``"fused"``
   runs a tied block's K steps as one GPU kernel forward and one backward
   (conv blocks: :mod:`naisnet_jax.kernels.conv`; dense blocks up to 128 units:
