@@ -130,8 +130,8 @@ def main(argv=None):
     try:
         batches = [int(b) for b in (args.per_device_batch or ("8" if args.smoke else "128")).split(",")]
     except ValueError:
-        parser.error(f"--per-device-batch={args.per_device_batch!r}: expected positive integers, e.g. 128,256")
-    if any(b < 1 for b in batches):
+        batches = []
+    if not batches or any(b < 1 for b in batches):
         parser.error(f"--per-device-batch={args.per_device_batch!r}: expected positive integers, e.g. 128,256")
     norms = args.batch_norm.split(",")
     if any(b not in ("global", "device") for b in norms):

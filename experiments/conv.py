@@ -115,13 +115,18 @@ def make_config(
     return config
 
 
+def finished_row(variant: str, config, workdir: str) -> dict | None:
+    """The row of ``variant``'s sweep under ``workdir`` if it finished with this config, else None."""
+    return read_summary(os.path.join(workdir, config.dataset, variant, "summary.json"), config)
+
+
 def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
     from naisnet_jax import sweep
 
     label = VARIANTS[variant][0]
     run_dir = os.path.join(workdir, config.dataset, variant)
     summary_path = os.path.join(run_dir, "summary.json")
-    row = read_summary(summary_path, config)
+    row = finished_row(variant, config, workdir)
     if row is not None:
         print(f"== {label} on {config.dataset}: finished earlier, read from {summary_path}", flush=True)
         return row
@@ -338,15 +343,13 @@ def run(
     if report_only:  # the tables of the sweeps that have finished; nothing is trained
         rows = []
         for v, c in configs:
-            row = read_summary(os.path.join(workdir, c.dataset, v, "summary.json"), c)
+            row = finished_row(v, c, workdir)
             if row is None:
                 missing.append(f"{c.dataset}/{v}")
             else:
                 rows.append(row)
         if not rows:
-            raise ValueError(
-                f"--report_only: no finished sweep under {workdir!r} for {[f'{c.dataset}/{v}' for v, c in configs]}"
-            )
+            raise ValueError(f"--report_only: no finished sweep under {workdir!r} for {missing}")
         if missing:
             print(f"not finished, left out of the report: {', '.join(missing)}", flush=True)
     else:

@@ -134,15 +134,9 @@ def test_conv_report_only_tables_the_finished_sweeps_and_trains_nothing(tmp_path
     assert sorted(os.listdir(os.path.join(workdir, "digits"))) == ["naisnet1"]  # nothing trained
     with open(os.path.join(workdir, "results.md")) as f:
         text = f.read()
-    assert "- not yet run: digits/resnet" in text and pm_text(row) in text
+    assert "- not yet run: digits/resnet" in text and sweep_report.pm(row["test_accuracy"]) in text
     with pytest.raises(ValueError, match="no finished sweep"):
         conv.run(workdir=workdir, datasets=["mnist_pinned"], seeds=2, variants=["resnet"], smoke=True, report_only=True)
-
-
-def pm_text(row) -> str:
-    from experiments.sweep_report import pm
-
-    return pm(row["test_accuracy"])
 
 
 def test_conv_claims_compare_each_nais_net_with_each_resnet():
