@@ -182,8 +182,12 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def _finite(stat: dict) -> np.ndarray:
-    return np.asarray([v for v in stat["per_seed"] if v is not None and np.isfinite(v)], np.float64)
+def _finite(*stats: dict) -> list[np.ndarray]:
+    """Each statistic's per-seed values over the seeds where all of them are finite (a diverged
+    seed has no training statistics, so its test accuracy is left out with them)."""
+    per_seed = [s["per_seed"] for s in stats]
+    keep = [all(v is not None and np.isfinite(v) for v in vs) for vs in zip(*per_seed)]
+    return [np.asarray([v for v, k in zip(vs, keep) if k], np.float64) for vs in per_seed]
 
 
 def claims(rows) -> list[dict]:
@@ -202,9 +206,17 @@ def claims(rows) -> list[dict]:
         for nais, base in pairs:
             if nais not in sub or base not in sub:
                 continue
-            a, b = _finite(sub[nais]["test_accuracy"]), _finite(sub[base]["test_accuracy"])
-            ga, gb = _finite(sub[nais]["generalisation_gap"]), _finite(sub[base]["generalisation_gap"])
-            if min(len(a), len(b), len(ga), len(gb)) < 2:
+            if sub[nais].get("diverged", 0):
+                # a net that diverged on some seeds makes none of the claims: say so, compare nothing
+                n = len(sub[nais]["test_accuracy"]["per_seed"])
+                diverged = f"{sub[nais]['diverged']} of {n} seeds"
+                out.append(
+                    {"dataset": dataset, "nais": sub[nais]["label"], "resnet": sub[base]["label"], "diverged": diverged}
+                )
+                continue
+            a, ga = _finite(sub[nais]["test_accuracy"], sub[nais]["generalisation_gap"])
+            b, gb = _finite(sub[base]["test_accuracy"], sub[base]["generalisation_gap"])
+            if min(len(a), len(b)) < 2:
                 continue
             out.append(
                 {
@@ -228,6 +240,9 @@ def claims_table(rows) -> str:
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in claims(rows):
+        if "diverged" in c:
+            lines.append(f"| {c['dataset']} | {c['nais']} | {c['resnet']} | n/a: diverged on {c['diverged']} | | |")
+            continue
         gap = "n/a (a gap <= 0)" if c["gap_ratio"] is None else f"{c['gap_ratio']:.2f}"
         spread = "-" if c["spread_ratio"] is None else f"{c['spread_ratio']:.2f}"
         lines.append(
@@ -263,19 +278,25 @@ def plot(rows, workdir) -> None:
         fig.savefig(os.path.join(workdir, f"accuracy_{dataset}.png"), dpi=120)
         plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.0))
     datasets = sorted({r["dataset"] for r in rows})
     labels = list(dict.fromkeys(r["label"] for r in rows))
+    # one horizontal bar per model and dataset: the long model names stay readable
+    fig, ax = plt.subplots(figsize=(8.5, 1.2 + 0.45 * len(labels) * max(len(datasets), 1) ** 0.5))
     width = 0.8 / max(len(datasets), 1)
     for j, dataset in enumerate(datasets):
         sub = {r["label"]: r for r in rows if r["dataset"] == dataset}
-        x = np.arange(len(labels)) + j * width
+        y = np.arange(len(labels)) + j * width
         gaps = [100 * sub[lab]["generalisation_gap"]["mean"] if lab in sub else np.nan for lab in labels]
         errs = [100 * sub[lab]["generalisation_gap"]["std"] if lab in sub else np.nan for lab in labels]
-        ax.bar(x, gaps, width, yerr=errs, label=dataset, capsize=3)
-    ax.set_xticks(np.arange(len(labels)) + width * (len(datasets) - 1) / 2, labels, fontsize=8)
-    ax.set(ylabel="train - test accuracy (pp)", title="Generalisation gap (mean ± std over seeds)")
-    ax.axhline(0, color="k", lw=0.8)
+        ax.barh(y, gaps, width, xerr=errs, label=dataset, capsize=3)
+    ticks = []
+    for lab in labels:
+        diverged = [f"{r['diverged']}/{len(r['seeds'])}" for r in rows if r["label"] == lab and r.get("diverged")]
+        ticks.append(lab + (f" ({', '.join(diverged)} diverged)" if diverged else ""))
+    ax.set_yticks(np.arange(len(labels)) + width * (len(datasets) - 1) / 2, ticks, fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel="train - test accuracy (pp)", title="Generalisation gap (mean ± std, seeds that did not diverge)")
+    ax.axvline(0, color="k", lw=0.8)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(workdir, "gap.png"), dpi=120)
@@ -401,12 +422,13 @@ def run(
         f.write("\n".join(md))
     plot(rows, workdir)
     print()
-    print(f"{'dataset':<18} {'model':<22} {'test acc (%)':>16} {'gap (pp)':>14} {'div':>4} {'cert':>5}")
+    w = max(len(r["label"]) for r in rows)
+    print(f"{'dataset':<18} {'model':<{w}} {'test acc (%)':>16} {'gap (pp)':>14} {'div':>4} {'cert':>5}")
     for r in rows:
         n = len(r["seeds"])
         cert = f"{r['certified_seeds']}/{n}" if r["has_nais_block"] else "n/a"
         print(
-            f"{r['dataset']:<18} {r['label']:<22} {pm(r['test_accuracy']):>16} {pm(r['generalisation_gap']):>14} "
+            f"{r['dataset']:<18} {r['label']:<{w}} {pm(r['test_accuracy']):>16} {pm(r['generalisation_gap']):>14} "
             f"{r['diverged']:>4} {cert:>5}"
         )
     print("\n" + claims_table(rows))

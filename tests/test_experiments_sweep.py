@@ -141,7 +141,8 @@ def test_conv_report_only_tables_the_finished_sweeps_and_trains_nothing(tmp_path
 
 def test_conv_claims_compare_each_nais_net_with_each_resnet():
     """The paper's three claims from the per-seed numbers: difference of means with Welch's
-    standard error, ratio of mean gaps, ratio of the spreads; a diverged seed (NaN) is left out."""
+    standard error, ratio of mean gaps, ratio of the spreads; a diverged seed (no training
+    statistics, whatever its test accuracy) is left out, and a net that diverged makes no claim."""
     from experiments import conv
 
     def row(variant, acc, gap):
@@ -153,7 +154,7 @@ def test_conv_claims_compare_each_nais_net_with_each_resnet():
             "generalisation_gap": {"per_seed": gap},
         }
 
-    a, b = [0.99, 0.97, 0.98, float("nan")], [0.96, 0.98, 0.97, 0.95]
+    a, b = [0.99, 0.97, 0.98, 0.10], [0.96, 0.98, 0.97, 0.95]
     rows = [row("naisnet10", a, [0.01, 0.02, 0.03, None]), row("resnet", b, [0.03, 0.03, 0.06, 0.04])]
     (c,) = conv.claims(rows)
     x, y = np.array(a[:3]), np.array(b)
@@ -177,6 +178,15 @@ def test_conv_claims_compare_each_nais_net_with_each_resnet():
         ("NAIS-Net10, x(0) = u", "ResNet"),
     ]
     np.testing.assert_allclose(conv.claims(rows)[2]["gap_ratio"], 0.02 / 0.04, rtol=1e-12)
+    # an ablation that diverged on some seeds is listed, with no difference, gap or spread
+    rows.append(row("naisnet10_none", [0.10, 0.10, 0.10, 0.10], [None, -0.001, None, None]) | {"diverged": 3})
+    assert conv.claims(rows)[-1] == {
+        "dataset": "mnist_pinned",
+        "nais": conv.VARIANTS["naisnet10_none"][0],
+        "resnet": "ResNet",
+        "diverged": "3 of 4 seeds",
+    }
+    assert "| ResNet | n/a: diverged on 3 of 4 seeds | | |" in conv.claims_table(rows)
 
 
 @pytest.mark.parametrize("arg", ["cifar10,naisnet_cifar10", "cifar100,naisnet_cifar1", "cifar10,resnet_cifar"])
