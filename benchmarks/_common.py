@@ -67,14 +67,17 @@ def card_peaks(device_kind: str) -> dict | None:
 def host_summary() -> dict:
     """The host's CPU model and core count (a step bound by kernel launches runs at the
     host's pace: ``torch.compile``'s default mode on NAIS-Net10, thousands of kernels a step),
-    and the version of the script (:func:`script`)."""
+    the version of the script (:func:`script`) and any ``XLA_FLAGS`` the run was given."""
     model = ""
     try:
         with open("/proc/cpuinfo") as f:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         pass
-    return {"host_cpu": model or platform.processor() or "unknown", "host_cores": os.cpu_count(), "script": script()}
+    summary = {"host_cpu": model or platform.processor() or "unknown", "host_cores": os.cpu_count(), "script": script()}
+    if os.environ.get("XLA_FLAGS"):
+        summary["xla_flags"] = os.environ["XLA_FLAGS"]
+    return summary
 
 
 def script() -> str:
