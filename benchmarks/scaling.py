@@ -4,12 +4,12 @@ The trainer's own chunk (``train.make_train_chunk`` with a ``Mesh``: state and d
 replicated, each batch sharded; augmentation and projection included; the step count passed
 as the trainer passes it) on 1 device and on n:
 
-- weak scaling: 128 images per device (global batch 128 x n); efficiency
-  ``images/s(n) / (n x images/s(1))``;
-- strong scaling: global batch fixed at 128 x n; efficiency likewise.
+- weak scaling: b images per device (global batch b x n); efficiency
+  ``images/s(n) / (n x images/s(1))`` with one device at batch b;
+- strong scaling: global batch b x n on n devices and on one; efficiency likewise.
 
-``--per-device-batch=128,256`` measures several per-device batches in one call (a card's
-throughput grows with its batch, which bounds strong scaling: see BENCHMARKS.md).
+``--per-device-batch`` is b (128 by default); ``--per-device-batch=128,256`` measures several in
+one call (a card's throughput grows with its batch, which bounds strong scaling: see BENCHMARKS.md).
 
 Targets: weak at least 95%; strong at least 90% on 2 GPUs and 85% on 4. ``--devices=2,4``
 measures several n in one call; ``--batch-norm=global,device`` measures BatchNorm by the whole
