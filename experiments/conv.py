@@ -29,6 +29,7 @@ import os
 import sys
 import time
 
+import jax
 import numpy as np
 from absl import app, flags, logging
 
@@ -157,6 +158,7 @@ def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
     row["seconds"] = time.time() - t0
     row["epoch_seconds_median"] = float(np.median([r["epoch_seconds"] for r in result.history]))
     row["device"] = sweep.device_description()
+    row["devices"] = jax.device_count()  # the seeds are split over these, side by side on each
     row["script"] = script_version()
     write_summary(summary_path, config, row)
     return row
@@ -394,7 +396,9 @@ def run(
         + (" plus Arnoldi radii of every conv block" if full_audit else ""),
         "trained on": trained_on(rows),
         "training wall time per sweep (when trained)": ", ".join(
-            f"{r['dataset']}/{r['label']} {r['seconds']:.0f}s" for r in rows
+            f"{r['dataset']}/{r['label']} {r['seconds']:.0f}s"
+            + (f" on {r['devices']} device(s)" if "devices" in r else "")
+            for r in rows
         ),
         "paper": "CIFAR-10 numbers shown for reference only (5 runs, 450 epochs); these runs are on (Fashion-)MNIST",
     }
