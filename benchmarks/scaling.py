@@ -24,6 +24,7 @@ batch (the default, one device's numbers) and by each device's rows
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -162,7 +163,7 @@ def main(argv=None):
             with open(path, "w") as f:
                 json.dump(runs, f, indent=2)
     rows = []
-    for b, n in ((b, n) for b in batches for n in counts):
+    for b, n in itertools.product(batches, counts):
         for norm in norms if n > 1 else ["global"]:
             many = runs[run_key(n, b * n, norm)]
             for mode in ("weak", "strong"):

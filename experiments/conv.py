@@ -29,7 +29,6 @@ import os
 import sys
 import time
 
-import jax
 import numpy as np
 from absl import app, flags, logging
 
@@ -116,20 +115,25 @@ def make_config(
     return config
 
 
+def summary_path(variant: str, config, workdir: str) -> str:
+    """Where ``variant``'s sweep on ``config.dataset`` writes its row when it finishes."""
+    return os.path.join(workdir, config.dataset, variant, "summary.json")
+
+
 def finished_row(variant: str, config, workdir: str) -> dict | None:
     """The row of ``variant``'s sweep under ``workdir`` if it finished with this config, else None."""
-    return read_summary(os.path.join(workdir, config.dataset, variant, "summary.json"), config)
+    return read_summary(summary_path(variant, config, workdir), config)
 
 
 def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
-    from naisnet_jax import sweep
+    from naisnet_jax import seeds, sweep
 
     label = VARIANTS[variant][0]
-    run_dir = os.path.join(workdir, config.dataset, variant)
-    summary_path = os.path.join(run_dir, "summary.json")
+    summary = summary_path(variant, config, workdir)
+    run_dir = os.path.dirname(summary)
     row = finished_row(variant, config, workdir)
     if row is not None:
-        print(f"== {label} on {config.dataset}: finished earlier, read from {summary_path}", flush=True)
+        print(f"== {label} on {config.dataset}: finished earlier, read from {summary}", flush=True)
         return row
     print(
         f"== {label} ({config.model} {dict(config.model_kwargs)}) on {config.dataset}: "
@@ -158,9 +162,9 @@ def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
     row["seconds"] = time.time() - t0
     row["epoch_seconds_median"] = float(np.median([r["epoch_seconds"] for r in result.history]))
     row["device"] = sweep.device_description()
-    row["devices"] = jax.device_count()  # the seeds are split over these, side by side on each
+    row["devices"] = seeds.seed_mesh(config, config.num_seeds).devices.size  # those the seeds were split over
     row["script"] = script_version()
-    write_summary(summary_path, config, row)
+    write_summary(summary, config, row)
     return row
 
 
