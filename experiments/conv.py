@@ -126,7 +126,7 @@ def finished_row(variant: str, config, workdir: str) -> dict | None:
 
 
 def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
-    from naisnet_jax import seeds, sweep
+    from naisnet_jax import engine, seeds, sweep
 
     label = VARIANTS[variant][0]
     summary = summary_path(variant, config, workdir)
@@ -154,6 +154,7 @@ def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
     for field in ("test_accuracy", "train_accuracy", "generalisation_gap", "test_loss"):
         row[field] = stat_row(result, field)
     row["diverged"] = result.num_diverged
+    row["chance_accuracy"] = chance_accuracy(engine.load_training_data(config)[0])
     row["has_nais_block"] = any(r.rho_max is not None for r in result.runs)
     row["certified_seeds"] = sum(bool(r.certified) for r in result.runs)
     row["rho_bound_max"] = max((r.rho_max for r in result.runs if r.rho_max is not None), default=None)
@@ -196,12 +197,42 @@ def _finite(*stats: dict) -> list[np.ndarray]:
     return [np.asarray([v for v, k in zip(vs, keep) if k], np.float64) for vs in per_seed]
 
 
+def chance_accuracy(ds) -> float:
+    """The test accuracy of always answering the test set's most frequent class: what a net
+    that learned nothing scores (11.35% on MNIST, whose test set holds 1,135 ones; 10% on the
+    balanced Fashion-MNIST and CIFAR-10)."""
+    return float(np.bincount(ds.test_labels).max() / ds.test_labels.shape[0])
+
+
+# a seed whose test accuracy does not beat ``chance_accuracy`` by this much learned nothing
+CHANCE_MARGIN = 0.01
+
+
+def _no_claim(row: dict) -> str | None:
+    """Why ``row`` makes none of the paper's claims, or None: it diverged on some seeds or stayed
+    at chance on some (a net answering one class everywhere has no spread or gap to compare)."""
+    n = len(row["test_accuracy"]["per_seed"])
+    diverged = row.get("diverged", 0)
+    at_chance = 0
+    if row.get("chance_accuracy") is not None:
+        acc, _ = _finite(row["test_accuracy"], row["generalisation_gap"])
+        at_chance = int(np.sum(acc <= row["chance_accuracy"] + CHANCE_MARGIN))
+    if diverged and at_chance:
+        return f"diverged on {diverged} of {n} seeds, at chance on {at_chance}"
+    if diverged:
+        return f"diverged on {diverged} of {n} seeds"
+    if at_chance:
+        return f"at chance on {at_chance} of {n} seeds"
+    return None
+
+
 def claims(rows) -> list[dict]:
     """The paper's three claims, per dataset, for each shipped NAIS-Net against each ResNet row
     (and each ablation row against the one-convolution ResNet): the difference of mean test
     accuracy with its standard error (Welch), the generalisation gap's ratio (the paper: about a
     third smaller, a ratio near 0.67) and the ratio of the test accuracy's spread over seeds (the
-    paper: lower variance, a ratio below 1)."""
+    paper: lower variance, a ratio below 1). A net that diverged or stayed at chance on some seeds
+    makes none of them: its entry says why (``no_claim``) and compares nothing."""
     ablations = [v for v in VARIANTS if v.startswith("naisnet") and v not in ("naisnet1", "naisnet10")]
     pairs = [(n, b) for n in ("naisnet1", "naisnet10") for b in ("resnet", "resnet2")] + [
         (v, "resnet") for v in ablations
@@ -212,23 +243,18 @@ def claims(rows) -> list[dict]:
         for nais, base in pairs:
             if nais not in sub or base not in sub:
                 continue
-            if sub[nais].get("diverged", 0):
-                # a net that diverged on some seeds makes none of the claims: say so, compare nothing
-                n = len(sub[nais]["test_accuracy"]["per_seed"])
-                diverged = f"{sub[nais]['diverged']} of {n} seeds"
-                out.append(
-                    {"dataset": dataset, "nais": sub[nais]["label"], "resnet": sub[base]["label"], "diverged": diverged}
-                )
+            entry = {"dataset": dataset, "nais": sub[nais]["label"], "resnet": sub[base]["label"]}
+            reason = _no_claim(sub[nais])
+            if reason is not None:
+                out.append(entry | {"no_claim": reason})
                 continue
             a, ga = _finite(sub[nais]["test_accuracy"], sub[nais]["generalisation_gap"])
             b, gb = _finite(sub[base]["test_accuracy"], sub[base]["generalisation_gap"])
             if min(len(a), len(b)) < 2:
                 continue
             out.append(
-                {
-                    "dataset": dataset,
-                    "nais": sub[nais]["label"],
-                    "resnet": sub[base]["label"],
+                entry
+                | {
                     "accuracy_difference": float(a.mean() - b.mean()),
                     "difference_se": float(np.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))),
                     # a ratio of gaps says how much smaller NAIS-Net's gap is only if both are positive
@@ -246,8 +272,8 @@ def claims_table(rows) -> str:
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in claims(rows):
-        if "diverged" in c:
-            lines.append(f"| {c['dataset']} | {c['nais']} | {c['resnet']} | n/a: diverged on {c['diverged']} | | |")
+        if "no_claim" in c:
+            lines.append(f"| {c['dataset']} | {c['nais']} | {c['resnet']} | n/a: {c['no_claim']} | | |")
             continue
         gap = "n/a (a gap <= 0)" if c["gap_ratio"] is None else f"{c['gap_ratio']:.2f}"
         spread = "-" if c["spread_ratio"] is None else f"{c['spread_ratio']:.2f}"
@@ -421,7 +447,9 @@ def run(
         "",
         "The paper's claims (section 5.2): equal accuracy, a generalisation gap about a third smaller, "
         "lower variance over runs. Gap ratio = NAIS-Net's mean gap / the ResNet's; spread ratio = the std "
-        "of NAIS-Net's test accuracy over seeds / the ResNet's.",
+        "of NAIS-Net's test accuracy over seeds / the ResNet's. A net that diverged, or stayed at chance "
+        f"(within {100 * CHANCE_MARGIN:.0f} point of always answering the test set's commonest class), on "
+        "some seed makes no claim.",
         "",
         claims_table(rows),
         "",

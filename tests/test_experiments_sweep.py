@@ -93,6 +93,7 @@ def test_scaled_schedule_keeps_the_papers_fractions():
 @pytest.mark.slow  # a conv sweep compiles for about a minute on two CPU cores
 def test_conv_smoke_writes_the_table_and_figures(tmp_path):
     from experiments import conv
+    from naisnet_jax import data
 
     workdir = str(tmp_path)
     rows = conv.run(workdir=workdir, datasets=["mnist_pinned"], seeds=2, variants=["naisnet1_zero"], smoke=True)
@@ -105,6 +106,9 @@ def test_conv_smoke_writes_the_table_and_figures(tmp_path):
     assert row["test_accuracy"]["n"] == 2 and row["certified_seeds"] == 2
     assert row["devices"] == min(jax.local_device_count(), 2)  # the devices that split 2 seeds evenly
     assert row["train_accuracy_curve"]["epochs"] == [1, 2]
+    # chance: the commonest class's share of the test examples the sweep evaluated on (the first 100)
+    labels = np.asarray(data.load_dataset("digits").test_labels[:100])
+    assert row["chance_accuracy"] == np.bincount(labels).max() / 100
     for name in ("results.json", "results.md", "accuracy_digits.png", "gap.png"):
         assert os.path.getsize(os.path.join(workdir, name)) > 0
     with open(os.path.join(workdir, "results.md")) as f:
@@ -185,9 +189,31 @@ def test_conv_claims_compare_each_nais_net_with_each_resnet():
         "dataset": "mnist_pinned",
         "nais": conv.VARIANTS["naisnet10_none"][0],
         "resnet": "ResNet",
-        "diverged": "3 of 4 seeds",
+        "no_claim": "diverged on 3 of 4 seeds",
     }
     assert "| ResNet | n/a: diverged on 3 of 4 seeds | | |" in conv.claims_table(rows)
+    # so does one that stays at chance (within a point of always answering the commonest class)
+    rows[-1]["chance_accuracy"] = 0.0995
+    assert conv.claims(rows)[-1]["no_claim"] == "diverged on 3 of 4 seeds, at chance on 1"
+    rows.append(
+        row("naisnet10_transitions", [0.1135, 0.1135, 0.1234, 0.99], [-0.001] * 4) | {"chance_accuracy": 0.1135}
+    )
+    assert "| ResNet | n/a: at chance on 3 of 4 seeds | | |" in conv.claims_table(rows)
+    rows[-1]["test_accuracy"]["per_seed"][2] = 0.1236  # 1.01 points above chance: it learned something
+    transitions = conv.VARIANTS["naisnet10_transitions"][0]
+    assert [c["no_claim"] for c in conv.claims(rows) if c["nais"] == transitions] == ["at chance on 2 of 4 seeds"]
+    # rows of the shipped nets that learned are compared as before
+    rows[0]["chance_accuracy"] = 0.1135
+    assert conv.claims(rows)[0]["accuracy_difference"] == pytest.approx(x.mean() - y.mean(), rel=1e-12)
+
+
+def test_conv_chance_accuracy_is_the_commonest_test_class():
+    from experiments import conv
+    from naisnet_jax import data
+
+    ds = data.load_dataset("digits")
+    labels = np.asarray(ds.test_labels)
+    assert conv.chance_accuracy(ds) == max(np.sum(labels == k) for k in range(10)) / len(labels)
 
 
 @pytest.mark.parametrize("arg", ["cifar10,naisnet_cifar10", "cifar100,naisnet_cifar1", "cifar10,resnet_cifar"])
