@@ -284,6 +284,19 @@ def claims_table(rows) -> str:
     return "\n".join(lines)
 
 
+def gap_label(label: str, rows) -> str:
+    """The gap figure's name for model ``label``: the label, and under it, per dataset, why its
+    bar means little (seeds that diverged or stayed at chance), naming the dataset when the rows
+    hold several."""
+    several = len({r["dataset"] for r in rows}) > 1
+    notes = []
+    for r in rows:
+        reason = _no_claim(r) if r["label"] == label else None
+        if reason is not None:
+            notes.append(f"{r['dataset']}: {reason}" if several else reason)
+    return "\n".join([label, *notes])
+
+
 def plot(rows, workdir) -> None:
     import matplotlib
 
@@ -321,11 +334,8 @@ def plot(rows, workdir) -> None:
         gaps = [100 * sub[lab]["generalisation_gap"]["mean"] if lab in sub else np.nan for lab in labels]
         errs = [100 * sub[lab]["generalisation_gap"]["std"] if lab in sub else np.nan for lab in labels]
         ax.barh(y, gaps, width, xerr=errs, label=dataset, capsize=3)
-    ticks = []
-    for lab in labels:
-        diverged = [f"{r['diverged']}/{len(r['seeds'])}" for r in rows if r["label"] == lab and r.get("diverged")]
-        ticks.append(lab + (f" ({', '.join(diverged)} diverged)" if diverged else ""))
-    ax.set_yticks(np.arange(len(labels)) + width * (len(datasets) - 1) / 2, ticks, fontsize=8)
+    ticks = [gap_label(lab, rows) for lab in labels]
+    ax.set_yticks(np.arange(len(labels)) + width * (len(datasets) - 1) / 2, ticks, fontsize=7)
     ax.invert_yaxis()
     ax.set(xlabel="train - test accuracy (pp)", title="Generalisation gap (mean ± std, seeds that did not diverge)")
     ax.axvline(0, color="k", lw=0.8)

@@ -207,6 +207,28 @@ def test_conv_claims_compare_each_nais_net_with_each_resnet():
     assert conv.claims(rows)[0]["accuracy_difference"] == pytest.approx(x.mean() - y.mean(), rel=1e-12)
 
 
+def test_conv_gap_figure_names_the_seeds_behind_each_bar():
+    """A bar over seeds that diverged or stayed at chance says so, per dataset."""
+    from experiments import conv
+
+    def row(dataset, acc, gap, diverged, chance):
+        return {
+            "label": "NAIS-Net10, no BN on drives",
+            "dataset": dataset,
+            "test_accuracy": {"per_seed": acc},
+            "generalisation_gap": {"per_seed": gap},
+            "diverged": diverged,
+            "chance_accuracy": chance,
+        }
+
+    mnist = row("mnist_pinned", [0.1135, 0.1135, 0.1135, 0.09], [-0.001, -0.001, -0.001, None], 1, 0.1135)
+    fashion = row("fashion_mnist_idx", [0.93, 0.92, 0.94, 0.93], [0.01] * 4, 0, 0.1)
+    label = "NAIS-Net10, no BN on drives"
+    assert conv.gap_label(label, [mnist]) == label + "\ndiverged on 1 of 4 seeds, at chance on 3"
+    assert conv.gap_label(label, [mnist, fashion]) == label + "\nmnist_pinned: diverged on 1 of 4 seeds, at chance on 3"
+    assert conv.gap_label("ResNet", [mnist, fashion]) == "ResNet"
+
+
 def test_conv_chance_accuracy_is_the_commonest_test_class():
     from experiments import conv
     from naisnet_jax import data
