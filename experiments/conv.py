@@ -126,7 +126,7 @@ def finished_row(variant: str, config, workdir: str) -> dict | None:
 
 
 def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
-    from naisnet_jax import engine, seeds, sweep
+    from naisnet_jax import seeds, sweep
 
     label = VARIANTS[variant][0]
     summary = summary_path(variant, config, workdir)
@@ -154,7 +154,7 @@ def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
     for field in ("test_accuracy", "train_accuracy", "generalisation_gap", "test_loss"):
         row[field] = stat_row(result, field)
     row["diverged"] = result.num_diverged
-    row["chance_accuracy"] = chance_accuracy(engine.load_training_data(config)[0])
+    row["chance_accuracy"] = chance_accuracy(result.test_data.labels)  # the split the sweep evaluated on
     row["has_nais_block"] = any(r.rho_max is not None for r in result.runs)
     row["certified_seeds"] = sum(bool(r.certified) for r in result.runs)
     row["rho_bound_max"] = max((r.rho_max for r in result.runs if r.rho_max is not None), default=None)
@@ -197,11 +197,12 @@ def _finite(*stats: dict) -> list[np.ndarray]:
     return [np.asarray([v for v, k in zip(vs, keep) if k], np.float64) for vs in per_seed]
 
 
-def chance_accuracy(ds) -> float:
+def chance_accuracy(test_labels) -> float:
     """The test accuracy of always answering the test set's most frequent class: what a net
     that learned nothing scores (11.35% on MNIST, whose test set holds 1,135 ones; 10% on the
     balanced Fashion-MNIST and CIFAR-10)."""
-    return float(np.bincount(ds.test_labels).max() / ds.test_labels.shape[0])
+    labels = np.asarray(test_labels)
+    return float(np.bincount(labels).max() / labels.shape[0])
 
 
 # a seed whose test accuracy does not beat ``chance_accuracy`` by this much learned nothing
@@ -290,8 +291,8 @@ def gap_label(label: str, rows) -> str:
     hold several."""
     several = len({r["dataset"] for r in rows}) > 1
     notes = []
-    for r in rows:
-        reason = _no_claim(r) if r["label"] == label else None
+    for r in (r for r in rows if r["label"] == label):
+        reason = _no_claim(r)
         if reason is not None:
             notes.append(f"{r['dataset']}: {reason}" if several else reason)
     return "\n".join([label, *notes])
