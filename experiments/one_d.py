@@ -29,8 +29,8 @@ Cases (eigenvalue ``1 + h a`` of the scalar Jacobian ``I + h A`` at the origin):
 
 The supplement does not print its values of ``a`` or its range of ``u``; these are ours (the
 ReLU gain ``2^100 ~ 1.3e30`` of ``a = 1`` at ``K = 100`` matches the figure's ``10^30``). Writes
-``results.json``, ``results.md`` and one PNG per figure to ``--workdir``; it takes seconds on a
-CPU, so a rerun simply recomputes.
+``results.json``, ``results.md`` and one PNG per figure to ``--workdir``, the results naming the
+script's commit and the device; it takes seconds on a CPU, so a rerun simply recomputes.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.sweep_report import script_version
 from naisnet_jax.cell import fc_step
 from naisnet_jax.unroll import unroll, unroll_adaptive, unroll_adaptive_bounded
 
@@ -270,11 +271,15 @@ def _fmt(value, spec=".3g"):
     return format(value, spec)
 
 
-def write_results(rows: list[dict], workdir: str, *, seconds: float) -> str:
+def write_results(rows: list[dict], workdir: str, *, seconds: float, script: str, device: str) -> str:
+    """``results.json`` and ``results.md`` in ``workdir``: the claims per case, with the script's
+    commit (:func:`experiments.sweep_report.script_version`) and the device they ran on."""
     keep = [k for k in rows[0] if k not in ("u", "maps", "depth")]
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(
             {
+                "script": script,
+                "device": device,
                 "seconds": seconds,
                 "max_steps": int(rows[0]["maps"].shape[0]),
                 "grid_points": int(len(rows[0]["u"])),
@@ -303,7 +308,7 @@ def write_results(rows: list[dict], workdir: str, *, seconds: float) -> str:
 
 Scalar block x(k+1) = x(k) + tanh/relu(a x(k) + u), x(0) = 0, h = 1, u on a grid of
 {len(rows[0]["u"])} points in {list(U_RANGE)}, K = 1 .. {rows[0]["maps"].shape[0]} (float64,
-{seconds:.1f} s on the CPU). Stopping rule: |x_k - x_(k-1)| < {STOP_TOL}. Slopes are difference
+{seconds:.1f} s on {device}, script {script}). Stopping rule: |x_k - x_(k-1)| < {STOP_TOL}. Slopes are difference
 quotients on the grid (within pieces of equal depth for the stopping rule).
 
 {table}
@@ -370,12 +375,15 @@ def plot(rows: list[dict], workdir: str, *, dpi: int = 110) -> list[str]:
 def run(workdir: str, *, smoke: bool = False) -> list[dict]:
     import time
 
+    from naisnet_jax.sweep import device_description
+
     jax.config.update("jax_enable_x64", True)  # scalar maps in float64
+    script = script_version()  # before anything is written: the tree as the run found it
     os.makedirs(workdir, exist_ok=True)
     t0 = time.time()
     rows = analyse(grid_points=121 if smoke else 1201, max_steps=20 if smoke else MAX_STEPS)
     seconds = time.time() - t0
-    table = write_results(rows, workdir, seconds=seconds)
+    table = write_results(rows, workdir, seconds=seconds, script=script, device=device_description())
     plot(rows, workdir, dpi=50 if smoke else 110)
     print(table)
     return rows

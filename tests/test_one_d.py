@@ -5,6 +5,7 @@ for every stable a on a grid and failing for unstable ones."""
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -95,6 +96,7 @@ def test_smoke_run_writes_outputs(tmp_path):
     assert len(rows) == sum(len(v) for v in one_d.CASES.values()) * 2
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["rows"]) == len(rows)
+    assert results["script"] and results["device"].startswith(jax.default_backend())
     stable = [r for r in results["rows"] if r["case"] == "stable_fc"]
     assert all(r["monotone"] and r["slope_below_gain"] for r in stable)
     assert "What this shows" in (tmp_path / "results.md").read_text()
