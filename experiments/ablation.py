@@ -340,21 +340,22 @@ def plot(rows, workdir) -> None:
     fig.savefig(os.path.join(workdir, "per_layer_loss.png"), dpi=120)
     plt.close(fig)
 
-    nais = next((r for r in rows if r.get("neuron_trajectory")), None)
-    if nais is not None:
-        traj = nais["neuron_trajectory"]
-        fig, ax = plt.subplots(figsize=(7.5, 4.5))
-        for c, samples in traj["classes"].items():
-            for j, t in enumerate(samples):
-                ax.plot(range(len(t)), t, color=f"C{int(c) % 10}", lw=1.2, label=f"class {c}" if j == 0 else None)
-        ax.set(
-            xlabel="unroll step k",
-            ylabel=f"x_k[{traj['neuron']}]",
-            title=f"NAIS-Net (seed {nais['seeds'][0]}): neuron {traj['neuron']}, "
-            f"{TRAJECTORY_SAMPLES} test images per class",
-        )
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+    nais = [r for r in rows if r.get("neuron_trajectory")]  # one panel a NAIS-Net row
+    if nais:
+        fig, axes = plt.subplots(1, len(nais), figsize=(7.5 * len(nais), 4.5), squeeze=False)
+        for ax, r in zip(axes[0], nais):
+            traj = r["neuron_trajectory"]
+            for c, samples in traj["classes"].items():
+                for j, t in enumerate(samples):
+                    ax.plot(range(len(t)), t, color=f"C{int(c) % 10}", lw=1.2, label=f"class {c}" if j == 0 else None)
+            ax.set(
+                xlabel="unroll step k",
+                ylabel=f"x_k[{traj['neuron']}]",
+                title=f"{r['label']} (seed {r['seeds'][0]}): neuron {traj['neuron']}, "
+                f"{TRAJECTORY_SAMPLES} test images per class",
+            )
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
         fig.savefig(os.path.join(workdir, "neuron_trajectory.png"), dpi=120)
         plt.close(fig)

@@ -16,6 +16,7 @@ FINGERPRINT_KEYS = (
     "model",
     "model_kwargs",
     "dataset",
+    "validation",
     "limit_train",
     "limit_test",
     "h",
@@ -119,19 +120,20 @@ def script_version() -> str:
     if os.environ.get("NAISNET_SCRIPT_VERSION"):
         return os.environ["NAISNET_SCRIPT_VERSION"]
 
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the paths below are the root's
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
             capture_output=True,
             text=True,
             check=True,
-            cwd=os.path.dirname(__file__),
+            cwd=root,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "src", "experiments"],
+            ["git", "status", "--porcelain", "--", "src", "experiments", "verify"],
             capture_output=True,
             text=True,
-            cwd=os.path.dirname(__file__),
+            cwd=root,
         ).stdout
         return head + ("+changes" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):

@@ -386,6 +386,26 @@ def test_unknown_name_and_limits():
         data.load_dataset("digits", limit_train=0)
 
 
+def test_validation_holds_out_the_end_of_the_training_set():
+    full = data.load_dataset("digits")
+    held = data.load_dataset("digits", validation=300)
+    np.testing.assert_array_equal(held.train_images, full.train_images[:-300])
+    np.testing.assert_array_equal(held.train_labels, full.train_labels[:-300])
+    np.testing.assert_array_equal(held.test_images, full.train_images[-300:])  # the evaluation split
+    np.testing.assert_array_equal(held.test_labels, full.train_labels[-300:])
+    assert held.name == "digits[:-300]" and held.num_classes == full.num_classes
+    # No test image is left in either split (the digits' splits share no image).
+    test_rows = {bytes(x) for x in full.test_images}
+    assert not test_rows & {bytes(x) for x in np.concatenate([held.train_images, held.test_images])}
+    # The limits apply after the hold-out.
+    small = data.load_dataset("digits", validation=300, limit_train=100, limit_test=10)
+    np.testing.assert_array_equal(small.test_images, full.train_images[-300:-290])
+    assert len(small.train_labels) == 100
+    for bad in (0, len(full.train_labels), 1.5, True):
+        with pytest.raises(ValueError, match=r"validation=.* must be an integer in \[1, 1437\]"):
+            data.load_dataset("digits", validation=bad)
+
+
 def test_dataset_validates():
     images, labels = np.zeros((3, 2, 2, 1), np.uint8), np.array([0, 1, 2], np.int32)
     with pytest.raises(ValueError, match="int32"):

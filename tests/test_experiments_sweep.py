@@ -336,3 +336,24 @@ def test_time_steps_projects_a_sweeps_cost():
         t["projected_seconds"], 3 * (t["steps_per_epoch"] / t["steps_per_second"] + t["eval_seconds"]), rtol=1e-9
     )
     assert sum(t["kernels"].values()) >= 1
+
+
+def test_script_version_names_the_commit_and_a_changed_tree(monkeypatch, tmp_path):
+    import subprocess
+
+    from experiments import sweep_report
+
+    monkeypatch.delenv("NAISNET_SCRIPT_VERSION", raising=False)
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    if git.returncode != 0:
+        pytest.skip("not a git checkout")
+    head = git.stdout.strip()
+    assert sweep_report.script_version() in (head, head + "+changes")
+    probe = REPO / "experiments" / f".script_version_probe_{os.getpid()}"  # an untracked file: a changed tree
+    probe.write_text("x")
+    try:
+        assert sweep_report.script_version() == head + "+changes"
+    finally:
+        probe.unlink()
+    monkeypatch.setenv("NAISNET_SCRIPT_VERSION", "0123abc")
+    assert sweep_report.script_version() == "0123abc"

@@ -62,13 +62,16 @@ def workdir_lock(workdir: str) -> Iterator[None]:
 
 
 def load_training_data(config) -> tuple[data_lib.Dataset, int]:
-    """``config``'s dataset (``data_dir``, ``limit_train``, ``limit_test``) and the steps of an
-    epoch; refuses an empty split or a batch larger than the training set, naming the value."""
+    """``config``'s dataset (``data_dir``, ``validation``, ``limit_train``, ``limit_test``) and the
+    steps of an epoch; refuses an empty split or a batch larger than the training set, naming the
+    value. With ``config.validation`` set, the evaluation split (``test`` in the metrics) is the
+    held-out end of the training set and the test set is never loaded into the run."""
     ds = data_lib.load_dataset(
         config.dataset,
         data_dir=config.get("data_dir"),
         limit_train=config.get("limit_train"),
         limit_test=config.get("limit_test"),
+        validation=config.get("validation"),
     )
     n_train = ds.train_images.shape[0]
     for split, n in (("training", n_train), ("test", ds.test_images.shape[0])):

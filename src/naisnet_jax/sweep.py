@@ -61,7 +61,17 @@ from naisnet_jax.stability import max_radius_bound
 SWEEP_CHECKPOINT_DIR = "sweep_checkpoints"
 CERTIFICATE_FILE = "certificate.json"
 # What a resumed sweep must share with the checkpoint it resumes.
-_RESUME_FIELDS = ("model", "model_kwargs", "seeds", "dataset", "limit_train", "limit_test", "batch_size", "standardize")
+_RESUME_FIELDS = (
+    "model",
+    "model_kwargs",
+    "seeds",
+    "dataset",
+    "validation",
+    "limit_train",
+    "limit_test",
+    "batch_size",
+    "standardize",
+)
 
 
 # --------------------------------------------------------------------------- results
@@ -162,6 +172,7 @@ def _resume_view(config, seeds) -> dict:
             "model_kwargs": train.model_kwargs(config),
             "seeds": list(seeds),
             "dataset": config.dataset,
+            "validation": config.get("validation"),
             "limit_train": config.get("limit_train"),
             "limit_test": config.get("limit_test"),
             "batch_size": config.batch_size,

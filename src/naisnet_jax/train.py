@@ -86,7 +86,7 @@ def validate_config(config) -> None:
     check_bool("config.augment_flip", config.get("augment_flip", True))
     check_bool("config.standardize", config.get("standardize", True))
     check_bool("config.sync_batch_norm", config.get("sync_batch_norm", True))
-    for field in ("limit_train", "limit_test", "num_devices", "num_seeds"):
+    for field in ("limit_train", "limit_test", "validation", "num_devices", "num_seeds"):
         if config.get(field) is not None:
             check_int(f"config.{field}", config[field])
     if config.adaptive_tol is not None:

@@ -39,6 +39,8 @@ def get_config():
     )  # dataset-specific default (see naisnet_jax.data.load_dataset)
     config.limit_train = ml_collections.FieldReference(None, field_type=int)
     config.limit_test = ml_collections.FieldReference(None, field_type=int)
+    # hold out the last n training examples as the evaluation split, in place of the test set
+    config.validation = ml_collections.FieldReference(None, field_type=int)
     config.augment = False
     config.augment_flip = True  # with augment: also mirror left-right (False: pad and crop only)
     # optimisation (SGD with momentum 0.9, as the paper; its learning rate 0.1 diverges here)

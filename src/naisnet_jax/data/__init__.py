@@ -58,6 +58,7 @@ from naisnet_jax.data.sources import (
     _take,
     check_mnist_bytes,
     fashion_mnist_dir,
+    hold_out,
     load_digits_dataset,
     load_fashion_mnist_idx,
     load_idx_pair,
@@ -99,6 +100,7 @@ __all__ = [
     "eval_batches",
     "fashion_mnist_dir",
     "get_batch",
+    "hold_out",
     "load_dataset",
     "load_digits_dataset",
     "load_fashion_mnist_idx",
@@ -133,6 +135,7 @@ def load_dataset(
     idx_dir: str | os.PathLike | None = None,
     limit_train: int | None = None,
     limit_test: int | None = None,
+    validation: int | None = None,
 ) -> Dataset:
     """Loads a dataset by name as numpy arrays; nothing is ever downloaded.
 
@@ -141,7 +144,9 @@ def load_dataset(
     ``mnist_dir``); the TFDS data_dir for ``fashion_mnist_tfds_idx``, ``mnist_tfds_pinned`` and
     the TFDS names (default: ``default_tfds_data_dir()``), where the two builders take their
     source files (IDX files, the MNIST pickle) from ``idx_dir``. ``digits`` ignores both.
-    ``limit_train`` / ``limit_test`` keep the first n examples of each split.
+    ``validation`` holds out the last n training examples as the evaluation split in place of
+    the test split (:func:`hold_out`: for choosing hyper-parameters without touching the test
+    set); ``limit_train`` / ``limit_test`` then keep the first n examples of each split.
     """
     if name == "fashion_mnist_idx":
         ds = load_fashion_mnist_idx(data_dir)
@@ -162,4 +167,6 @@ def load_dataset(
         ds = load_tfds(name, data_dir=default_tfds_data_dir() if data_dir is None else data_dir)
     else:
         check_choice("dataset", name, DATASET_NAMES)
+    if validation is not None:
+        ds = hold_out(ds, validation)
     return _take(ds, limit_train, limit_test)

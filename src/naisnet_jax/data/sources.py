@@ -94,6 +94,22 @@ class Dataset:
         return tuple(self.train_images.shape[1:])
 
 
+def hold_out(ds: Dataset, validation: int) -> Dataset:
+    """``ds`` with its last ``validation`` training examples as the evaluation split: training
+    keeps the first ``N - validation``, and the test split is dropped, so nothing chosen on the
+    held-out examples has seen a test image. ``name`` says so (``"mnist_pinned[:-10000]"``)."""
+    n = ds.train_images.shape[0]
+    check_int("validation", validation, 1, n - 1)
+    return dataclasses.replace(
+        ds,
+        train_images=ds.train_images[: n - validation],
+        train_labels=ds.train_labels[: n - validation],
+        test_images=ds.train_images[n - validation :],
+        test_labels=ds.train_labels[n - validation :],
+        name=f"{ds.name}[:-{validation}]",
+    )
+
+
 def _take(ds: Dataset, limit_train: int | None, limit_test: int | None) -> Dataset:
     """The first ``limit_train`` / ``limit_test`` examples of each split (None keeps all)."""
     for label, limit in (("limit_train", limit_train), ("limit_test", limit_test)):
