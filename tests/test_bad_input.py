@@ -171,6 +171,7 @@ OUT_OF_RANGE = {
     "data_dir": "/nonexistent",
     "limit_train": 0,
     "limit_test": -5,
+    "validation": 0,
     "augment": 2,
     "augment_flip": "no",
     "learning_rate": 0.0,

@@ -178,7 +178,7 @@ MNIST_COUNTS = {
     "NAIS-Net1": 1_723_642,
     "NAIS-Net10": 1_723_642,
     "NAIS-Net10, x(0) = u": 1_723_642,
-    "NAIS-Net1, x(0) = 0": 1_723_642,
+    "NAIS-Net1, x(0) = u": 1_723_642,
     "NAIS-Net10, BN at stage changes only": 1_721_722,
     "NAIS-Net10, no BN on drives": 1_721_626,
 }
