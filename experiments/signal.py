@@ -15,6 +15,10 @@ block:
   ``k`` when ``x_{k+1} - x_k > 0``, with ``x_0`` the block's start, ``0`` or its input ``u``;
   from ``x_0 = 0`` the first step's share is that of ``relu(drive) > 0``);
 - the gradient norms of the drive kernel ``D`` and the state kernel, and the norm of ``D``;
+- the step SGD actually takes on ``D`` relative to ``D`` (``||D' - D|| / ||D||``, momentum and
+  weight decay included): under the drive's BatchNorm the loss does not see ``D``'s scale, so this
+  relative step is how fast the block's features move; and the mean ``|scale|`` of the drive's
+  BatchNorm (the size of the drive the state sees);
 - what the projection (Algorithm 2) undoes of the SGD step on the state kernel:
   ``||P(c) - c|| / ||c - theta||`` for the momentum-free candidate ``c = theta - lr (g + wd theta)``;
 - the loss, the accuracy and the logits' spread.
@@ -169,8 +173,15 @@ def _diagnostic_step(state, config, blocks):
                     for b in blocks
                 ]
             )
-        state, _ = train.train_step(state, (x, y))
-        return state, rec
+        new, _ = train.train_step(state, (x, y))
+        rec["step_drive"] = jnp.stack(
+            [norm(new.params[b][drive]["kernel"] - p[b][drive]["kernel"]) / norm(p[b][drive]["kernel"]) for b in blocks]
+        )
+        if "drive_norm" in p[blocks[0]]:
+            rec["drive_scale"] = jnp.stack(
+                [jnp.mean(jnp.abs(p[b]["drive_norm"]["scale"])) if "drive_norm" in p[b] else jnp.nan for b in blocks]
+            )
+        return new, rec
 
     return step
 
@@ -325,12 +336,22 @@ def summary_row(rec: dict) -> dict:
         "loss_last10": float(np.mean(window)),
         "steps_measured": len(rec["steps"]),
         "projection_undoes_max": max(max(s.get("projection_undoes", [0.0])) for s in rec["steps"]),
+        # the median relative step on D over the measured steps, in the first and the last block
+        "step_drive_first_block": _median_step(rec, 0),
+        "step_drive_last_block": _median_step(rec, -1),
         "test_accuracy": final.get("test_accuracy"),
         "train_accuracy": final.get("train_accuracy"),
         "train_eval_accuracy": rec["train_eval_accuracy"],
         "test_accuracy_batch_statistics": rec["test_accuracy_batch_statistics"],
         "test_accuracy_recomputed_statistics": rec.get("test_accuracy_recomputed_statistics"),
     }
+
+
+def _median_step(rec: dict, block: int) -> float | None:
+    """The median over the measured steps of ``||D' - D|| / ||D||`` in ``block`` (None for a
+    record made before it was measured)."""
+    steps = [s["step_drive"][block] for s in rec["steps"] if "step_drive" in s]
+    return float(np.median(steps)) if steps else None
 
 
 def report(workdir: str) -> list[dict]:

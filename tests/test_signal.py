@@ -31,6 +31,12 @@ def test_records_hold_every_block_and_step(smoke):
         assert all(0.0 <= a <= 1.0 for a in step["active_first"] + step["active_last"])
         assert all(0.0 <= p <= 1.0 + 1e-6 for p in step["projection_undoes"])  # a projection never overshoots
     assert np.isfinite(rec["steps"][0]["loss"]) and rec["history"][0]["epoch"] == 1
+    # the step taken on D, relative to D: the change of its norm between two steps is at most that
+    for a, b in zip(rec["steps"], rec["steps"][1:]):
+        for w0, w1, rel in zip(a["w_drive"], b["w_drive"], a["step_drive"]):
+            assert abs(w1 - w0) <= rel * w0 * (1 + 1e-5) + 1e-7
+        assert len(a["drive_scale"]) == 4 and all(s > 0 for s in a["drive_scale"])
+    assert rec["steps"][0]["drive_scale"] == pytest.approx([1.0] * 4)  # BatchNorm's scale starts at 1
     for field in ("train_eval_accuracy", "test_accuracy_batch_statistics", "test_accuracy_recomputed_statistics"):
         assert 0.0 <= rec[field] <= 1.0
 
