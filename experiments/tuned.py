@@ -18,9 +18,9 @@ chosen without the test set:
    half-decade that way (:func:`neighbour`) until the winner is inside it.
 2. **Final.** At the chosen rate, ``--seeds`` seeds x 150 epochs on all 60,000 training images,
    tested once on the test set, exactly as ``experiments/ablation.py`` trains (its config, ``h``
-   from ``--h``, default 1): every seed audited, its per-layer loss on both splits, seed 0's
-   single-neuron trajectories for the NAIS-Nets, and the share of saturated tanh units
-   (:func:`saturated_share`).
+   from ``--h``, default 1): every seed of a stable model audited, its per-layer loss on both
+   splits, seed 0's single-neuron trajectories for the NAIS-Nets, and the share of saturated tanh
+   units (:func:`saturated_share`).
 
 The models (:data:`VARIANTS`) are the ten of ``ablation.py``, NAIS-Net and ResNet-SH-Stable each
 with Algorithm 1's bound ``delta = 1 - 2 eps`` and with the supplement's ``delta = 2 (1 - eps)``
