@@ -102,6 +102,7 @@ def main(argv=None):
     from naisnet_jax.kernels import wgmma_split as hb
     from naisnet_jax.kernels import wgmma_tf32 as ht
     from naisnet_jax.kernels.common import Layout
+    from naisnet_jax.kernels.wgmma_common import SMEM_BYTES, tiles_of
 
     os.makedirs(args.out, exist_ok=True)
     if not args.smoke and not _common.hopper_here(args.out, "wgmma_block"):
@@ -117,7 +118,7 @@ def main(argv=None):
 
         def fits(nw, tf32):  # the warpgroups divide the tiles, and the program fits in shared memory
             lay, need = (aligned, ht.smem_bytes(aligned, C, nw)) if tf32 else (layout, hb.smem_bytes(layout, C, nw))
-            return hb.tiles_of(lay) % nw == 0 and need <= hb.SMEM_BYTES
+            return tiles_of(lay) % nw == 0 and need <= SMEM_BYTES
 
         teams = [int(v) for v in args.warpgroups.split(",")]
         forward = {"triton_tf32": functools.partial(fb.fused_forward, steps=K, h=1.0, activation="relu", plan=config)}

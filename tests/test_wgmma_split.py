@@ -19,6 +19,7 @@ import pytest
 
 from naisnet_jax.kernels import KernelPolicy, common, tuning
 from naisnet_jax.kernels import conv as kconv
+from naisnet_jax.kernels import wgmma_common as wc
 from naisnet_jax.kernels import wgmma_split as hb
 from naisnet_jax.kernels.common import scaled_slope
 
@@ -74,8 +75,8 @@ def test_warpgroups_divide_tiles_and_fit(shape, warpgroups):
     layout = common.Layout.of(H, W, 3, 3, rows)
     nw = hb.choose_warpgroups(layout, C)
     assert nw == warpgroups
-    assert hb.tiles_of(layout) % nw == 0
-    assert hb.smem_bytes(layout, C, nw) <= hb.SMEM_BYTES
+    assert wc.tiles_of(layout) % nw == 0
+    assert hb.smem_bytes(layout, C, nw) <= wc.SMEM_BYTES
 
 
 @pytest.mark.parametrize(
@@ -148,7 +149,7 @@ def test_forward_saves_relu_sign_in_a_quarter_of_the_bytes(activation, saved):
     xs, zs = jax.eval_shape(fwd, buf, buf, taps)
     assert (xs.shape, xs.dtype) == ((4, 4, layout.rows, 16), jnp.float32)
     assert (zs.shape, zs.dtype) == ((3, 4, layout.rows, 16), saved)
-    assert hb.saves_mask(activation) == (activation == "relu")
+    assert wc.saves_mask(activation) == (activation == "relu")
 
 
 def test_relu_sign_gives_the_same_slope_exactly():
@@ -159,7 +160,7 @@ def test_relu_sign_gives_the_same_slope_exactly():
     z = rng.standard_normal(4096).astype(np.float32) * np.float32(10.0) ** rng.integers(-45, 5, 4096)
     z[:8] = [0.0, -0.0, 1e-45, -1e-45, np.inf, -np.inf, 1e-38, -1e-38]
     g = rng.standard_normal(4096).astype(np.float32)
-    sign = jnp.where(jnp.asarray(z) > 0, 1.0, 0.0).astype(hb.SIGN_DTYPE).astype(jnp.float32)
+    sign = jnp.where(jnp.asarray(z) > 0, 1.0, 0.0).astype(wc.SIGN_DTYPE).astype(jnp.float32)
     for h in (1.0, 0.25):
         ref = np.where(z > 0, np.float32(h) * g, np.float32(0.0))
         got = np.asarray(scaled_slope("relu", h, sign, jnp.asarray(g)))

@@ -18,7 +18,7 @@ import pytest
 
 from naisnet_jax.kernels import KernelPolicy, common, policy, tf32_planes, tuning
 from naisnet_jax.kernels import conv as kconv
-from naisnet_jax.kernels import wgmma_split as hb
+from naisnet_jax.kernels import wgmma_common as wc
 from naisnet_jax.kernels import wgmma_tf32 as ht
 
 
@@ -37,7 +37,7 @@ def test_window_views_address_every_window(H, C):
     plane_bytes = layout.rows * 16
     S = layout.slack
     m, k = np.meshgrid(np.arange(64), np.arange(8), indexing="ij")
-    for q0 in range(0, hb.tiles_of(layout) * 64, 64):
+    for q0 in range(0, wc.tiles_of(layout) * 64, 64):
         span = q0 * 16  # the span passed to the products starts `reach` rows before the tile
         for off in layout.offsets(3, 3):
             for i in range(C // 8):  # one m64nNk8 per 8 channels
@@ -73,10 +73,10 @@ def test_warpgroups_divide_tiles_and_fit(shape, activation, warpgroups):
     H, W, C = shape
     layout = common.Layout.of(H, W, 3, 3, tuning.default_tiling(C)[0], align=8)
     nw = ht.choose_warpgroups(layout, C, activation)
-    assert nw == warpgroups and hb.tiles_of(layout) % nw == 0
-    assert ht.smem_bytes(layout, C, nw, activation) <= hb.SMEM_BYTES
-    bigger = [n for n in range(nw + 1, hb.MAX_WARPGROUPS + 1) if hb.tiles_of(layout) % n == 0]
-    assert all(ht.smem_bytes(layout, C, n, activation) > hb.SMEM_BYTES for n in bigger)
+    assert nw == warpgroups and wc.tiles_of(layout) % nw == 0
+    assert ht.smem_bytes(layout, C, nw, activation) <= wc.SMEM_BYTES
+    bigger = [n for n in range(nw + 1, wc.MAX_WARPGROUPS + 1) if wc.tiles_of(layout) % n == 0]
+    assert all(ht.smem_bytes(layout, C, n, activation) > wc.SMEM_BYTES for n in bigger)
 
 
 def test_refusals_name_the_problem():
@@ -160,7 +160,7 @@ def test_relu_backward_takes_z_or_its_sign():
     layout = common.Layout.of(32, 32, 3, 3, tuning.default_tiling(16)[0], align=8)
     g = jax.ShapeDtypeStruct((2, layout.rows, 16), jnp.float32)
     taps = jax.ShapeDtypeStruct((9, 16, 16), jnp.float32)
-    for dtype in (hb.SIGN_DTYPE, jnp.float32):
+    for dtype in (wc.SIGN_DTYPE, jnp.float32):
         zs = jax.ShapeDtypeStruct((3, 2, layout.rows, 16), dtype)
         run = jax.jit(
             lambda a, z, t: ht.fused_backward(layout, a, z, t, steps=3, h=1.0, activation="relu", warpgroups=5)
@@ -184,7 +184,7 @@ def test_sixty_four_channels_single_buffered():
     assert "16, 32 or 64 channels, got 128" in ht.unsupported(layout, jnp.zeros((2, 8, 8, 128), jnp.float32), w, "relu")
     x = jax.ShapeDtypeStruct((4, layout.rows, 64), jnp.float32)
     taps = jax.ShapeDtypeStruct((9, 64, 64), jnp.float32)
-    zs = jax.ShapeDtypeStruct((3, 4, layout.rows, 64), hb.SIGN_DTYPE)
+    zs = jax.ShapeDtypeStruct((3, 4, layout.rows, 64), wc.SIGN_DTYPE)
     fwd = jax.jit(
         lambda a, b, t: ht.fused_forward(layout, a, b, t, steps=3, h=1.0, activation="relu", save=True, warpgroups=2)
     )
@@ -248,7 +248,7 @@ def test_interior_runs_cover_the_image_once(H, W, warpgroups):
     C = 4
     buf = np.arange(layout.rows * C, dtype=np.float64).reshape(layout.rows, C)
     image, writes = np.full((H, W, C), np.nan), np.zeros((H, W), int)
-    per = hb.tiles_of(layout) // warpgroups
+    per = wc.tiles_of(layout) // warpgroups
     for w in range(warpgroups):
         for j in range(per):
             q0 = (w * per + j) * 64

@@ -8,7 +8,8 @@ One module per engine, none importing another's kernels:
 - :mod:`~naisnet_jax.kernels.triton_conv` and :mod:`~naisnet_jax.kernels.triton_dense`: a conv or
   dense block's K steps in one Triton kernel each way (any CUDA GPU);
 - :mod:`~naisnet_jax.kernels.wgmma_split` and :mod:`~naisnet_jax.kernels.wgmma_tf32`: a conv
-  block's kernels on Hopper's ``wgmma`` (Mosaic GPU), in split bfloat16 or in TF32;
+  block's kernels on Hopper's ``wgmma`` (Mosaic GPU), in split bfloat16 or in TF32, in the frame
+  both share (:mod:`~naisnet_jax.kernels.wgmma_common`);
 - :mod:`~naisnet_jax.kernels.conv`: a conv block's fused path over those engines;
 - :mod:`~naisnet_jax.kernels.policy`: :class:`KernelPolicy`, the typed choice a caller passes,
   and the plan made from it; :mod:`~naisnet_jax.kernels.tuning`: every tiling table;

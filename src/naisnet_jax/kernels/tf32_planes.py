@@ -17,7 +17,7 @@ import importlib
 
 import jax.numpy as jnp
 
-from naisnet_jax.kernels.wgmma_split import M
+from naisnet_jax.kernels.wgmma_common import M
 
 #: Channels of a plane: 16 bytes of float32, one core matrix's row.
 PLANE = 4

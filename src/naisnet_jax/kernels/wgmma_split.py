@@ -1,8 +1,9 @@
 """The split-bfloat16 wgmma engine of a conv block: its forward and backward kernels on Hopper's
 ``wgmma`` (Pallas, Mosaic GPU), in three bfloat16 products (about 16 significant bits). The
 blocks take them where JAX's matmul precision asks for more than TF32; at the default precision
-they take the faster TF32 kernels of :mod:`naisnet_jax.kernels.wgmma_tf32`, which share this
-module's frame.
+they take the faster TF32 kernels of :mod:`naisnet_jax.kernels.wgmma_tf32`; the frame both
+engines share (tiles, chunks, warpgroups, what the forward kernel saves) is
+:mod:`naisnet_jax.kernels.wgmma_common`.
 
 The same computation, buffers and layout as :mod:`naisnet_jax.kernels.triton_conv`'s kernels
 (its weight-gradient kernel takes these kernels' outputs unchanged), written for Pallas'
@@ -20,7 +21,8 @@ Mosaic GPU backend, where a program holds a pattern's whole state in shared memo
 - forward: the drive held in registers for all K steps, ``x_0`` and the drive in by TMA, each
   new state out by TMA after its step (its tiled rows: the slack around them only feeds windows)
   and each pre-activation ``z_k`` through a staging buffer per warpgroup (two slots; one where a
-  warpgroup has a single tile); for ReLU only ``1[z_k > 0]``, in int8 (:func:`saves_mask`);
+  warpgroup has a single tile); for ReLU only ``1[z_k > 0]``, in int8
+  (:func:`~naisnet_jax.kernels.wgmma_common.saves_mask`);
 - backward: the gradient ``g`` in registers for all K steps, the transposed convolution over
   ``s_k``'s windows (taps mirrored and transposed), each ``z_{k-1}`` tile in by TMA one tile
   ahead, each ``s_k`` out by TMA.
@@ -36,29 +38,31 @@ speed against the Triton kernels is in BENCHMARKS.md.
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
 
-from naisnet_jax.kernels.common import act, scaled_slope
+from naisnet_jax.kernels.common import act
+from naisnet_jax.kernels.wgmma_common import (
+    MAX_WARPGROUPS,
+    SMEM_BYTES,
+    M,
+    backward_out_type,
+    check_warpgroups,
+    forward_out_type,
+    load_registers,
+    masked_slope,
+    pixel_mask,
+    saved_dtype,
+    saves_mask,
+    staging_slots,
+    tiles_of,
+    tma_chunks,
+    unsupported_shape,
+    warpgroup_team,
+)
 
 Array = jax.Array
-
-#: Rows per tile, the ``M`` of one ``wgmma``.
-M = 64
-#: Rows of a TMA box at most.
-TMA_ROWS = 256
-#: Most warpgroups a program gets (the fastest count that fits is taken: :func:`choose_warpgroups`).
-MAX_WARPGROUPS = 5
-#: Shared memory a program may use on Hopper (227 KiB).
-SMEM_BYTES = 232_448
-#: Activations the kernels compute.
-ACTIVATIONS = ("relu", "tanh")
-
-
-def _chunks(start: int, stop: int, size: int = TMA_ROWS) -> list[tuple[int, int]]:
-    return [(s, min(size, stop - s)) for s in range(start, stop, size)]
 
 
 def _out_rows(layout, C: int) -> list[tuple[int, int]]:
@@ -67,25 +71,14 @@ def _out_rows(layout, C: int) -> list[tuple[int, int]]:
     which only feed windows, are not written: the kernels that read these outputs mask them
     (the Triton engine's weight-gradient kernel) or take the image (``Layout.interior``)."""
     per = max(1, 128 // (4 * C))  # rows in 128 bytes
-    return _chunks(layout.slack // per * per, layout.slack + tiles_of(layout) * M)
-
-
-def _slots(layout, warpgroups: int) -> int:
-    """Staging slots per warpgroup: two (one tile's copy in flight while the next is staged), one
-    if the warpgroup has a single tile."""
-    return min(2, tiles_of(layout) // warpgroups)
+    return tma_chunks(layout.slack // per * per, layout.slack + tiles_of(layout) * M)
 
 
 def smem_bytes(layout, C: int, warpgroups: int) -> int:
     """Shared memory of a program: the double buffer, the staging slots, the split taps, and 1 KiB
     for barriers and alignment."""
-    staging = warpgroups * _slots(layout, warpgroups) * M * C * 4
+    staging = warpgroups * staging_slots(layout, warpgroups) * M * C * 4
     return 2 * layout.rows * C * 4 + staging + 2 * 9 * C * C * 2 + 1024
-
-
-def tiles_of(layout) -> int:
-    """64-row tiles over the layout's tiled rows."""
-    return layout.tiles * layout.tile_rows // M
 
 
 def choose_warpgroups(layout, C: int) -> int | None:
@@ -110,46 +103,6 @@ def unsupported(layout, x0: Array, kernel: Array, activation: str) -> str | None
 CHANNELS = (16, 32)
 
 
-def unsupported_shape(layout, x0: Array, kernel: Array, activation: str, channels: tuple[int, ...]) -> str | None:
-    """Why a wgmma block kernel does not take this block, shared memory aside (``None``: it
-    does): a float32 state of one of ``channels``, a 3x3 kernel, an activation in
-    :data:`ACTIVATIONS`, tiles of a multiple of 64 rows."""
-    C = x0.shape[-1]
-    if x0.dtype != jnp.float32:
-        return f"the wgmma kernels take float32 states, got {x0.dtype}"
-    if kernel.shape[:2] != (3, 3):
-        return f"the wgmma kernels take 3x3 kernels, got {kernel.shape[0]}x{kernel.shape[1]}"
-    if C not in channels:
-        listed = ", ".join(map(str, channels[:-1])) + f" or {channels[-1]}"
-        return f"the wgmma kernels take {listed} channels, got {C}"
-    if activation not in ACTIVATIONS:
-        return f"the wgmma kernels take activation in {ACTIVATIONS}, got {activation!r}"
-    if layout.tile_rows % M:
-        return f"the layout's tile_rows={layout.tile_rows} must be a multiple of {M}"
-    return None
-
-
-def saved_dtype(activation: str):
-    """The dtype the forward kernel saves a pre-activation in: ReLU's sign in :data:`SIGN_DTYPE`
-    (:func:`saves_mask`), else ``z_k`` in float32."""
-    return SIGN_DTYPE if saves_mask(activation) else jnp.float32
-
-
-def forward_out_type(layout, N: int, C: int, steps: int, save: bool, activation: str):
-    """The forward kernel's outputs: every state ``(K + 1, N, rows, C)`` and every saved
-    pre-activation (:func:`saved_dtype`) if ``save``, else the last state."""
-    states = jax.ShapeDtypeStruct(((steps + 1) if save else 1, N, layout.rows, C), jnp.float32)
-    return (states, jax.ShapeDtypeStruct((steps, N, layout.rows, C), saved_dtype(activation))) if save else (states,)
-
-
-def backward_out_type(layout, N: int, C: int, steps: int):
-    """The backward kernel's outputs: ``g_0`` ``(N, rows, C)`` and ``s_0 .. s_{K-1}``."""
-    return (
-        jax.ShapeDtypeStruct((N, layout.rows, C), jnp.float32),
-        jax.ShapeDtypeStruct((steps, N, layout.rows, C), jnp.float32),
-    )
-
-
 def split_bf16(x: Array) -> tuple[Array, Array]:
     """``(hi, lo)`` in bfloat16 with ``hi + lo`` carrying ``x`` to about 16 significant bits:
     ``hi`` is ``x`` with its low 16 bits cleared, ``lo = x - hi`` (exact in float32) rounded.
@@ -159,37 +112,6 @@ def split_bf16(x: Array) -> tuple[Array, Array]:
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
     hi = jax.lax.bitcast_convert_type(bits, jnp.float32)
     return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
-
-
-#: The dtype the forward kernel saves ReLU's sign ``1[z_k > 0]`` in (:func:`saves_mask`): a byte.
-SIGN_DTYPE = jnp.int8
-
-
-def saves_mask(activation: str) -> bool:
-    """Whether the forward kernel saves ``1[z_k > 0]`` in :data:`SIGN_DTYPE` in place of ``z_k``:
-    ReLU's slope needs only the sign, so the saved pre-activations move a quarter of the bytes
-    (exactly the same gradient: the backward kernel tests ``> 0`` on either)."""
-    return activation == "relu"
-
-
-def _load(ref, *idx):
-    """``ref[idx]`` from shared memory into registers in the WGMMA layout. Rows of 16 float32
-    (64 B) load without bank conflicts; wider rows have no conflict-free pattern in Mosaic GPU,
-    so they load without that guarantee."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    optimized = ref.shape[-1] * 4 <= 64
-    kwargs = dict(layout=plgpu.Layout.WGMMA, optimized=optimized)
-    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:  # JAX 0.10
-        return plgpu.load(ref, idx, **kwargs)
-    return plgpu.load(ref.at[idx], **kwargs)  # JAX 0.11 deprecates a separate index
-
-
-def _inside(layout, q0, C):
-    """``(M, C)`` mask (WGMMA layout) of the tile's rows that are pixels of the image."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return layout.is_pixel(q0 + plgpu.broadcasted_iota(jnp.int32, (M, C), 0, layout=plgpu.Layout.WGMMA))
 
 
 def _conv_tile(buf, src, start, offsets, w_hi_ref, w_lo_ref, centre=None):
@@ -203,7 +125,7 @@ def _conv_tile(buf, src, start, offsets, w_hi_ref, w_lo_ref, centre=None):
     def products(acc_ref):
         kept = None
         for i, off in enumerate(offsets):
-            window = _load(buf, src, pl.ds(start + off, M), slice(None))
+            window = load_registers(buf, src, pl.ds(start + off, M), slice(None))
             kept = window if i == centre else kept
             hi, lo = split_bf16(window)
             plgpu.wgmma(acc_ref, hi, w_hi_ref.at[i])
@@ -213,29 +135,6 @@ def _conv_tile(buf, src, start, offsets, w_hi_ref, w_lo_ref, centre=None):
         return acc_ref[...], kept
 
     return pl.run_scoped(products, plgpu.ACC((M, C), jnp.float32))
-
-
-def _team(nw):
-    """``(wg, lead_only, everyone)`` for ``nw`` warpgroups: this warpgroup's index, a decorator that
-    runs a function in warpgroup 0 only, and a barrier every warpgroup passes together."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    if nw == 1:
-        return 0, lambda f: f(), lambda sync: None
-    wg = jax.lax.axis_index("wg")
-
-    def everyone(sync):
-        plgpu.barrier_arrive(sync)
-        plgpu.barrier_wait(sync)
-
-    return wg, pl.when(wg == 0), everyone
-
-
-def _slope_tile(layout, q0, activation, h, z, g):
-    """``h act'(z) g`` for a tile's rows from ``q0``, zero outside the image."""
-
-    return jnp.where(_inside(layout, q0, g.shape[-1]), scaled_slope(activation, h, z, g), jnp.zeros_like(g))
 
 
 def _forward_kernel(
@@ -261,12 +160,12 @@ def _forward_kernel(
     zs_ref, (state, zstage, w_hi_ref, w_lo_ref, bar, sync) = (rest[0], rest[1:]) if save else (None, rest)
     mask = saves_mask(activation)
     n = jax.lax.axis_index("n")
-    wg, lead_only, everyone = _team(nw)
+    wg, lead_only, everyone = warpgroup_team(nw)
     S, C = layout.slack, state.shape[-1]
     per = tiles_of(layout) // nw
     slots = zstage.shape[1]
     centre = offsets.index(0)
-    region, out = _chunks(0, layout.rows), _out_rows(layout, C)
+    region, out = tma_chunks(0, layout.rows), _out_rows(layout, C)
 
     @lead_only
     def _():  # x_0 into buffer 0, the drive into buffer 1 (free until step 0 writes it)
@@ -278,7 +177,7 @@ def _forward_kernel(
 
     plgpu.barrier_wait(bar)
     first = [(wg * per + j) * M for j in range(per)]  # this warpgroup's tiles' first rows
-    drive = [_load(state, 1, pl.ds(S + q0, M), slice(None)) for q0 in first]
+    drive = [load_registers(state, 1, pl.ds(S + q0, M), slice(None)) for q0 in first]
     if save:
 
         @lead_only
@@ -295,7 +194,7 @@ def _forward_kernel(
             rows = pl.ds(S + q0, M)
             acc, x = _conv_tile(state, src, S + q0, offsets, w_hi_ref, w_lo_ref, centre)
             z = acc + drive[j]
-            keep, zero = _inside(layout, q0, C), jnp.zeros_like(z)
+            keep, zero = pixel_mask(layout, q0, C), jnp.zeros_like(z)
             state[dst, rows, :] = jnp.where(keep, x + h * act(activation, z), zero)
             if save:
                 # the slot's last copy has read it (one slot: the last copy of all)
@@ -360,12 +259,12 @@ def _backward_kernel(
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     n = jax.lax.axis_index("n")
-    wg, lead_only, everyone = _team(nw)
+    wg, lead_only, everyone = warpgroup_team(nw)
     S, C = layout.slack, sbuf.shape[-1]
     per = tiles_of(layout) // nw
     slots = zbuf.shape[1]
     first = [(wg * per + j) * M for j in range(per)]  # this warpgroup's tiles' first rows
-    region, out = _chunks(0, layout.rows), _out_rows(layout, C)
+    region, out = tma_chunks(0, layout.rows), _out_rows(layout, C)
 
     def fetch_z(k, j):  # z_k's tile j (of this warpgroup) into its slot j % slots
         plgpu.copy_gmem_to_smem(
@@ -374,8 +273,8 @@ def _backward_kernel(
 
     def slope_tile(j, g):  # h act'(z) g for the tile whose z is in its slot, masked
         plgpu.barrier_wait(zbar.at[slots * wg + j % slots])
-        z = _load(zbuf, wg, j % slots, slice(None), slice(None)).astype(g.dtype)  # ReLU: saved 1[z > 0]
-        return _slope_tile(layout, first[j], activation, h, z, g)
+        z = load_registers(zbuf, wg, j % slots, slice(None), slice(None)).astype(g.dtype)  # ReLU: saved 1[z > 0]
+        return masked_slope(layout, first[j], activation, h, z, g)
 
     def send(buf, dst):  # warpgroup 0: a buffer's tiled rows out
         @lead_only
@@ -391,7 +290,7 @@ def _backward_kernel(
             plgpu.copy_gmem_to_smem(gk_ref.at[n, pl.ds(s0, size)], sbuf.at[1, pl.ds(s0, size)], bar)
 
     plgpu.barrier_wait(bar)
-    g = [_load(sbuf, 1, pl.ds(S + q0, M), slice(None)) for q0 in first]
+    g = [load_registers(sbuf, 1, pl.ds(S + q0, M), slice(None)) for q0 in first]
     fetch_z(steps - 1, 0)
     for j in range(per):  # s_{K-1} into buffer 0
         if j + 1 < per:
@@ -411,7 +310,7 @@ def _backward_kernel(
             if not last and j + 1 < per:
                 fetch_z(k - 1, j + 1)
             acc, _ = _conv_tile(sbuf, src, S + first[j], offsets, w_hi_ref, w_lo_ref)
-            g[j] = jnp.where(_inside(layout, first[j], C), g[j] + acc, jnp.zeros_like(acc))
+            g[j] = jnp.where(pixel_mask(layout, first[j], C), g[j] + acc, jnp.zeros_like(acc))
             if not last:
                 sbuf[dst, pl.ds(S + first[j], M), :] = slope_tile(j, g[j])
                 plgpu.commit_smem()
@@ -462,7 +361,7 @@ def _mosaic_call(body, layout, taps, out_type, barriers, nw, buffers=2, staging=
         out_type=out_type,
         scratch_types=[
             plgpu.SMEM((buffers, layout.rows, C), jnp.float32),
-            plgpu.SMEM((nw, _slots(layout, nw), M, C), staging),
+            plgpu.SMEM((nw, staging_slots(layout, nw), M, C), staging),
             plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
             plgpu.SMEM((9, C, C), jnp.bfloat16, transforms=swizzled),
             *barriers,
@@ -476,26 +375,18 @@ def _mosaic_call(body, layout, taps, out_type, barriers, nw, buffers=2, staging=
     return lambda *buffers: call(*buffers, *split_bf16(taps.astype(jnp.float32)))
 
 
-def _check(layout, warpgroups: int) -> None:
-    tiles = tiles_of(layout)
-    if warpgroups < 1 or tiles % warpgroups:
-        raise ValueError(
-            f"warpgroups={warpgroups!r} must be a positive divisor of the state's {tiles} tiles of {M} rows"
-        )
-
-
 def fused_forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups):
     """The forward kernel on buffers (``x_0``'s, the drive's; taps ``(9, C, C)``): ``(xs, zs)``,
     every state and pre-activation, if ``save``, else ``(x_K,)`` with ``x_K`` of shape
     ``(1, N, rows, C)``."""
-    _check(layout, warpgroups)
+    check_warpgroups(layout, warpgroups)
     return _forward_call(layout, steps, float(h), activation, bool(save), warpgroups)(x0b, db, taps)
 
 
 def fused_backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups):
     """The backward kernel on buffers (``g``'s at ``x_K``, the saved ``zs``; the forward taps
     ``(9, C, C)``): ``(g_0, s_0 .. s_{K-1})``."""
-    _check(layout, warpgroups)
+    check_warpgroups(layout, warpgroups)
     return _backward_call(layout, steps, float(h), activation, warpgroups)(gb, zs, taps)
 
 
@@ -519,7 +410,7 @@ def _forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups):
 
     N, _, C = x0b.shape
     out_type, saved = forward_out_type(layout, N, C, steps, save, activation), saved_dtype(activation)
-    loads = 2 + 2 * len(_chunks(0, layout.rows))
+    loads = 2 + 2 * len(tma_chunks(0, layout.rows))
     body = functools.partial(_forward_kernel, layout, layout.offsets(3, 3), steps, h, activation, save, warpgroups)
     body.__name__ = "hopper_forward_kernel"  # the kernel's name in a profile
     call = _mosaic_call(body, layout, taps, out_type, [plgpu.Barrier(num_arrivals=loads)], warpgroups, staging=saved)
@@ -533,8 +424,8 @@ def _backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups):
     mirrored = [-off for off in layout.offsets(3, 3)]
     out_type = backward_out_type(layout, N, C, steps)
     barriers = [
-        plgpu.Barrier(num_arrivals=2 + len(_chunks(0, layout.rows))),
-        plgpu.Barrier(num_arrivals=1, num_barriers=_slots(layout, warpgroups) * warpgroups),
+        plgpu.Barrier(num_arrivals=2 + len(tma_chunks(0, layout.rows))),
+        plgpu.Barrier(num_arrivals=1, num_barriers=staging_slots(layout, warpgroups) * warpgroups),
     ]
     body = functools.partial(_backward_kernel, layout, mirrored, steps, h, activation, warpgroups)
     body.__name__ = "hopper_backward_kernel"

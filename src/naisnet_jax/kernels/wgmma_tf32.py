@@ -1,9 +1,10 @@
 """The TF32 wgmma engine of a conv block: its forward and backward kernels on Hopper's ``wgmma``
 in TF32, the windows as views.
 
-The same computation, buffers and frame as :mod:`naisnet_jax.kernels.wgmma_split` (one program per
-pattern, its warpgroups sharing the 64-row tiles, the state or ``s_k`` double-buffered in shared
-memory, the drive or the gradient in registers for all K steps). It differs in two ways:
+The same computation and buffers as :mod:`naisnet_jax.kernels.wgmma_split`, in the frame both
+engines share (:mod:`naisnet_jax.kernels.wgmma_common`: one program per pattern, its warpgroups
+sharing the 64-row tiles, the state or ``s_k`` double-buffered in shared memory, the drive or the
+gradient in registers for all K steps). It differs in two ways:
 
 - **The state in planes.** Shared memory holds a state as ``C / 4`` planes of 4 channels,
   ``(C / 4, rows, 4)`` float32: rows of 16 bytes. In ``wgmma``'s unswizzled K-major layout a core
@@ -41,7 +42,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from naisnet_jax.kernels import wgmma_split as hb
 from naisnet_jax.kernels.common import act
 from naisnet_jax.kernels.tf32_planes import (
     PLANE,
@@ -52,13 +52,30 @@ from naisnet_jax.kernels.tf32_planes import (
     taps_transforms,
     tile_of,
 )
-
-M = hb.M
+from naisnet_jax.kernels.wgmma_common import (
+    MAX_WARPGROUPS,
+    SIGN_DTYPE,
+    SMEM_BYTES,
+    M,
+    backward_out_type,
+    check_warpgroups,
+    forward_out_type,
+    load_registers,
+    masked_slope,
+    pixel_mask,
+    saved_dtype,
+    saves_mask,
+    staging_slots,
+    tiles_of,
+    tma_chunks,
+    unsupported_shape,
+    warpgroup_team,
+)
 
 
 def saved_bytes(activation: str) -> int:
-    """Bytes of a saved pre-activation (:func:`naisnet_jax.kernels.wgmma_split.saved_dtype`)."""
-    return jnp.dtype(hb.saved_dtype(activation)).itemsize
+    """Bytes of a saved pre-activation (:func:`naisnet_jax.kernels.wgmma_common.saved_dtype`)."""
+    return jnp.dtype(saved_dtype(activation)).itemsize
 
 
 #: Channels the kernels take. At 64 the float32 taps take 147 KB of shared memory, so the state
@@ -76,27 +93,27 @@ def smem_bytes(layout, C: int, warpgroups: int, activation: str = "relu") -> int
     """Shared memory of a program: the planes' buffers (:func:`buffers_of`), the ``z_k`` staging
     slots, one float32 row-major slot per warpgroup, the float32 taps, and 1 KiB for barriers and
     alignment."""
-    staging = warpgroups * hb._slots(layout, warpgroups) * M * C * saved_bytes(activation)
+    staging = warpgroups * staging_slots(layout, warpgroups) * M * C * saved_bytes(activation)
     return buffers_of(C) * layout.rows * C * 4 + staging + warpgroups * M * C * 4 + 9 * C * C * 4 + 1024
 
 
 def choose_warpgroups(layout, C: int, activation: str = "relu") -> int | None:
-    """The most warpgroups (up to ``wgmma_split.MAX_WARPGROUPS``) that divide the tiles and fit
+    """The most warpgroups (up to ``wgmma_common.MAX_WARPGROUPS``) that divide the tiles and fit
     in shared memory, or ``None`` if not even one fits."""
-    fits = [nw for nw in range(1, hb.MAX_WARPGROUPS + 1) if hb.tiles_of(layout) % nw == 0]
-    fits = [nw for nw in fits if smem_bytes(layout, C, nw, activation) <= hb.SMEM_BYTES]
+    fits = [nw for nw in range(1, MAX_WARPGROUPS + 1) if tiles_of(layout) % nw == 0]
+    fits = [nw for nw in fits if smem_bytes(layout, C, nw, activation) <= SMEM_BYTES]
     return max(fits) if fits else None
 
 
 def unsupported(layout, x0, kernel, activation: str) -> str | None:
     """``None`` if these kernels take the block (``layout`` with rows a multiple of 8), else why not
-    (``wgmma_split``'s rules with :data:`CHANNELS`, and this module's shared memory)."""
+    (``wgmma_common.unsupported_shape`` with :data:`CHANNELS`, and this module's shared memory)."""
     C = x0.shape[-1]
-    why = hb.unsupported_shape(layout, x0, kernel, activation, CHANNELS)
+    why = unsupported_shape(layout, x0, kernel, activation, CHANNELS)
     if why is None and choose_warpgroups(layout, C, activation) is None:
         need = smem_bytes(layout, C, 1, activation)
         shape = "x".join(str(d) for d in x0.shape[1:])
-        return f"a {shape} state needs {need} bytes of shared memory, more than {hb.SMEM_BYTES}"
+        return f"a {shape} state needs {need} bytes of shared memory, more than {SMEM_BYTES}"
     return why
 
 
@@ -104,8 +121,8 @@ def _out_rows(layout) -> list[tuple[int, int]]:
     """The TMA chunks that send a state's tiled rows out of the planes: whole groups of 8 rows
     (a plane's 128 bytes), from the group holding the first tiled row to the one holding the last."""
     start = layout.slack // 8 * 8
-    stop = min(layout.rows, -(-(layout.slack + hb.tiles_of(layout) * M) // 8) * 8)
-    return hb._chunks(start, stop)
+    stop = min(layout.rows, -(-(layout.slack + tiles_of(layout) * M) // 8) * 8)
+    return tma_chunks(start, stop)
 
 
 def interior_runs(layout, q0: int) -> list[tuple[int, int, int, int]]:
@@ -201,13 +218,13 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, interior, x
     zs_ref, scratch = (rest[0], rest[1:]) if save else (None, rest)
     state, zstage, xstage, taps, bar, *dbar, sync = scratch
     single = state.shape[0] == 1  # one buffer: a step's products first, then (after a meeting) its writes
-    mask = hb.saves_mask(activation)
+    mask = saves_mask(activation)
     n = jax.lax.axis_index("n")
-    wg, lead_only, everyone = hb._team(nw)
+    wg, lead_only, everyone = warpgroup_team(nw)
     S, C = layout.slack, state.shape[1] * PLANE
-    per = hb.tiles_of(layout) // nw
+    per = tiles_of(layout) // nw
     slots = zstage.shape[1]
-    region = hb._chunks(0, layout.rows)
+    region = tma_chunks(0, layout.rows)
 
     def tiles():
         return [(wg * per + j) * M for j in range(per)]  # this warpgroup's tiles' first rows
@@ -225,7 +242,7 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, interior, x
         for q0 in first:
             plgpu.copy_gmem_to_smem(d_ref.at[n, pl.ds(S + q0, M)], xstage.at[wg], dbar[0].at[wg])
             plgpu.barrier_wait(dbar[0].at[wg])
-            drive.append(hb._load(xstage, wg, slice(None), slice(None)))
+            drive.append(load_registers(xstage, wg, slice(None), slice(None)))
             plgpu.commit_smem()  # every thread has read the slot before it is refilled
     plgpu.barrier_wait(bar)
     if not single:
@@ -258,7 +275,7 @@ def _forward_kernel(layout, offsets, steps, h, activation, save, nw, interior, x
             rows = pl.ds(S + q0, M)
             z = zs[j] if single else products(layout, offsets, state, src, q0, taps) + drive[j]
             x = load_tile(tile_of(state, src, S + q0))
-            keep, zero = hb._inside(layout, q0, C), jnp.zeros_like(z)
+            keep, zero = pixel_mask(layout, q0, C), jnp.zeros_like(z)
             new = jnp.where(keep, x + h * act(activation, z), zero)
             store_tile(new, tile_of(state, dst, S + q0))
             if save:
@@ -296,12 +313,12 @@ def _backward_kernel(
     sbuf, zbuf, sstage, taps, bar, zbar, sync = rest
     single = sbuf.shape[0] == 1  # one buffer: a step's products first, then (after a meeting) its writes
     n = jax.lax.axis_index("n")
-    wg, lead_only, everyone = hb._team(nw)
+    wg, lead_only, everyone = warpgroup_team(nw)
     S, C = layout.slack, sbuf.shape[1] * PLANE
-    per = hb.tiles_of(layout) // nw
+    per = tiles_of(layout) // nw
     slots = zbuf.shape[1]
     first = [(wg * per + j) * M for j in range(per)]  # this warpgroup's tiles' first rows
-    region = hb._chunks(0, layout.rows)
+    region = tma_chunks(0, layout.rows)
 
     def fetch_z(k, j):  # z_k's tile j (of this warpgroup) into its slot j % slots
         plgpu.copy_gmem_to_smem(
@@ -310,8 +327,8 @@ def _backward_kernel(
 
     def slope_tile(j, g):  # h act'(z) g for the tile whose z is in its slot, masked
         plgpu.barrier_wait(zbar.at[slots * wg + j % slots])
-        z = hb._load(zbuf, wg, j % slots, slice(None), slice(None)).astype(g.dtype)  # ReLU: saved 1[z > 0]
-        return hb._slope_tile(layout, first[j], activation, h, z, g)
+        z = load_registers(zbuf, wg, j % slots, slice(None), slice(None)).astype(g.dtype)  # ReLU: saved 1[z > 0]
+        return masked_slope(layout, first[j], activation, h, z, g)
 
     def put_s(j, s, buf, k):  # s_k's tile j into planes buf (windows) and out (row-major)
         store_tile(s, tile_of(sbuf, buf, S + first[j]))
@@ -351,7 +368,7 @@ def _backward_kernel(
             if not last and j + 1 < per:
                 fetch_z(k - 1, j + 1)
             acc = accs[j] if single else products(layout, offsets, sbuf, src, first[j], taps)
-            g[j] = jnp.where(hb._inside(layout, first[j], C), g[j] + acc, jnp.zeros_like(acc))
+            g[j] = jnp.where(pixel_mask(layout, first[j], C), g[j] + acc, jnp.zeros_like(acc))
             if not last:
                 put_s(j, slope_tile(j, g[j]), dst, k - 1)
         if not last:
@@ -385,7 +402,7 @@ def _mosaic_call(body, layout, taps, out_type, barriers, nw, N, staging=jnp.floa
         out_type=out_type,
         scratch_types=[
             plgpu.SMEM((buffers_of(C), C // PLANE, layout.rows, PLANE), jnp.float32),
-            plgpu.SMEM((nw, hb._slots(layout, nw), M, C), staging),
+            plgpu.SMEM((nw, staging_slots(layout, nw), M, C), staging),
             plgpu.SMEM((nw, M, C), jnp.float32),  # each warpgroup's row-major slot for states out
             plgpu.SMEM((9, C, C), jnp.float32, transforms=taps_transforms(C)),
             *barriers,
@@ -400,11 +417,11 @@ def _mosaic_call(body, layout, taps, out_type, barriers, nw, N, staging=jnp.floa
 
 
 def _check_program(layout, warpgroups: int, C: int, activation: str) -> None:
-    hb._check(layout, warpgroups)
-    if smem_bytes(layout, C, warpgroups, activation) > hb.SMEM_BYTES:
+    check_warpgroups(layout, warpgroups)
+    if smem_bytes(layout, C, warpgroups, activation) > SMEM_BYTES:
         raise ValueError(
             f"warpgroups={warpgroups!r}: a program needs {smem_bytes(layout, C, warpgroups, activation)} bytes of "
-            f"shared memory, more than {hb.SMEM_BYTES} (choose_warpgroups gives the most that fit)"
+            f"shared memory, more than {SMEM_BYTES} (choose_warpgroups gives the most that fit)"
         )
     if layout.rows % 8:
         raise ValueError(
@@ -436,8 +453,8 @@ def fused_backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups, in
     """As :func:`naisnet_jax.kernels.wgmma_split.fused_backward`, in TF32 (for ReLU, ``zs`` the saved
     signs, or ``z_k`` itself, reduced to its sign first). ``interior``: the ``s_k`` as images
     ``(K, N, H, W, C)``, as :func:`fused_forward`'s."""
-    if hb.saves_mask(activation) and zs.dtype != hb.SIGN_DTYPE:  # z_k given: ReLU needs only its sign
-        zs = (zs > 0).astype(hb.SIGN_DTYPE)
+    if saves_mask(activation) and zs.dtype != SIGN_DTYPE:  # z_k given: ReLU needs only its sign
+        zs = (zs > 0).astype(SIGN_DTYPE)
     _check_program(layout, warpgroups, gb.shape[-1], activation)
     _check_interior(gb.shape[-1], interior)
     return _backward_call(layout, steps, float(h), activation, warpgroups, bool(interior))(gb, zs, taps)
@@ -482,12 +499,12 @@ def _forward(layout, x0b, db, taps, *, steps, h, activation, save, warpgroups, i
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     N, _, C = x0b.shape
-    out_type, saved = hb.forward_out_type(layout, N, C, steps, save, activation), hb.saved_dtype(activation)
+    out_type, saved = forward_out_type(layout, N, C, steps, save, activation), saved_dtype(activation)
     if interior:  # x_0 .. x_{K-1} and x_K as images (the first for XLA's weight gradient as they are)
         head = _pixels(layout, out_type[0].update(shape=(steps,) + out_type[0].shape[1:]))
         out_type = (head, head.update(shape=head.shape[1:]), *out_type[1:])
     single = buffers_of(C) == 1  # the drive then comes in tile by tile, on a barrier per warpgroup
-    loads = tap_copies(C) + (1 if single else 2) * (C // PLANE) * len(hb._chunks(0, layout.rows))
+    loads = tap_copies(C) + (1 if single else 2) * (C // PLANE) * len(tma_chunks(0, layout.rows))
     barriers = [plgpu.Barrier(num_arrivals=loads)]
     if single:
         barriers.append(plgpu.Barrier(num_arrivals=1, num_barriers=warpgroups))
@@ -506,12 +523,12 @@ def _backward(layout, gb, zs, taps, *, steps, h, activation, warpgroups, interio
 
     N, _, C = gb.shape
     mirrored = [-off for off in layout.offsets(3, 3)]
-    out_type = hb.backward_out_type(layout, N, C, steps)
+    out_type = backward_out_type(layout, N, C, steps)
     if interior:
         out_type = (out_type[0], _pixels(layout, out_type[1]))
     barriers = [
-        plgpu.Barrier(num_arrivals=tap_copies(C) + (C // PLANE) * len(hb._chunks(0, layout.rows))),
-        plgpu.Barrier(num_arrivals=1, num_barriers=hb._slots(layout, warpgroups) * warpgroups),
+        plgpu.Barrier(num_arrivals=tap_copies(C) + (C // PLANE) * len(tma_chunks(0, layout.rows))),
+        plgpu.Barrier(num_arrivals=1, num_barriers=staging_slots(layout, warpgroups) * warpgroups),
     ]
     body = functools.partial(_backward_kernel, layout, mirrored, steps, h, activation, warpgroups, interior)
     body.__name__ = "hopper_tf32_backward_kernel"
