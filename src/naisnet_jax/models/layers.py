@@ -40,14 +40,15 @@ def initial_state_x0(u: Array, state_shape: tuple, dtype, initial_state: str, bl
     return u.astype(dtype)
 
 
-def _compute_dtype(dtype):
+def compute_dtype(dtype):
+    """The dtype a block computes in: ``dtype`` as a numpy dtype, or ``None`` (the inputs' dtype)."""
     return None if dtype is None else jnp.dtype(dtype)
 
 
 # ----------------------------------------------------------- initialisation
 
 
-def _fc_init(eps: float) -> Callable:
+def fc_init(eps: float) -> Callable:
     """``R`` with N(0, 1/n) entries, then Algorithm 1: feasible from the start."""
 
     def init(key, shape, dtype=PARAM_DTYPE):
@@ -57,7 +58,7 @@ def _fc_init(eps: float) -> Callable:
     return init
 
 
-def _drive_init(name: str) -> Callable:
+def drive_init(name: str) -> Callable:
     """Initialiser of a conv block's drive kernel ``D`` (HWIO): variance ``s / fan_in``, ``s = 1``
     for ``"lecun"`` (Flax's default) and ``s = 2`` for ``"he"``.
 
@@ -80,7 +81,7 @@ def _drive_init(name: str) -> Callable:
     return nn.initializers.variance_scaling(scale, "fan_in", "truncated_normal")
 
 
-def _conv_init(eps: float, eta: float) -> Callable:
+def conv_init(eps: float, eta: float) -> Callable:
     """State kernel with N(0, 1/(k^2 C)) taps, then Algorithm 2 with ``delta = 0``."""
 
     def init(key, shape, dtype=PARAM_DTYPE):
@@ -107,13 +108,14 @@ def batch_axis(name: str | None) -> Iterator[None]:
         _BATCH_AXIS.reset(token)
 
 
-def _batch_norm(train: bool, name: str, dtype=None, *, zero_scale: bool = False) -> nn.BatchNorm:
+def batch_norm(train: bool, name: str, dtype=None, *, zero_scale: bool = False) -> nn.BatchNorm:
+    """The models' BatchNorm: batch statistics when ``train`` (over :func:`batch_axis`), scale 0 or 1."""
     return nn.BatchNorm(
         use_running_average=not train,
         axis_name=_BATCH_AXIS.get() if train else None,
         momentum=BN_MOMENTUM,
         epsilon=BN_EPSILON,
         name=name,
-        dtype=_compute_dtype(dtype),
+        dtype=compute_dtype(dtype),
         scale_init=nn.initializers.zeros if zero_scale else nn.initializers.ones,
     )

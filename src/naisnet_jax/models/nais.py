@@ -27,11 +27,11 @@ from naisnet_jax.kernels import (
 from naisnet_jax.models.layers import (
     BN_EPSILON,
     PARAM_DTYPE,
-    _batch_norm,
-    _compute_dtype,
-    _conv_init,
-    _drive_init,
-    _fc_init,
+    batch_norm,
+    compute_dtype,
+    conv_init,
+    drive_init,
+    fc_init,
     initial_state_x0,
 )
 from naisnet_jax.models.options import (
@@ -235,9 +235,9 @@ class NaisDenseBlock(DenseOptions):
             raise ValueError(f"NaisDenseBlock input must be (batch, m); got shape {u.shape}.")
         n, K = self.features, self.steps
         per_step = (K,) if self.untied else ()
-        R = self.param("R", _fc_init(self.eps), per_step + (self.rank or n, n), PARAM_DTYPE)
+        R = self.param("R", fc_init(self.eps), per_step + (self.rank or n, n), PARAM_DTYPE)
         A = fc_state_matrix(R, self.eps)
-        dtype = _compute_dtype(self.dtype)
+        dtype = compute_dtype(self.dtype)
         drive = nn.Dense(n * K if self.untied else n, dtype=dtype, name="input")(u)
         A = A if dtype is None else A.astype(dtype)
         x0 = initial_state_x0(u, (u.shape[0], n), jnp.result_type(drive, A), self.initial_state, "NaisDenseBlock")
@@ -316,7 +316,7 @@ class NaisConvBlock(ConvOptions):
             raise ValueError(f"NaisConvBlock input must be NHWC; got shape {u.shape}.")
         C, K, k = self.features, self.steps, self.kernel_size
         per_step = (K,) if self.untied else ()
-        kernel = self.param("state_kernel", _conv_init(self.eps, self.eta), per_step + (k, k, C, C), PARAM_DTYPE)
+        kernel = self.param("state_kernel", conv_init(self.eps, self.eta), per_step + (k, k, C, C), PARAM_DTYPE)
         if self.learn_delta:
             delta = self.param("delta", nn.initializers.zeros, per_step + (C,), PARAM_DTYPE)
         else:
@@ -328,17 +328,17 @@ class NaisConvBlock(ConvOptions):
             strides=(self.strides, self.strides),
             padding="SAME",
             use_bias=not self.normalize_drive,
-            kernel_init=_drive_init(self.drive_init),
-            dtype=_compute_dtype(self.dtype),
+            kernel_init=drive_init(self.drive_init),
+            dtype=compute_dtype(self.dtype),
             # the fast paths: the drive's kernel gradient beside the backward chain, as the block's
             conv_general_dilated=None if self.block_vjp == "autodiff" else side_stream_conv,
             name="input",
         )(u)
         if self.normalize_drive:
             zero_scale = self.zero_init_drive and self.initial_state == "input"
-            drive = _batch_norm(train, "drive_norm", self.dtype, zero_scale=zero_scale)(drive)
+            drive = batch_norm(train, "drive_norm", self.dtype, zero_scale=zero_scale)(drive)
         batch, height, width = drive.shape[:3]
-        dtype = _compute_dtype(self.dtype) or jnp.result_type(drive, kernel)  # conv: equal dtypes
+        dtype = compute_dtype(self.dtype) or jnp.result_type(drive, kernel)  # conv: equal dtypes
         drive, kernel = drive.astype(dtype), kernel.astype(dtype)
         x0 = initial_state_x0(u, (batch, height, width, C), dtype, self.initial_state, "NaisConvBlock")
         step = functools.partial(conv_step, h=self.h, activation=self.activation)
@@ -433,9 +433,9 @@ class NaisNetConv(ConvOptions, DriveNorm, Classifier, Stages, kw_only=True):
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
-        dtype = _compute_dtype(self.dtype)
+        dtype = compute_dtype(self.dtype)
         x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype, name="stem")(x)
-        x = ACTIVATIONS[self.activation](_batch_norm(train, "stem_bn", self.dtype)(x))
+        x = ACTIVATIONS[self.activation](batch_norm(train, "stem_bn", self.dtype)(x))
         states, depths = [], []
         options = options_of(self, ConvOptions)
         for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):

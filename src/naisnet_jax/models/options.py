@@ -254,12 +254,12 @@ DRIVE_INITS = ("lecun", "he")
 class ConvOptions(KernelSize, NaisOptions, kw_only=True):
     """Conv NAIS options: Algorithm 2's ``eta`` in ``(eps, 1)``; ``learn_delta`` (train the
     centre-tap shifts ``delta``, else ``delta = 0``); ``kernel_size``; ``drive_init``, the
-    initial scale of the drive convolution ``D`` (:func:`_drive_init`); ``zero_init_drive``:
-    a block started at its input (``x_0 = u``) with a normalised drive starts that BatchNorm's
-    scale at zero, so the block starts near the identity, ``x_1 = u + h relu(C u)`` with
-    ``C = -I`` plus small off-centre taps (for ``u >= 0``), as the ResNet baseline's
-    ``zero_init_residual`` does. Defaults of the paper's CIFAR blocks: ``steps=10``,
-    ``activation="relu"``."""
+    initial scale of the drive convolution ``D`` (:func:`naisnet_jax.models.layers.drive_init`);
+    ``zero_init_drive``: a block started at its input (``x_0 = u``) with a normalised drive
+    starts that BatchNorm's scale at zero, so the block starts near the identity,
+    ``x_1 = u + h relu(C u)`` with ``C = -I`` plus small off-centre taps (for ``u >= 0``), as the
+    ResNet baseline's ``zero_init_residual`` does. Defaults of the paper's CIFAR blocks:
+    ``steps=10``, ``activation="relu"``."""
 
     steps: int = 10
     activation: str = "relu"

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from naisnet_jax import probe
 from naisnet_jax.cell import ACTIVATIONS
 from naisnet_jax.checks import check_bool, check_int
-from naisnet_jax.models.layers import BN_EPSILON, PARAM_DTYPE, _batch_norm, _compute_dtype, _fc_init
+from naisnet_jax.models.layers import BN_EPSILON, PARAM_DTYPE, batch_norm, compute_dtype, fc_init
 from naisnet_jax.models.options import Classifier, ResNetConvOptions, Stages, StepOptions, options_of
 from naisnet_jax.parametrize import fc_state_matrix
 
@@ -74,7 +74,7 @@ class ResNetFC(StepOptions, Classifier, kw_only=True):
         n, L, batch = self.features, self.depth, u.shape[0]
         per_layer = () if self.shared else (L,)
         if self.stable:
-            R = self.param("R", _fc_init(self.eps), per_layer + (n, n), PARAM_DTYPE)
+            R = self.param("R", fc_init(self.eps), per_layer + (n, n), PARAM_DTYPE)
             W = fc_state_matrix(R, self.eps)
         else:
             batch_axis = () if self.shared else (0,)
@@ -96,7 +96,7 @@ class ResNetFC(StepOptions, Classifier, kw_only=True):
             W_k, d_k = (W, drive) if self.shared else (W[k], drive[k])
             pre = x @ W_k.T + d_k
             if self.batch_norm:
-                pre = _batch_norm(train, f"bn{k}")(pre)
+                pre = batch_norm(train, f"bn{k}")(pre)
             x = x + self.h * act(pre)
             states.append(x)
         if probe.auditing(self):
@@ -165,13 +165,13 @@ class ResNetConvBlock(ResNetConvOptions):
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False) -> Array:
-        s, k, dtype = self.strides, self.kernel_size, _compute_dtype(self.dtype)
+        s, k, dtype = self.strides, self.kernel_size, compute_dtype(self.dtype)
         y = nn.Conv(self.features, (k, k), strides=(s, s), padding="SAME", use_bias=False, dtype=dtype, name="conv")(x)
         last = self.convs == 1
-        y = _batch_norm(train, "bn", self.dtype, zero_scale=self.zero_init_residual and last)(y)
+        y = batch_norm(train, "bn", self.dtype, zero_scale=self.zero_init_residual and last)(y)
         if not last:
             y = nn.Conv(self.features, (k, k), padding="SAME", use_bias=False, dtype=dtype, name="conv2")(nn.relu(y))
-            y = _batch_norm(train, "bn2", self.dtype, zero_scale=self.zero_init_residual)(y)
+            y = batch_norm(train, "bn2", self.dtype, zero_scale=self.zero_init_residual)(y)
         square = s == 1 and x.shape[-1] == self.features
         if probe.auditing(self) and last:
             probe.sow_block(
@@ -200,9 +200,9 @@ class ResNetConv(ResNetConvOptions, Classifier, Stages, kw_only=True):
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
-        dtype = _compute_dtype(self.dtype)
+        dtype = compute_dtype(self.dtype)
         x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype, name="stem")(x)
-        x = nn.relu(_batch_norm(train, "stem_bn", self.dtype)(x))
+        x = nn.relu(batch_norm(train, "stem_bn", self.dtype)(x))
         states, options = [], options_of(self, ResNetConvOptions)
         for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):
             for j in range(size):
