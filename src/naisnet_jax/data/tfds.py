@@ -16,17 +16,17 @@ from typing import Any
 import numpy as np
 
 from naisnet_jax.data.sources import (
-    _FASHION_MNIST_HINT,
-    _MNIST_HINT,
+    FASHION_MNIST_HINT,
     MNIST_FILE,
+    MNIST_HINT,
     MNIST_WHEEL,
     MNIST_WHEEL_MEMBER,
     Dataset,
-    _fashion_mnist_split,
-    _find_idx,
     fashion_mnist_dir,
+    find_idx_file,
     load_mnist_pinned,
     mnist_dir,
+    read_fashion_mnist_split,
 )
 
 TFDS_NAMES = ("mnist", "fashion_mnist", "cifar10", "cifar100")
@@ -150,7 +150,7 @@ def _fashion_mnist_idx_builder():
 
         VERSION = tfds.core.Version("1.0.0")
         RELEASE_NOTES = {"1.0.0": "Local IDX files, original order."}
-        MANUAL_DOWNLOAD_INSTRUCTIONS = _FASHION_MNIST_HINT
+        MANUAL_DOWNLOAD_INSTRUCTIONS = FASHION_MNIST_HINT
         # No checksums or metadata files live beside this code. Setting this also avoids a
         # tfds 4.9.10 bug: for a builder in a package module, `code_path` needs the
         # `importlib_resources` backport, which tfds declares only for Python < 3.9
@@ -179,7 +179,7 @@ def _fashion_mnist_idx_builder():
             }
 
         def _generate_examples(self, directory, prefix):
-            images, labels = _fashion_mnist_split(directory, prefix)
+            images, labels = read_fashion_mnist_split(directory, prefix)
             if images.shape[1:] != (28, 28, 1):
                 raise ValueError(f"{directory}: {prefix} images are {images.shape[1:3]}, expected (28, 28)")
             for i, (image, label) in enumerate(zip(images, labels)):
@@ -200,7 +200,7 @@ def prepare_fashion_mnist_idx(*, data_dir: str | os.PathLike, idx_dir: str | os.
     idx_dir = fashion_mnist_dir(idx_dir)
     for split in ("train", "t10k"):  # fail before TFDS creates any folder
         for kind in ("images-idx3", "labels-idx1"):
-            _find_idx(idx_dir, f"{split}-{kind}-ubyte")
+            find_idx_file(idx_dir, f"{split}-{kind}-ubyte")
     return _prepare_from_manual_dir(tfds, _fashion_mnist_idx_builder(), data_dir, idx_dir)
 
 
@@ -237,7 +237,7 @@ def _mnist_pinned_builder():
 
         VERSION = tfds.core.Version("1.0.0")
         RELEASE_NOTES = {"1.0.0": f"{MNIST_FILE} of {MNIST_WHEEL}, train + valid as train."}
-        MANUAL_DOWNLOAD_INSTRUCTIONS = _MNIST_HINT
+        MANUAL_DOWNLOAD_INSTRUCTIONS = MNIST_HINT
         code_path = None  # see the note in _fashion_mnist_idx_builder
 
         def _info(self):
@@ -279,7 +279,7 @@ def prepare_mnist_pinned(
     tfds = _import_tfds()
     source = mnist_dir(mnist_data_dir)
     if not (source / MNIST_FILE).is_file():  # fail before TFDS creates any folder
-        raise FileNotFoundError(f"MNIST file not found: {source / MNIST_FILE}. {_MNIST_HINT}")
+        raise FileNotFoundError(f"MNIST file not found: {source / MNIST_FILE}. {MNIST_HINT}")
     return _prepare_from_manual_dir(tfds, _mnist_pinned_builder(), data_dir, source)
 
 
