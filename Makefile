@@ -45,8 +45,9 @@ test-slow: $(STAMP)
 notebook: $(STAMP) data
 	$(PY) -m experiments.notebooks.run --out=runs/quickstart$(if $(QUICK),-quick,).ipynb $(if $(QUICK),--quick,)
 
+# WORKDIR (default runs/demo) is passed quoted: make demo WORKDIR="runs/my demo" uses the whole path.
 demo: $(STAMP) data
-	$(PY) -m experiments.demo --workdir=$(WORKDIR)
+	$(PY) -m experiments.demo --workdir="$(WORKDIR)"
 
 # Benchmarks (BENCHMARKS.md): each writes JSON, markdown and figures under $(BENCH_OUT)/<name>
 # and resumes if rerun. Not part of `make test`. bench-smoke: tiny sizes, runs on a CPU.

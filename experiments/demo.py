@@ -5,6 +5,14 @@ trains (resuming if the workdir holds a checkpoint), prints test accuracy and
 the stability figures of the trained block, writes the training curves and
 the per-iteration loss plot as PNG files, and ends with the verifier's audit
 of the checkpoint it wrote.
+
+``--fresh`` starts over: it deletes what a run and this demo write in the workdir
+(:func:`run_outputs`) and nothing else. It refuses, deleting nothing, a workdir
+that holds anything else or no run at all, and one whose lock another trainer
+holds. A bad command line (``--epochs=0``, a workdir that is a file or cannot be
+written, a workdir in use) ends in one line ``error: ...`` on stderr with exit
+status 2, before any data is read. The workdir goes through
+``os.path.expanduser`` once, as ``naisnet-train``'s does.
 """
 
 from __future__ import annotations
@@ -20,7 +28,129 @@ from absl import app, flags, logging
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "runs/demo", "Where checkpoints, metrics and figures go.")
 flags.DEFINE_integer("epochs", None, "Override the number of epochs.")
-flags.DEFINE_bool("fresh", False, "Delete the workdir first instead of resuming.")
+flags.DEFINE_bool(
+    "fresh",
+    False,
+    "Start over: delete the run's files in the workdir first (checkpoints, metrics, the demo's "
+    "figures and certificate) instead of resuming; a workdir holding anything else is refused.",
+)
+
+EXIT_USAGE = 2  # bad command line or workdir: nothing was read, written or deleted
+CURVES_FILE = "training_curves.png"
+PER_STEP_FILE = "per_step_loss.png"
+CERTIFICATE_FILE = "certificate.json"
+AUDIT_DIR = "audit"
+
+
+def run_outputs() -> tuple[str, ...]:
+    """Every name a run (``naisnet-train``, this demo) writes at the top of its workdir, the
+    directories with a trailing ``/``: all that ``--fresh`` may delete, but for the lock file,
+    which stays (the next run takes it at once; deleting a lock file is how two processes come
+    to hold one lock)."""
+    from naisnet_jax import engine, metric_writers
+
+    return (
+        engine.CHECKPOINT_DIR + "/",
+        engine.METRICS_FILE,
+        metric_writers.SCALARS_FILE,
+        metric_writers.TENSORBOARD_DIR + "/",  # naisnet-train --tensorboard
+        engine.LOCK_FILE,
+        CURVES_FILE,
+        PER_STEP_FILE,
+        CERTIFICATE_FILE,
+        AUDIT_DIR + "/",
+    )
+
+
+class UsageError(Exception):
+    """A bad command line or workdir; printed as ``error: <message>``, exit status 2."""
+
+
+def _fail(message) -> None:
+    print("error: " + " ".join(str(message).split()), file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def _parse_flags(argv):
+    """absl's flag parsing, with its errors in one line and exit status 2 (absl prints two lines
+    and exits 1, the status of a failed run)."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e} (see python -m experiments.demo --help)")
+
+
+def check_command_line(workdir: str, epochs: int | None) -> None:
+    """The checks of ``naisnet-train``'s command line, before anything is read or written."""
+    from naisnet_jax.checks import check_int, check_output_dir
+
+    try:
+        if epochs is not None:
+            check_int("--epochs", epochs)
+        check_output_dir("--workdir", workdir)
+    except ValueError as e:
+        raise UsageError(e) from None
+
+
+def run_outputs_in(workdir: str) -> list[str]:
+    """The entries of ``workdir`` that ``--fresh`` deletes (see :func:`run_outputs`).
+
+    Raises :class:`UsageError`, having deleted nothing, when ``workdir`` holds anything a run
+    does not write (a symbolic link counts as that, even under a run's name), or holds entries
+    but no run (neither ``checkpoints/`` nor ``metrics.jsonl``). A missing or empty workdir gives
+    ``[]``."""
+    from naisnet_jax import engine
+
+    if not os.path.isdir(workdir):
+        return []
+    names = sorted(os.listdir(workdir))
+    outputs = run_outputs()
+    dirs = {n.rstrip("/") for n in outputs if n.endswith("/")}
+    files = {n for n in outputs if not n.endswith("/")}
+
+    def ours(name):
+        path = os.path.join(workdir, name)
+        if os.path.islink(path):
+            return False
+        return (name in dirs and os.path.isdir(path)) or (name in files and os.path.isfile(path))
+
+    foreign = [n for n in names if not ours(n)]
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UsageError(
+            f"--fresh: --workdir={workdir!r} holds {shown}, which no run writes; --fresh deletes only a run's "
+            f"files ({', '.join(outputs)}). Nothing was deleted: move those away or use another workdir."
+        )
+    removable = [n for n in names if n != engine.LOCK_FILE]
+    if removable and engine.CHECKPOINT_DIR not in names and engine.METRICS_FILE not in names:
+        raise UsageError(
+            f"--fresh: --workdir={workdir!r} holds no run (no {engine.CHECKPOINT_DIR}/ or {engine.METRICS_FILE}), "
+            f"only {', '.join(removable)}. Nothing was deleted: delete them yourself or use another workdir."
+        )
+    return removable
+
+
+def prepare_workdir(workdir: str, fresh: bool) -> None:
+    """Refuse a workdir another trainer holds (its lock taken as the trainer takes it, without
+    waiting) and, with ``fresh``, delete the run in it under that lock. The lock is let go
+    before training: the trainer takes it again."""
+    from naisnet_jax import engine
+
+    doomed = run_outputs_in(workdir) if fresh else []  # refusals first: nothing locked, nothing created
+    if not os.path.isdir(workdir):
+        return
+    try:
+        with engine.workdir_lock(workdir):
+            if fresh:
+                doomed = run_outputs_in(workdir)  # again, under the lock
+            for name in doomed:
+                path = os.path.join(workdir, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+    except engine.WorkdirInUse as e:
+        raise UsageError(f"{e}{' Nothing was deleted.' if fresh else ''}") from None
 
 
 def plot_curves(records, path):
@@ -71,13 +201,19 @@ def plot_per_step_loss(losses, path):
 def _main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    t0 = time.time()
+    workdir = os.path.expanduser(FLAGS.workdir)  # the one reading of the path, as naisnet-train's
+    try:
+        if not workdir.strip():
+            raise UsageError("--workdir is empty; pass the directory for the checkpoints, metrics and figures.")
+        check_command_line(workdir, FLAGS.epochs)
+        prepare_workdir(workdir, FLAGS.fresh)
+    except UsageError as e:
+        _fail(e)
+
     from experiments.configs import fashion_mnist_demo
     from naisnet_jax import stability, train
 
-    t0 = time.time()
-    workdir = FLAGS.workdir
-    if FLAGS.fresh and os.path.isdir(workdir):
-        shutil.rmtree(workdir)
     config = fashion_mnist_demo.get_config()
     if FLAGS.epochs is not None:
         config.num_epochs = FLAGS.epochs
@@ -87,15 +223,21 @@ def _main(argv):
         f"{config.dataset} for {config.num_epochs} epochs in {workdir} ...",
         flush=True,
     )
-    result = train.train_and_evaluate(config, workdir)
+    try:
+        result = train.train_and_evaluate(config, workdir)
+    except train.TrainingDiverged as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        sys.exit(1)
+    except (ValueError, FileNotFoundError, NotADirectoryError, ImportError, train.WorkdirInUse) as e:
+        _fail(e)  # as naisnet-train: data, checkpoints, a missing extra, a trainer that came meanwhile
     state = result["state"]
     t_train = time.time() - t0
 
     records = [json.loads(line) for line in open(os.path.join(workdir, train.METRICS_FILE))]
-    curves = os.path.join(workdir, "training_curves.png")
+    curves = os.path.join(workdir, CURVES_FILE)
     plot_curves(records, curves)
     losses = train.per_step_loss(state, result["test_data"], result["mean"], result["std"])
-    per_step = os.path.join(workdir, "per_step_loss.png")
+    per_step = os.path.join(workdir, PER_STEP_FILE)
     plot_per_step_loss(losses, per_step)
     best = int(losses.argmin()) + 1
 
@@ -128,12 +270,12 @@ def _main(argv):
         print("\nAudit of the checkpoint (naisnet-verify):", flush=True)
         exit_code = audit_and_report(
             os.path.join(workdir, train.CHECKPOINT_DIR),
-            json_path=os.path.join(workdir, "certificate.json"),
-            figures_dir=os.path.join(workdir, "audit"),
+            json_path=os.path.join(workdir, CERTIFICATE_FILE),
+            figures_dir=os.path.join(workdir, AUDIT_DIR),
         )
     print(f"\ndemo wall time    {time.time() - t0:.1f} s (training and evaluation {t_train:.1f} s)")
     sys.exit(exit_code)
 
 
 if __name__ == "__main__":
-    app.run(_main)
+    app.run(_main, flags_parser=_parse_flags)

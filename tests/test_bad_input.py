@@ -24,10 +24,13 @@ Kinds (the test names say which):
 35. a damaged newest checkpoint: the newest intact step is used, with one warning line
 36. no intact checkpoint: refused in one line  37. resuming a run of another dataset or optimiser
 38. Orbax's own log lines never reach the user 39. parameters that overflow float32 in the audit
+40. ``demo --fresh`` on a folder that is not only a run's
+41. the demo's bad flags, and a workdir with a space in it
+42. ``~`` in ``naisnet-train``'s and the demo's workdir
 
-Tests 35-39 run the commands as subprocesses, as a user does: their stderr must hold exactly the
+Tests 35-42 run the commands as subprocesses, as a user does: their stderr must hold exactly the
 lines the commands write themselves, with no traceback, no ``Event loop is closed`` from Orbax's
-reads and no ``ERROR:absl`` line.
+reads and no ``ERROR:absl`` line; from 40 on each must end within ``QUICK_S`` seconds.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import os
 import pathlib
 import pickle
 import re
+import shlex
 import shutil
 import struct
 import subprocess
@@ -57,7 +61,7 @@ from naisnet_jax.verify import cli as verify_cli
 import naisnet_jax as nj
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
-from naisnet_jax import models, train, train_cli
+from naisnet_jax import engine, models, train, train_cli
 from naisnet_jax.configs import default
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -849,3 +853,157 @@ def test_39_parameters_that_overflow_float32_are_not_certified_with_the_reason(t
     assert not report.certified and "the parameters overflow float32" in report.reason
     assert report.trajectory.skipped == "the float32 operator is not finite"
     assert Certificate.from_json(cert.to_json()).blocks[0].reason == report.reason
+
+
+# -------------------------------------------------------- 40-42. the demo, ~ in workdirs
+
+QUICK_S = 45  # every subprocess below refuses or audits a tiny model: a hang is a failure
+
+
+def demo(*args, env=None) -> tuple[int, str, str]:
+    """``python -m experiments.demo ARGS`` from the repository root: ``(exit status, stdout, stderr)``.
+    The Fashion-MNIST folder points at an empty one, so a demo that is not refused stops at the
+    data, in one line, instead of training."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+    env.setdefault("NAISNET_FASHION_MNIST_DIR", os.path.join(env.get("HOME", "/nonexistent"), "no-fashion-mnist"))
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.demo", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=QUICK_S,
+    )
+    return done.returncode, done.stdout, done.stderr
+
+
+def quick(name, *args, env=None, cwd=None) -> tuple[int, str, str]:
+    """``naisnet-train`` / ``naisnet-verify`` in a subprocess, with the test session's compilation
+    cache and ``QUICK_S`` to finish."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+    done = subprocess.run(
+        [str(BIN / name), *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=QUICK_S
+    )
+    return done.returncode, done.stdout, done.stderr
+
+
+def one_error_line(err: str) -> str:
+    """The one line of ``err``, which starts ``error: ``; no traceback or absl noise."""
+    (line,) = stderr_lines(err, 1)
+    assert line.startswith("error: "), line
+    return line
+
+
+def fake_run(workdir: pathlib.Path) -> None:
+    """What a finished demo leaves in its workdir (the files' contents do not matter here)."""
+    (workdir / "checkpoints" / "4").mkdir(parents=True)
+    (workdir / "checkpoints" / "4" / "state").write_text("x")
+    for name in ("metrics.jsonl", "scalars.jsonl", "training_curves.png", "per_step_loss.png", "certificate.json"):
+        (workdir / name).write_text("x")
+    (workdir / "audit").mkdir()
+    (workdir / "audit" / "block.png").write_text("x")
+    (workdir / engine.LOCK_FILE).write_text("")
+
+
+def test_40_demo_fresh_deletes_only_a_run_and_refuses_anything_else(tmp_path):
+    """``--fresh`` deletes the files a run writes and nothing else: a workdir that also holds an
+    unrelated file, or holds no run, is refused in one line, exit 2, with every file kept."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home)}
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    fake_run(mixed)
+    (mixed / "notes.txt").write_text("mine")
+    before = snapshot(mixed)
+    code, out, err = demo("--fresh", f"--workdir={mixed}", env=env)
+    assert code == 2 and out == "", err
+    line = one_error_line(err)
+    assert line.startswith(f"error: --fresh: --workdir='{mixed}' holds 'notes.txt', which no run writes; ")
+    assert line.endswith("Nothing was deleted: move those away or use another workdir.")
+    assert snapshot(mixed) == before
+
+    no_run = tmp_path / "no-run"
+    no_run.mkdir()
+    (no_run / "training_curves.png").write_text("a figure, but no run")
+    code, out, err = demo("--fresh", f"--workdir={no_run}", env=env)
+    assert code == 2
+    assert one_error_line(err) == (
+        f"error: --fresh: --workdir='{no_run}' holds no run (no checkpoints/ or metrics.jsonl), only "
+        "training_curves.png. Nothing was deleted: delete them yourself or use another workdir."
+    )
+    assert (no_run / "training_curves.png").exists()
+
+    run = tmp_path / "run"
+    run.mkdir()
+    fake_run(run)
+    code, out, err = demo("--fresh", f"--workdir={run}", env=env)  # deleted, then stops at the missing data
+    assert code == 2 and "Fashion-MNIST file not found" in one_error_line(err), err
+    assert sorted(p.name for p in run.iterdir()) == [engine.LOCK_FILE]  # the lock file stays
+
+    for workdir in (tmp_path / "missing", tmp_path / "empty"):  # simply used
+        if workdir.name == "empty":
+            workdir.mkdir()
+        code, out, err = demo("--fresh", f"--workdir={workdir}", env=env)
+        assert code == 2 and "Fashion-MNIST file not found" in one_error_line(err), err
+
+
+def test_41_demo_command_line(tmp_path):
+    """The demo's flags get the command line's checks: one ``error:`` line, exit 2, nothing
+    written; a path with a space is one path, through ``make demo WORKDIR=...`` too."""
+    env = {"HOME": str(tmp_path)}
+    for epochs in ("0", "-2"):
+        code, out, err = demo(f"--epochs={epochs}", f"--workdir={tmp_path / 'w'}", env=env)
+        assert code == 2
+        assert one_error_line(err) == f"error: --epochs={epochs} must be a positive integer."
+    code, out, err = demo("--epochs=x", env=env)
+    assert code == 2
+    assert one_error_line(err).startswith("error: flag --epochs=x: invalid literal for int()")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    code, out, err = demo(f"--workdir={a_file}", env=env)
+    assert code == 2
+    assert one_error_line(err) == f"error: --workdir='{a_file}' exists and is not a directory."
+    assert not (tmp_path / "w").exists() and a_file.read_text() == "x"
+
+    spaced = tmp_path / "my demo"
+    spaced.mkdir()
+    (spaced / "keep.txt").write_text("x")
+    code, out, err = demo("--fresh", f"--workdir={spaced}", env=env)
+    assert code == 2 and one_error_line(err).startswith(f"error: --fresh: --workdir='{spaced}' holds 'keep.txt'")
+
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("no make here")
+    done = subprocess.run(
+        [make, "-n", "demo", "WORKDIR=runs/my demo"], cwd=REPO, capture_output=True, text=True, timeout=QUICK_S
+    )
+    assert done.returncode == 0, done.stderr
+    (line,) = [line for line in done.stdout.splitlines() if "experiments.demo" in line]
+    assert shlex.split(line)[-3:] == ["-m", "experiments.demo", "--workdir=runs/my demo"], line
+
+
+def test_42_a_workdir_under_home_is_the_same_path_for_the_checks_and_the_run(tmp_path):
+    """``--workdir='~/x'`` (quoted: the shell leaves it) trains in ``$HOME/x``, never in a
+    directory named ``~`` under the current one; the demo reads it the same way."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    code, out, err = quick(
+        "naisnet-train", *TINY_ARGS, "--config.num_epochs=1", "--workdir=~/x", env={"HOME": str(home)}, cwd=cwd
+    )
+    assert code == 0, err[-3000:]
+    assert sorted(p.name for p in (home / "x").iterdir()) == [
+        engine.LOCK_FILE,
+        train.CHECKPOINT_DIR,
+        train.METRICS_FILE,
+        "scalars.jsonl",
+    ]
+    assert list(cwd.iterdir()) == []  # no ./~/x
+
+    fake_run(home / "mine")
+    (home / "mine" / "notes.txt").write_text("x")
+    code, out, err = demo("--fresh", "--workdir=~/mine", env={"HOME": str(home)})
+    assert code == 2 and one_error_line(err).startswith(
+        f"error: --fresh: --workdir='{home / 'mine'}' holds 'notes.txt'"
+    )

@@ -307,3 +307,59 @@ def test_commands_keep_compiled_programs_between_runs(tmp_path):
         cwd=tmp_path,
     )
     assert off.returncode == 0 and not (tmp_path / "x2").exists()
+
+
+def test_the_demo_refuses_a_workdir_a_trainer_holds(tmp_path):
+    """``python -m experiments.demo`` on a workdir whose lock another process holds (as a running
+    trainer does): one ``error:`` line, exit 2, and with ``--fresh`` nothing deleted; the workdir
+    is read with ``~`` expanded, as ``naisnet-train`` reads it."""
+    from naisnet_jax import engine
+
+    workdir = tmp_path / "home" / "run"
+    (workdir / train.CHECKPOINT_DIR / "4").mkdir(parents=True)
+    (workdir / train.METRICS_FILE).write_text('{"epoch": 1}\n')
+    lock_path = workdir / engine.LOCK_FILE
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import filelock, time; lock = filelock.FileLock({str(lock_path)!r}); lock.acquire(); "
+            "print('held', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        HOME=str(tmp_path / "home"),
+        NAISNET_FASHION_MNIST_DIR=str(tmp_path / "no-data"),  # were it not refused, it stops at the data
+    )
+    in_use = (
+        f"error: {workdir} is in use by another trainer (it holds {lock_path}); wait for it to end or use "
+        "another workdir."
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for args, line in (
+            ([f"--workdir={workdir}"], in_use),
+            (["--workdir=~/run"], in_use),
+            (["--fresh", "--workdir=~/run"], in_use + " Nothing was deleted."),
+        ):
+            done = subprocess.run(
+                [sys.executable, "-m", "experiments.demo", *args],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=45,
+            )
+            assert (done.returncode, done.stderr.splitlines()) == (2, [line]), done.stderr[-2000:]
+            assert sorted(p.name for p in workdir.iterdir()) == [
+                engine.LOCK_FILE,
+                train.CHECKPOINT_DIR,
+                train.METRICS_FILE,
+            ]
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()

@@ -249,10 +249,11 @@ def parse(argv: Sequence[str]):
         return args, config
     if not args.workdir.strip():
         raise UsageError("--workdir is empty; pass the directory for the checkpoints and metrics.")
+    args.workdir = os.path.expanduser(args.workdir)  # the one reading of the path: checked, locked, trained in
     from naisnet_jax.checks import check_output_dir
 
     try:  # before any data is read or a step compiled: the run must be able to write there
-        check_output_dir("--workdir", os.path.expanduser(args.workdir))
+        check_output_dir("--workdir", args.workdir)
     except ValueError as e:
         raise UsageError(str(e)) from None
     return args, config
