@@ -26,9 +26,11 @@ Kinds (the test names say which):
 38. Orbax's own log lines never reach the user 39. parameters that overflow float32 in the audit
 40. ``demo --fresh`` on a folder that is not only a run's
 41. the demo's bad flags, and a workdir with a space in it
-42. ``~`` in ``naisnet-train``'s and the demo's workdir
+42. ``~`` in ``naisnet-train``'s and the demo's workdir   43. ``~`` in ``naisnet-verify``'s paths
+44. the verifier's bad options and unwritable outputs      45. its unusable checkpoints and data
+46. a run's workdir given to the verifier                  47. an empty batch to audit
 
-Tests 35-42 run the commands as subprocesses, as a user does: their stderr must hold exactly the
+Tests 35-46 run the commands as subprocesses, as a user does: their stderr must hold exactly the
 lines the commands write themselves, with no traceback, no ``Event loop is closed`` from Orbax's
 reads and no ``ERROR:absl`` line; from 40 on each must end within ``QUICK_S`` seconds.
 """
@@ -771,7 +773,7 @@ def test_36_no_intact_checkpoint_is_refused_in_one_line(two, jax_cache):
     code, out, err = command(jax_cache, "naisnet-verify", checkpoints, "--data=none")
     assert code == 2 and "CERTIFIED" not in out, err[-3000:]
     (line,) = stderr_lines(err, 1)
-    prefix = "naisnet-verify: unusable checkpoint: "
+    prefix = "error: unusable checkpoint: "
     assert line.startswith(prefix) and refusal.fullmatch(line[len(prefix) :]), line
     assert snapshot(two) == before
 
@@ -832,7 +834,9 @@ def test_39_parameters_that_overflow_float32_are_not_certified_with_the_reason(t
     code, out, err = command(jax_cache, "naisnet-verify", target, "--data=none", f"--json={tmp_path / 'c.json'}")
     assert code == 1, err[-3000:]
     stderr_lines(err, 0)
-    assert "NOT CERTIFIED: not certified: block (its float32 operator overflows)" in out
+    assert "NOT CERTIFIED: not proven stable: block (its float32 operator overflows)  (0/1 blocks;" in out
+    (verdict,) = [line for line in out.splitlines() if "CERTIFIED" in line]
+    assert verdict.lower().count("not certified") == 1  # the verdict says it once
     (block,) = json.loads((tmp_path / "c.json").read_text())["blocks"]
     assert block["verdict"] == "not proven" and block["certified"] is False
     assert block["reason"].startswith("the float32 operator A has 64 non-finite entries (NaN or inf) out of 64: ")
@@ -848,14 +852,14 @@ def test_39_parameters_that_overflow_float32_are_not_certified_with_the_reason(t
     assert audit_model(model, variables, inputs=x).certified  # as initialised
     variables["params"]["block"]["R"] = R * 1e20  # finite; R^T R is not
     cert = audit_model(model, variables, inputs=x)
-    assert not cert.certified and cert.reason == "not certified: block (its float32 operator overflows)"
+    assert not cert.certified and cert.reason == "not proven stable: block (its float32 operator overflows)"
     (report,) = cert.blocks
     assert not report.certified and "the parameters overflow float32" in report.reason
     assert report.trajectory.skipped == "the float32 operator is not finite"
     assert Certificate.from_json(cert.to_json()).blocks[0].reason == report.reason
 
 
-# -------------------------------------------------------- 40-42. the demo, ~ in workdirs
+# -------------------------------------------------------- 40-47. the demo, ~ in paths, the verifier's voice
 
 QUICK_S = 45  # every subprocess below refuses or audits a tiny model: a hang is a failure
 
@@ -1006,4 +1010,101 @@ def test_42_a_workdir_under_home_is_the_same_path_for_the_checks_and_the_run(tmp
     code, out, err = demo("--fresh", "--workdir=~/mine", env={"HOME": str(home)})
     assert code == 2 and one_error_line(err).startswith(
         f"error: --fresh: --workdir='{home / 'mine'}' holds 'notes.txt'"
+    )
+
+
+def test_43_the_verifier_reads_home_in_its_paths(trained, tmp_path):
+    """``naisnet-verify '~/ck' --json='~/c.json'`` audits ``$HOME/ck`` and writes ``$HOME/c.json``."""
+    home = tmp_path / "home"
+    shutil.copytree(trained / train.CHECKPOINT_DIR, home / "ck")
+    code, out, err = quick(
+        "naisnet-verify", "~/ck", "--data=none", "--json=~/c.json", env={"HOME": str(home)}, cwd=tmp_path
+    )
+    assert code == 0, err[-3000:]
+    stderr_lines(err, 0)
+    assert json.loads((home / "c.json").read_text())["checkpoint"]["path"] == str(home / "ck")
+    assert f"certificate: {home / 'c.json'}" in out
+    assert not (tmp_path / "~").exists()
+
+
+@pytest.mark.parametrize(
+    "args, first_line",
+    [
+        (
+            ["--data=mnistt"],
+            "error: --data='mnistt' is not a dataset name; expected 'random', 'none' or one of "
+            + ", ".join(data_lib.DATASET_NAMES)
+            + ".",
+        ),
+        (["--samples=0"], "error: --samples=0 must be a positive integer."),
+        (["--no-such-flag"], "error: unrecognized arguments: --no-such-flag (see naisnet-verify --help)"),
+        (["--json={d}"], "error: --json='{d}' is a directory; expected a file name."),
+        (
+            ["--data=none", "--json=/sys/x.json"],
+            "error: --json='/sys/x.json': /sys is not writable, so the file cannot be created there.",
+        ),
+        (
+            ["--data=none", "--json=/sys/no-such-dir/x.json"],
+            "error: --json='/sys/no-such-dir/x.json': /sys is not writable, so the file cannot be created there.",
+        ),
+        (
+            ["--data=none", "--figures=/sys/figures"],
+            "error: --figures='/sys/figures': /sys is not writable, so the directory cannot be created there.",
+        ),
+    ],
+)
+def test_44_every_refusal_of_the_verifier_is_one_error_line_before_the_audit(trained, tmp_path, args, first_line):
+    """Bad options and outputs that cannot be written: ``error: ...``, exit 2, no verdict, nothing
+    written (exit 1 means "not certified" and nothing else)."""
+    if any("/sys" in a for a in args) and not os.path.isdir("/sys"):
+        pytest.skip("no /sys here (sysfs refuses new files, to root too)")
+    d = tmp_path / "a-dir"
+    d.mkdir()
+    args = [a.format(d=d) for a in args]
+    code, out, err = quick("naisnet-verify", trained / train.CHECKPOINT_DIR, *args)
+    assert (code, one_error_line(err)) == (2, first_line.format(d=d))
+    assert out == "" and list(d.iterdir()) == []
+
+
+def test_45_the_verifier_names_unusable_input_as_error_lines(trained, tmp_path):
+    """A missing checkpoint and unreadable data: ``error:`` lines too, each saying what is wrong."""
+    code, out, err = quick("naisnet-verify", tmp_path / "nothing", "--data=none")
+    assert (code, one_error_line(err)) == (
+        2,
+        f"error: unusable checkpoint: {tmp_path / 'nothing'}: no such checkpoint directory.",
+    )
+    code, out, err = quick(
+        "naisnet-verify",
+        trained / train.CHECKPOINT_DIR,
+        "--data=mnist_pinned",
+        env={"NAISNET_MNIST_DIR": str(tmp_path)},
+    )
+    assert code == 2 and out == ""
+    line = one_error_line(err)
+    assert line.startswith("error: cannot read --data=mnist_pinned (MNIST file not found: ")
+    assert line.endswith("; pass --data=random or --data=none")
+
+
+def test_46_the_verifier_given_a_run_workdir_audits_its_checkpoints(trained, tmp_path):
+    """A workdir instead of its ``checkpoints/``: audited, with one line on stderr saying so."""
+    code, out, err = quick("naisnet-verify", trained, "--data=none", f"--json={tmp_path / 'c.json'}")
+    assert code == 0, err[-3000:]
+    assert stderr_lines(err, 1) == [
+        f"note: {trained} is a run's workdir; auditing its checkpoints in {trained / train.CHECKPOINT_DIR}"
+    ]
+    assert json.loads((tmp_path / "c.json").read_text())["checkpoint"]["path"] == str(trained / train.CHECKPOINT_DIR)
+    assert "CERTIFIED: every block certified stable" in out
+
+
+def test_47_audit_model_given_an_empty_batch():
+    """``audit_model`` given an empty batch says so (it divided by zero)."""
+    from naisnet_jax.verify import audit_model
+
+    model = models.get_model("naisnet_fc_tiny")
+    variables = model.init(jax.random.PRNGKey(0), jnp.ones((4, 8, 8, 1)))
+    with pytest.raises(ValueError) as e:
+        audit_model(model, variables, inputs=jnp.ones((0, 8, 8, 1)))
+    assert str(e.value) == (
+        "inputs has shape (0, 8, 8, 1): no input to unroll; expected a batch of at least one input (shape "
+        "(n, ...), n >= 1), or inputs=None with options.input_shape for the parameter-level audit only."
     )

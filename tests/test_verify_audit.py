@@ -449,7 +449,7 @@ def test_a_corrupted_checkpoint_exits_2_with_a_message(damage, trained, tmp_path
         shutil.rmtree(step / "state")
     code, out, err = run_cli(copy, "--samples", 4)
     assert code == 2, out + err
-    assert "naisnet-verify: unusable checkpoint:" in err
+    assert "error: unusable checkpoint:" in err
     assert str(copy) in err
     assert "CERTIFIED" not in out
 
@@ -471,7 +471,7 @@ def test_a_directory_of_garbage_exits_2_with_a_message(layout, tmp_path):
         target.write_bytes(rng.bytes(64))
     code, out, err = run_cli(target)
     assert code == 2, out + err
-    assert err.startswith("naisnet-verify: unusable checkpoint:") and str(target) in err
+    assert err.startswith("error: unusable checkpoint:") and str(target) in err
 
 
 def test_a_missing_directory_exits_2(tmp_path):
@@ -817,7 +817,7 @@ def test_metadata_that_does_not_fit_the_arrays_exits_2(change, trained, tmp_path
         code, out, err = run_cli(tmp_path / "ck", "--samples", 4)
     except Exception as e:  # noqa: BLE001 - escaping at all is the bug
         pytest.fail(f"the audit raised {type(e).__name__}: {e}")
-    assert code == 2 and "naisnet-verify:" in err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
 
 
 def test_version_1_metadata_whose_h_disagrees_with_the_model_is_refused(tmp_path, digits):

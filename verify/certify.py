@@ -71,6 +71,24 @@ def check_option(field: str, value: Any, name: str | None = None) -> Any:
     return OPTION_CHECKS[field](name or field, value)
 
 
+#: The values of ``data`` that are not dataset names.
+DATA_CHOICES = (None, "random", "none")
+
+
+def check_data(value: Any, name: str = "data") -> Any:
+    """``value`` is ``None`` (the checkpoint's own dataset), ``"random"``, ``"none"`` or the name
+    of a dataset (:data:`naisnet_jax.data.DATASET_NAMES`); reported as ``name``."""
+    if value in DATA_CHOICES:
+        return value
+    from naisnet_jax.data import DATASET_NAMES
+
+    if isinstance(value, str) and value in DATASET_NAMES:
+        return value
+    raise ValueError(
+        f"{name}={value!r} is not a dataset name; expected 'random', 'none' or one of {', '.join(DATASET_NAMES)}."
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class AuditOptions:
     """What the audit looks at.
@@ -102,8 +120,7 @@ class AuditOptions:
     def __post_init__(self):
         for field in OPTION_CHECKS:
             check_option(field, getattr(self, field))
-        if self.data not in (None, "random", "none") and not isinstance(self.data, str):
-            raise ValueError(f"data={self.data!r} must be None, 'random', 'none' or a dataset name")
+        check_data(self.data)
 
 
 # ------------------------------------------------------------------ discovery
@@ -172,6 +189,12 @@ def audit_model(model, variables, *, inputs=None, options: AuditOptions | None =
     options = options or AuditOptions()
     check_finite_variables(variables)
     if inputs is not None:
+        if not np.ndim(inputs) or np.shape(inputs)[0] == 0:
+            raise ValueError(
+                f"inputs has shape {tuple(np.shape(inputs))}: no input to unroll; expected a batch of at least "
+                "one input (shape (n, ...), n >= 1), or inputs=None with options.input_shape for the "
+                "parameter-level audit only."
+            )
         check_finite("inputs", inputs, ": the trajectory checks need finite inputs (normalised images)")
     with x64_scope():
         return _audit(
@@ -296,7 +319,7 @@ def _audit(
             for b, r in zip(blocks, ordered)
             if not r.certified
         ]
-        reason = "every block certified stable" if not failed else f"not certified: {', '.join(failed)}"
+        reason = "every block certified stable" if not failed else f"not proven stable: {', '.join(failed)}"
     first_nais = next((b.p32 for b in blocks if b.kind in ("dense", "conv")), blocks[0].p32 if blocks else None)
     hyper = (
         hyper
@@ -457,10 +480,10 @@ def _inputs(meta: ckpt.CheckpointMetadata, options: AuditOptions) -> tuple[np.nd
         return rng.standard_normal((options.samples,) + shape), f"synthetic: {options.samples} standard normal inputs"
     from naisnet_jax import data as data_lib
 
-    name = options.data or meta.dataset
-    if name not in data_lib.DATASET_NAMES:
+    name = check_data(options.data) or meta.dataset
+    if name not in data_lib.DATASET_NAMES:  # options.data is checked: the checkpoint's own dataset
         raise ckpt.CheckpointError(
-            f"dataset {name!r} is unknown (valid: {', '.join(data_lib.DATASET_NAMES)}); "
+            f"the checkpoint's dataset {name!r} is unknown (valid: {', '.join(data_lib.DATASET_NAMES)}); "
             f"pass --data=random or --data=none"
         )
     data_dir = options.data_dir or meta.config.get("data_dir")
@@ -473,12 +496,14 @@ def _inputs(meta: ckpt.CheckpointMetadata, options: AuditOptions) -> tuple[np.nd
 
 def audit(checkpoint_dir: str, options: AuditOptions | None = None, *, step: int | None = None) -> Certificate:
     """Audit the checkpoint in ``checkpoint_dir`` (the latest step, or ``step``; a step's own
-    directory works too) and return its :class:`Certificate`.
+    directory works too, and so does a run's workdir, for the ``checkpoints/`` inside it) and
+    return its :class:`Certificate`.
 
     Raises :class:`naisnet_jax.checkpoint.CheckpointError` when the directory is not a usable
     naisnet-jax checkpoint or its arrays do not fit the model its metadata describes.
     """
     options = options or AuditOptions()
+    checkpoint_dir = ckpt.run_checkpoint_dir(checkpoint_dir) or checkpoint_dir
     t0 = time.perf_counter()
     with x64_scope():
         state, raw = ckpt.load(checkpoint_dir, step=step)

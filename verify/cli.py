@@ -2,20 +2,33 @@
 
 Exit status: 0 when every block is certified stable, 1 when one is not (or the
 model has no NAIS block), 2 on unusable input (missing, corrupt, not a
-naisnet-jax checkpoint, arrays that do not fit the model, bad options).
+naisnet-jax checkpoint, arrays that do not fit the model, data that cannot be
+read, bad options, a ``--json`` file or ``--figures`` directory that cannot be
+written). Every refusal is one line on stderr that starts ``error:``; exit 1 is
+the verdict alone. Paths go through ``os.path.expanduser`` once, as
+``naisnet-train``'s ``--workdir`` does.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from naisnet_jax import compile_cache
-from naisnet_jax.checkpoint import CheckpointError, quiet_orbax_logging
+from naisnet_jax.checkpoint import CheckpointError, quiet_orbax_logging, run_checkpoint_dir
 from naisnet_jax.checks import check_output_dir, check_output_file
 
-from .certify import AuditOptions, audit, check_option
+from .certify import AuditOptions, audit, check_data, check_option
 from .report import write_figures, write_json
+
+EXIT_CERTIFIED, EXIT_NOT_CERTIFIED, EXIT_USAGE = 0, 1, 2
+
+
+def _error(message: str) -> int:
+    """``error: <message>`` as one line on stderr; returns the usage exit status."""
+    print("error: " + " ".join(str(message).split()), file=sys.stderr)
+    return EXIT_USAGE
 
 
 def audit_and_report(
@@ -26,36 +39,64 @@ def audit_and_report(
     options: AuditOptions | None = None,
     progress: bool | None = None,
 ) -> int:
-    """Audit, print the table, write the certificate and figures; return the exit status."""
-    del progress  # the audit reports its phases in the certificate's timings
-    try:
-        cert = audit(checkpoint_dir, options or AuditOptions())
-    except CheckpointError as e:
-        print(f"naisnet-verify: unusable checkpoint: {e}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ImportError) as e:
-        print(f"naisnet-verify: cannot read the audit's data ({e}); pass --data=random or --data=none", file=sys.stderr)
-        return 2
-    print(cert.table())
-    if figures_dir:
-        import matplotlib
+    """Audit, print the table, write the certificate and figures; return the exit status.
 
-        matplotlib.use("Agg")  # the command writes files; it never opens windows
-        write_figures(cert, figures_dir)
-        print(f"figures: {figures_dir}/")
-    if json_path:
-        write_json(cert, json_path)
-        print(f"certificate: {json_path}")
-    return 0 if cert.certified else 1
+    ``checkpoint_dir`` may be a run's workdir: the ``checkpoints/`` inside it is audited, and a
+    line on stderr says so. The outputs are checked before the audit; a refusal is one
+    ``error:`` line and status 2.
+    """
+    del progress  # the audit reports its phases in the certificate's timings
+    options = options or AuditOptions()
+    try:  # every output can be written, checked before the audit (which writes nothing else)
+        if json_path:
+            check_output_file("--json", json_path)
+        if figures_dir:
+            check_output_dir("--figures", figures_dir)
+    except ValueError as e:
+        return _error(e)
+    inner = run_checkpoint_dir(checkpoint_dir)
+    if inner is not None:
+        print(f"note: {checkpoint_dir} is a run's workdir; auditing its checkpoints in {inner}", file=sys.stderr)
+        checkpoint_dir = inner
+    try:
+        cert = audit(checkpoint_dir, options)
+    except CheckpointError as e:
+        return _error(f"unusable checkpoint: {e}")
+    except (FileNotFoundError, ImportError) as e:
+        which = f"--data={options.data}" if options.data else "the checkpoint's dataset"
+        return _error(f"cannot read {which} ({e}); pass --data=random or --data=none")
+    print(cert.table())
+    try:  # checked above; a disk that fills up or a directory removed meanwhile still ends in one line
+        if figures_dir:
+            import matplotlib
+
+            matplotlib.use("Agg")  # the command writes files; it never opens windows
+            write_figures(cert, figures_dir)
+            print(f"figures: {figures_dir}/")
+        if json_path:
+            write_json(cert, json_path)
+            print(f"certificate: {json_path}")
+    except OSError as e:
+        return _error(f"the audit ran, but its output cannot be written ({e})")
+    return EXIT_CERTIFIED if cert.certified else EXIT_NOT_CERTIFIED
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints the usage and a second line)
+        sys.exit(_error(f"{message} (see naisnet-verify --help)"))
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="naisnet-verify",
         description="Audit the stability of a naisnet-jax checkpoint (proofs on its float32 operators, "
         "float64 numerics). Exit 0: every block certified; 1: some block not certified; 2: unusable input.",
     )
-    parser.add_argument("checkpoint_dir", help="a training checkpoint directory (latest step) or one step's directory")
+    parser.add_argument(
+        "checkpoint_dir",
+        help="a training checkpoint directory (latest step), one step's directory, or a run's workdir "
+        "(its checkpoints/ is audited)",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the JSON certificate here")
     parser.add_argument("--figures", metavar="DIR", help="write one eigenvalue figure per block here")
     parser.add_argument("--samples", type=int, default=64, help="inputs to unroll for the trajectory checks")
@@ -86,19 +127,15 @@ def main(argv=None) -> None:
         help="conv blocks: trajectory Jacobians in P whose radius is estimated (the worst by the inf-norm first)",
     )
     args = parser.parse_args(argv)
-    for field in ("samples", "jacobian_samples", "sigma_min"):
-        try:
+    try:
+        for field in ("samples", "jacobian_samples", "sigma_min"):
             check_option(field, getattr(args, field), "--" + field.replace("_", "-"))
-        except ValueError as e:
-            parser.error(str(e))
-    try:  # every output can be written, checked before the audit (which writes nothing else)
-        if args.json:
-            check_output_file("--json", args.json)
-        if args.figures:
-            check_output_dir("--figures", args.figures)
+        check_data(args.data, "--data")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(_error(e))
+    for field in ("checkpoint_dir", "json", "figures", "data_dir"):  # one reading of a path, as naisnet-train's
+        if getattr(args, field):
+            setattr(args, field, os.path.expanduser(getattr(args, field)))
     quiet_orbax_logging()  # the audit says itself what is wrong with a checkpoint
     compile_cache.enable(args.compilation_cache)
     options = AuditOptions(

@@ -37,6 +37,8 @@ from naisnet_jax.checkpoint_metadata import CheckpointError, CheckpointMetadata
 
 FORMAT = "naisnet-jax"
 FORMAT_VERSION = 1
+#: Where a training run keeps its checkpoint directory, inside its workdir.
+RUN_CHECKPOINT_DIR = "checkpoints"
 
 
 class DamagedStep(CheckpointError):
@@ -370,6 +372,20 @@ def latest_step(directory: str) -> int | None:
         return mngr.latest_step()
     finally:
         mngr.close()
+
+
+def run_checkpoint_dir(path: str) -> str | None:
+    """``path/checkpoints`` when ``path`` is a training run's workdir (it holds that directory
+    and no checkpoint step of its own), else ``None``."""
+    inner = os.path.join(path, RUN_CHECKPOINT_DIR)
+    if not os.path.isdir(inner):
+        return None
+    try:
+        if any(name.isdigit() for name in os.listdir(path)):
+            return None  # a checkpoint directory whose steps sit beside a folder named checkpoints
+    except OSError:
+        return None
+    return inner
 
 
 def load(path: str, step: int | None = None) -> tuple[dict, dict]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Iterable
 from typing import Any
 
@@ -148,24 +149,40 @@ def _nearest_existing(path: str) -> str:
     return current
 
 
+def _can_create_in(directory: str) -> bool:
+    """Whether this process can create a file in ``directory``: the permission bits
+    (``os.access``) and then a real attempt, a hidden empty file created and removed at once.
+    The attempt is what counts where the bits say yes and the file system says no (``/sys`` and
+    ``/proc``, a read-only mount, for root)."""
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return False
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".naisnet-write-check-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.remove(probe)
+    return True
+
+
 def _check_creatable(name: str, path: str, what: str) -> None:
     """``path`` does not exist yet: the deepest existing ancestor must be a writable directory."""
     ancestor = _nearest_existing(path)
     if not os.path.isdir(ancestor):
         raise ValueError(f"{name}={path!r}: {ancestor} is a file, so {what} cannot be created under it.")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
+    if not _can_create_in(ancestor):
         raise ValueError(f"{name}={path!r}: {ancestor} is not writable, so {what} cannot be created there.")
 
 
 def check_output_dir(name: str, path: str) -> str:
     """``path`` is a directory this process can write into, or can be created as one; checked
-    before any work, without creating anything."""
+    before any work, leaving nothing behind (a file created there to find out is removed)."""
     if not str(path).strip():
         raise ValueError(f"{name} is empty; expected a directory.")
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise ValueError(f"{name}={path!r} exists and is not a directory.")
-        if not os.access(path, os.W_OK | os.X_OK):
+        if not _can_create_in(path):
             raise ValueError(f"{name}={path!r} is not writable.")
     else:
         _check_creatable(name, path, "the directory")
@@ -173,14 +190,14 @@ def check_output_dir(name: str, path: str) -> str:
 
 
 def check_output_file(name: str, path: str) -> str:
-    """``path`` is a file this process can write (replace), or can create; checked before any
-    work, without creating anything."""
+    """``path`` is a file this process can write (replace: a new file beside it, renamed over
+    it), or can create; checked before any work, leaving nothing behind."""
     if not str(path).strip():
         raise ValueError(f"{name} is empty; expected a file name.")
     if os.path.isdir(path) or str(path).endswith(os.sep):
         raise ValueError(f"{name}={path!r} is a directory; expected a file name.")
     if os.path.exists(path):
-        if not os.access(path, os.W_OK) or not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+        if not os.access(path, os.W_OK) or not _can_create_in(os.path.dirname(os.path.abspath(path))):
             raise ValueError(f"{name}={path!r} is not writable.")
     else:
         _check_creatable(name, path, "the file")

@@ -26,7 +26,7 @@ from naisnet_jax import data as data_lib
 from naisnet_jax import metric_writers
 
 METRICS_FILE = "metrics.jsonl"
-CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_DIR = ckpt.RUN_CHECKPOINT_DIR
 LOCK_FILE = ".trainer.lock"
 
 
