@@ -29,6 +29,7 @@ Kinds (the test names say which):
 42. ``~`` in ``naisnet-train``'s and the demo's workdir   43. ``~`` in ``naisnet-verify``'s paths
 44. the verifier's bad options and unwritable outputs      45. its unusable checkpoints and data
 46. a run's workdir given to the verifier                  47. an empty batch to audit
+48. a projection with no block to project
 
 Tests 35-46 run the commands as subprocesses, as a user does: their stderr must hold exactly the
 lines the commands write themselves, with no traceback, no ``Event loop is closed`` from Orbax's
@@ -52,11 +53,13 @@ import shutil
 import struct
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 from naisnet_jax.verify import cli as verify_cli
 
@@ -859,7 +862,7 @@ def test_39_parameters_that_overflow_float32_are_not_certified_with_the_reason(t
     assert Certificate.from_json(cert.to_json()).blocks[0].reason == report.reason
 
 
-# -------------------------------------------------------- 40-47. the demo, ~ in paths, the verifier's voice
+# -------------------------------------------------------- 40-48. the demo, ~ in paths, the verifier, projections
 
 QUICK_S = 45  # every subprocess below refuses or audits a tiny model: a hang is a failure
 
@@ -1108,3 +1111,25 @@ def test_47_audit_model_given_an_empty_batch():
         "inputs has shape (0, 8, 8, 1): no input to unroll; expected a batch of at least one input (shape "
         "(n, ...), n >= 1), or inputs=None with options.input_shape for the parameter-level audit only."
     )
+
+
+def test_48_a_projection_with_no_block_to_project():
+    """``stability_projection`` initialised on parameters without a NAIS block warns once, and not
+    when told that is meant (``expect_blocks=False``) or when there is a block."""
+    plain = {"dense": {"kernel": jnp.ones((3, 3)), "bias": jnp.zeros(3)}}
+    tx = optax.chain(optax.sgd(0.1), nj.stability_projection(eps=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tx.init(plain)
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (
+            nj.NoNaisBlockWarning,
+            "stability_projection: the parameters hold no NAIS block (no leaf named 'R' or 'state_kernel'), so "
+            "it projects nothing; pass expect_blocks=False if that is meant (a baseline without the stable "
+            "parametrisation).",
+        )
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nj.stability_projection(eps=0.1, expect_blocks=False).init(plain)
+        nj.stability_projection(eps=0.1).init({"block": {"R": jnp.eye(3)}})

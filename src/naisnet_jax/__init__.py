@@ -9,6 +9,7 @@ from naisnet_jax.cell import ACTIVATIONS, activation_slope, conv_same, conv_step
 from naisnet_jax.kernels import KernelPolicy, unroll_tied, unroll_tied_conv, unroll_tied_dense
 from naisnet_jax.parametrize import centre_mask, conv_state_kernel, fc_state_matrix
 from naisnet_jax.projection import (
+    NoNaisBlockWarning,
     count_projected_blocks,
     fc_delta,
     iter_state_blocks,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ACTIVATIONS",
     "KernelPolicy",
+    "NoNaisBlockWarning",
     "activation_slope",
     "centre_mask",
     "conv_same",

@@ -21,6 +21,7 @@ The result always has the input's tree structure.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -408,7 +409,14 @@ def count_projected_blocks(params: Any) -> int:
     return len(_state_leaves(params)[2])
 
 
-def stability_projection(*, eps: float, eta: float = 0.5, relaxed: bool = False) -> optax.GradientTransformation:
+class NoNaisBlockWarning(UserWarning):
+    """:func:`stability_projection` was initialised on parameters that hold no NAIS block, so it
+    projects nothing."""
+
+
+def stability_projection(
+    *, eps: float, eta: float = 0.5, relaxed: bool = False, expect_blocks: bool = True
+) -> optax.GradientTransformation:
     """Optax transform that makes ``params + updates`` satisfy Algorithms 1 and 2.
 
     The returned updates are ``project_params(params + updates) - params`` on
@@ -418,12 +426,25 @@ def stability_projection(*, eps: float, eta: float = 0.5, relaxed: bool = False)
     of a chain (anything after it would move the parameters off the set).
     Works on any params pytree (dict, ``FrozenDict``, ``nnx.State`` inside
     ``nnx.Optimizer``); the updates keep their structure.
+
+    Blocks are found by leaf name (``"R"``, ``"state_kernel"``; see the module). Parameters with
+    none pass through unchanged, and ``init(params)`` says so once with a :class:`NoNaisBlockWarning`
+    (a model whose state parameter is named otherwise would train unprojected). Pass
+    ``expect_blocks=False`` where no block is the intent: one optimiser shared by NAIS-Nets and
+    the plain ResNet baselines.
     """
     check_eps(eps)
     check_eta(eta, eps)
 
     def init_fn(params):
-        del params
+        if expect_blocks and params is not None and count_projected_blocks(params) == 0:
+            warnings.warn(
+                f"stability_projection: the parameters hold no NAIS block (no leaf named {FC_KEY!r} or "
+                f"{CONV_KERNEL_KEY!r}), so it projects nothing; pass expect_blocks=False if that is meant "
+                "(a baseline without the stable parametrisation).",
+                NoNaisBlockWarning,
+                stacklevel=2,
+            )
         return optax.EmptyState()
 
     def update_fn(updates, state, params=None):
