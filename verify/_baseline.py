@@ -16,7 +16,7 @@ from ._common import Block, all_finite, group, stack
 from .arnoldi import arnoldi_eigs_batch, stack_operators
 from .certificate import BaselineParameters, Spectrum
 from .operators import conv_operator, jacobian_operator, operator_matrix
-from .spectral import _dense_result, spectral_radius_info
+from .spectral import dense_spectral_result, spectral_radius_info
 
 _OVERFLOW = "the float32 weights (times their BatchNorm scale) overflow float32: no radius"
 
@@ -84,7 +84,7 @@ def conv(blocks: list[Block], options) -> dict[int, tuple[BaselineParameters, Sp
             results = []
             for op in ops:
                 M = np.asarray(operator_matrix(op, n))
-                res = _dense_result(M, iterations=n)
+                res = dense_spectral_result(M, iterations=n)
                 results.append((res.radius, True, "dense", np.linalg.eigvals(M)))
         else:
             keys = jnp.stack([b.key for b in members])

@@ -24,7 +24,7 @@ from ._numerics import U64, float32_h, gamma
 from .arnoldi import arnoldi_eigs_batch, stack_operators
 from .certificate import ConvParameters, Equilibrium, Spectrum, Trajectory
 from .operators import conv_operator, jacobian_operator, operator_matrix
-from .spectral import _dense_result, _dense_spectrum
+from .spectral import dense_spectral_result, dense_spectrum
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -186,7 +186,7 @@ def _radius_estimates(members, kernels, h, options) -> dict[int, dict]:
     results = []
     if n <= options.dense_max_n:
         for op in ops:
-            res, eig = _dense_spectrum(np.asarray(operator_matrix(op, n)), iterations=n)
+            res, eig = dense_spectrum(np.asarray(operator_matrix(op, n)), iterations=n)
             results.append((res.radius, res.eigenvalue, res.residual, True, "dense", eig))
     else:
         for res in arnoldi_eigs_batch(stack_operators(ops), n, keys=jnp.stack(keys)):
@@ -337,7 +337,7 @@ def _group_trajectories(members: list[Block], options) -> dict[int, Trajectory]:
     if ops:
         n = int(np.prod(visited[0]["shape"]))
         if n <= options.dense_max_n:
-            found = [_dense_result(np.asarray(operator_matrix(op, n)), n).radius for op in ops]
+            found = [dense_spectral_result(np.asarray(operator_matrix(op, n)), n).radius for op in ops]
         else:
             found = [
                 abs(complex(r.eigenvalues[0]))

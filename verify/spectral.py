@@ -60,13 +60,14 @@ class SpectralResult(NamedTuple):
 # ----------------------------------------------------------------------------- dense
 
 
-def _dense_result(A: np.ndarray, iterations: int) -> SpectralResult:
-    """Radius from `numpy.linalg.eigvals` (float64), residual from two inverse-iteration steps."""
-    return _dense_spectrum(A, iterations)[0]
+def dense_spectral_result(A: np.ndarray, iterations: int) -> SpectralResult:
+    """The dense method's `SpectralResult` of a matrix: radius from `numpy.linalg.eigvals`
+    (float64), residual from two inverse-iteration steps."""
+    return dense_spectrum(A, iterations)[0]
 
 
-def _dense_spectrum(A: np.ndarray, iterations: int) -> tuple[SpectralResult, np.ndarray]:
-    """`_dense_result` and every eigenvalue (one eigen-decomposition)."""
+def dense_spectrum(A: np.ndarray, iterations: int) -> tuple[SpectralResult, np.ndarray]:
+    """`dense_spectral_result` and every eigenvalue (one eigen-decomposition)."""
     A = np.asarray(A)
     A = A.astype(np.complex128 if np.iscomplexobj(A) else np.float64)
     check_finite("the matrix", A, "; no spectral radius")
@@ -127,14 +128,14 @@ def spectral_radius_info(
             raise ValueError(f"n={n} disagrees with the matrix of shape {shape}")
         n = shape[0]
         if method in ("auto", "dense"):
-            return _dense_result(np.asarray(op), iterations=0)
+            return dense_spectral_result(np.asarray(op), iterations=0)
         fn = dense_operator(jnp.asarray(op))
     elif callable(op):
         if n is None:
             raise ValueError("n (the vector length) is required when op is a function")
         fn = as_operator(op)
         if method == "dense" or (method == "auto" and n <= dense_max_n):
-            return _dense_result(np.asarray(operator_matrix(fn, n)), iterations=n)
+            return dense_spectral_result(np.asarray(operator_matrix(fn, n)), iterations=n)
     else:
         raise TypeError(f"op must be a square matrix or a function v -> A v; got {type(op).__name__}")
     res = arnoldi_eigs(fn, n, k=1, krylov_dim=krylov_dim, tol=tol, max_restarts=max_restarts, key=key)
