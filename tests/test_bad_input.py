@@ -1070,7 +1070,9 @@ def test_44_every_refusal_of_the_verifier_is_one_error_line_before_the_audit(tra
 
 
 def test_45_the_verifier_names_unusable_input_as_error_lines(trained, tmp_path):
-    """A missing checkpoint and unreadable data: ``error:`` lines too, each saying what is wrong."""
+    """A missing checkpoint, data that cannot be read or does not fit the model: ``error:`` lines
+    too, each saying what is wrong (a --data whose images the model cannot take is not an
+    unusable checkpoint)."""
     code, out, err = quick("naisnet-verify", tmp_path / "nothing", "--data=none")
     assert (code, one_error_line(err)) == (
         2,
@@ -1086,6 +1088,16 @@ def test_45_the_verifier_names_unusable_input_as_error_lines(trained, tmp_path):
     line = one_error_line(err)
     assert line.startswith("error: cannot read --data=mnist_pinned (MNIST file not found: ")
     assert line.endswith("; pass --data=random or --data=none")
+    folder = _idx_folder(tmp_path / "fashion")  # 28 x 28 images for a model of 8 x 8 digits
+    code, out, err = quick(
+        "naisnet-verify", trained / train.CHECKPOINT_DIR, "--data=fashion_mnist_idx", f"--data-dir={folder}"
+    )
+    assert (code, out, one_error_line(err)) == (
+        2,
+        "",
+        "error: --data=fashion_mnist_idx: its images have shape (28, 28, 1), but the checkpoint's model "
+        "(naisnet_mnist, trained on 'digits') takes inputs of shape (8, 8, 1); pass --data=random or --data=none",
+    )
 
 
 def test_46_the_verifier_given_a_run_workdir_audits_its_checkpoints(trained, tmp_path):

@@ -28,7 +28,7 @@ from .certificate import (
     Verdict,
     figure_status,
 )
-from .certify import AuditOptions, ModelApplyError, audit, audit_model
+from .certify import AuditDataError, AuditOptions, ModelApplyError, audit, audit_model
 from .operators import conv_matrix, conv_operator, dense_operator, jacobian_operator, operator_matrix
 from .spectral import (
     SpectralResult,
@@ -41,6 +41,7 @@ from .spectral import (
 
 __all__ = [
     "ArnoldiResult",
+    "AuditDataError",
     "AuditOptions",
     "BaselineParameters",
     "BlockReport",

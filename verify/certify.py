@@ -89,6 +89,14 @@ def check_data(value: Any, name: str = "data") -> Any:
     )
 
 
+class AuditDataError(ValueError):
+    """The dataset that ``AuditOptions.data`` names cannot be fed to the checkpoint's model."""
+
+    def __init__(self, data: str, reason: str):
+        self.data, self.reason = data, reason
+        super().__init__(f"data={data!r}: {reason}; pass data='random' or data='none'")
+
+
 @dataclasses.dataclass(frozen=True)
 class AuditOptions:
     """What the audit looks at.
@@ -488,6 +496,12 @@ def _inputs(meta: ckpt.CheckpointMetadata, options: AuditOptions) -> tuple[np.nd
         )
     data_dir = options.data_dir or meta.config.get("data_dir")
     ds = data_lib.load_dataset(name, data_dir=data_dir, limit_test=options.samples)
+    if options.data is not None and tuple(ds.test_images.shape[1:]) != shape:
+        raise AuditDataError(
+            options.data,
+            f"its images have shape {tuple(ds.test_images.shape[1:])}, but the checkpoint's model "
+            f"({meta.model}, trained on {meta.dataset!r}) takes inputs of shape {shape}",
+        )
     images = ds.test_images[: options.samples].astype(np.float64) / 255.0
     return (images - np.asarray(meta.channel_mean)) / np.asarray(
         meta.channel_std

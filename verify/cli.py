@@ -19,7 +19,7 @@ from naisnet_jax import compile_cache
 from naisnet_jax.checkpoint import CheckpointError, quiet_orbax_logging, run_checkpoint_dir
 from naisnet_jax.checks import check_output_dir, check_output_file
 
-from .certify import AuditOptions, audit, check_data, check_option
+from .certify import AuditDataError, AuditOptions, audit, check_data, check_option
 from .report import write_figures, write_json
 
 EXIT_CERTIFIED, EXIT_NOT_CERTIFIED, EXIT_USAGE = 0, 1, 2
@@ -60,6 +60,8 @@ def audit_and_report(
         checkpoint_dir = inner
     try:
         cert = audit(checkpoint_dir, options)
+    except AuditDataError as e:
+        return _error(f"--data={e.data}: {e.reason}; pass --data=random or --data=none")
     except CheckpointError as e:
         return _error(f"unusable checkpoint: {e}")
     except (FileNotFoundError, ImportError) as e:
