@@ -218,7 +218,7 @@ def certificate_certified(certificate) -> bool:
 
 
 def _has_step_logits(model, state, input_shape) -> bool:
-    one = jax.tree.map(lambda x: x[0], train._variables(state))
+    one = jax.tree.map(lambda x: x[0], train.state_variables(state))
     out = jax.eval_shape(
         lambda v: model.apply(v, jnp.zeros((1, *input_shape), jnp.float32), train=False, return_aux=True), one
     )

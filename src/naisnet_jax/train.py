@@ -193,17 +193,21 @@ def data_parallel_step(
     return step(state, shard_batch(batch, mesh))
 
 
-def _variables(state):
+def state_variables(state):
+    """The variables ``state.apply_fn`` takes: ``{"params": ...}``, with ``"batch_stats"`` if the model has them."""
     variables = {"params": state.params}
     if state.batch_stats is not None:
         variables["batch_stats"] = state.batch_stats
     return variables
 
 
+_variables = state_variables  # the old name, while experiments/ablation.py still calls it
+
+
 def eval_step(state: TrainState, batch, mask) -> dict:
     """Sums over the real (``mask``) examples of a batch: loss, correct, depth."""
     x, y = batch
-    logits, aux = state.apply_fn(_variables(state), x, train=False, return_aux=True)
+    logits, aux = state.apply_fn(state_variables(state), x, train=False, return_aux=True)
     m = mask.astype(jnp.float32)
     out = {
         "loss_sum": jnp.sum(cross_entropy(logits, y) * m),
@@ -318,7 +322,7 @@ def make_per_step_loss(mean, std, batch_size: int = 1000) -> Callable:
         def body(_, inputs):
             i, m = inputs
             x, y = data_lib.get_batch(data, i, mean=mean, std=std)
-            _, aux = state.apply_fn(_variables(state), x, train=False, return_aux=True)
+            _, aux = state.apply_fn(state_variables(state), x, train=False, return_aux=True)
             ce = cross_entropy(aux["step_logits"], y[None])  # (K, B)
             return None, jnp.sum(ce * m[None], axis=1)
 
