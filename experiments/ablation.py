@@ -145,7 +145,7 @@ def neuron_trajectories(result, samples: int = TRAJECTORY_SAMPLES) -> dict:
     from naisnet_jax import train
 
     state = result.seed_state(0)
-    variables = train._variables(state)
+    variables = train.state_variables(state)
     labels = np.asarray(result.test_data.labels)
     n = min(2000, len(labels))
     x, _ = data_lib.get_batch(result.test_data, jnp.arange(n), mean=result.mean, std=result.std)

@@ -101,13 +101,6 @@ def get_config(dataset: str = "fashion_mnist_idx", *, smoke: bool = False):
 # Depths of every test pattern.
 
 
-def _variables(state) -> dict:
-    variables = {"params": state.params}
-    if state.batch_stats is not None:
-        variables["batch_stats"] = state.batch_stats
-    return variables
-
-
 def test_depths(state, images, mean, std, *, batch_size: int = 500) -> dict:
     """Runs the trained model over ``images`` (uint8 NHWC, host) in batches.
 
@@ -116,6 +109,8 @@ def test_depths(state, images, mean, std, *, batch_size: int = 500) -> dict:
     pattern took in each block.
     """
     import jax
+
+    from naisnet_jax import train
 
     from naisnet_jax import data as data_lib
 
@@ -126,7 +121,7 @@ def test_depths(state, images, mean, std, *, batch_size: int = 500) -> dict:
         logits_scan, aux = state.apply_fn(variables, x, train=False, return_aux=True)
         return logits, logits_scan, aux["depth"]
 
-    variables = _variables(state)
+    variables = train.state_variables(state)
     n = len(images)
     size = min(batch_size, n)
     outs = []

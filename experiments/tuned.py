@@ -227,11 +227,10 @@ def saturated_share(state, data, mean, std, *, batch_size: int = 2000, threshold
     import jax.numpy as jnp
 
     from naisnet_jax import data as data_lib
+    from naisnet_jax import train
     from naisnet_jax.probe import AUDIT_COLLECTION, BlockProbe
 
-    variables = {"params": state.params}
-    if state.batch_stats is not None:
-        variables["batch_stats"] = state.batch_stats
+    variables = train.state_variables(state)
 
     @jax.jit
     def counts(x):

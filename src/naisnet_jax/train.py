@@ -201,7 +201,6 @@ def state_variables(state):
     return variables
 
 
-_variables = state_variables  # the old name, while experiments/ablation.py still calls it
 
 
 def eval_step(state: TrainState, batch, mask) -> dict:
