@@ -1145,3 +1145,16 @@ def test_48_a_projection_with_no_block_to_project():
         warnings.simplefilter("error")
         nj.stability_projection(eps=0.1, expect_blocks=False).init(plain)
         nj.stability_projection(eps=0.1).init({"block": {"R": jnp.eye(3)}})
+
+
+def test_48b_the_trainer_projects_a_baseline_without_a_warning():
+    """The trainer's optimiser ends with the projection for every model; on a ResNet baseline it
+    has nothing to project, which is meant, so its state is made without a warning."""
+    config = tiny_config()
+    config.model = "resnet"
+    config.model_kwargs = ml_collections.ConfigDict({"features": 8, "depth": 3})
+    net = train.build_model(config, 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = train.create_train_state(config, net, (8, 8, 1), steps_per_epoch=4)
+    assert "W" in state.params and "R" not in state.params

@@ -120,7 +120,8 @@ def make_optimizer(config, steps_per_epoch: int) -> optax.GradientTransformation
     if config.weight_decay > 0:
         parts.append(optax.add_decayed_weights(config.weight_decay))
     parts.append(optax.sgd(learning_rate_schedule(config, steps_per_epoch), momentum=config.momentum or None))
-    parts.append(stability_projection(eps=config.eps, eta=config.eta, relaxed=config.relaxed))  # last
+    # last; the ResNet baselines train through it too, with nothing to project
+    parts.append(stability_projection(eps=config.eps, eta=config.eta, relaxed=config.relaxed, expect_blocks=False))
     return optax.chain(*parts)
 
 
@@ -199,8 +200,6 @@ def state_variables(state):
     if state.batch_stats is not None:
         variables["batch_stats"] = state.batch_stats
     return variables
-
-
 
 
 def eval_step(state: TrainState, batch, mask) -> dict:
