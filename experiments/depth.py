@@ -110,9 +110,8 @@ def test_depths(state, images, mean, std, *, batch_size: int = 500) -> dict:
     """
     import jax
 
-    from naisnet_jax import train
-
     from naisnet_jax import data as data_lib
+    from naisnet_jax import train
 
     @jax.jit
     def run(variables, batch):
