@@ -309,6 +309,14 @@ def write_outputs(rows, workdir, *, header: dict, paper) -> str:
     return text
 
 
+def line_color(i: int, n: int):
+    """The colour of curve ``i`` of ``n``: matplotlib's ten-colour cycle, or twenty colours when
+    there are more curves than ten (the tuned table's twelve rows)."""
+    import matplotlib
+
+    return f"C{i}" if n <= 10 else matplotlib.colormaps["tab20"](i % 20)
+
+
 def per_layer_axes(ax, rows, key: str) -> None:
     """Figure 3 (left) on ``ax``: each model's mean per-layer loss ``row[key]`` with a band of one std."""
     for i, r in enumerate(rows):
@@ -317,7 +325,7 @@ def per_layer_axes(ax, rows, key: str) -> None:
             continue
         mean, std = np.asarray(pl["mean"]), np.asarray(pl["std"])
         layers = np.arange(1, len(mean) + 1)
-        color = "k" if r["label"] == "NAIS-Net" else f"C{i % 10}"
+        color = "k" if r["label"] == "NAIS-Net" else line_color(i, len(rows))
         ax.plot(layers, mean, color=color, lw=2.5 if color == "k" else 1.2, label=r["label"])
         ax.fill_between(layers, np.maximum(mean - std, 1e-6), mean + std, color=color, alpha=0.15, lw=0)
     ax.set(xlabel="layer / unroll step i", yscale="log")
@@ -365,7 +373,7 @@ def plot(rows, workdir) -> None:
         c = r["test_accuracy_curve"]
         ep = np.asarray(c["epochs"])
         mean, std = as_array(c["mean"]), as_array(c["std"])
-        color = "k" if r["label"] == "NAIS-Net" else f"C{i % 10}"
+        color = "k" if r["label"] == "NAIS-Net" else line_color(i, len(rows))
         ax.plot(ep, mean, color=color, lw=2 if color == "k" else 1, label=r["label"])
         ax.fill_between(ep, mean - std, mean + std, color=color, alpha=0.15, lw=0)
     ax.set(xlabel="epoch", ylabel="test accuracy", title="Test accuracy over epochs (mean ± std over seeds)")
@@ -510,7 +518,7 @@ def plot_h(by_h: dict[float, list[dict]], workdir: str) -> None:
         x = [h for h, _ in pts]
         mean = [100 * r["test_accuracy"]["mean"] for _, r in pts]
         std = [100 * r["test_accuracy"]["std"] for _, r in pts]
-        color = "k" if label == "NAIS-Net" else f"C{i % 10}"
+        color = "k" if label == "NAIS-Net" else line_color(i, len(LABELS))
         ax.errorbar(
             x, mean, yerr=std, color=color, marker="o", ms=4, capsize=3, lw=2 if color == "k" else 1, label=label
         )

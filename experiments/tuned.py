@@ -429,7 +429,7 @@ def plot_choice(rows: list[dict], workdir: str) -> None:
         lr = [x["learning_rate"] for x in c]
         acc = [100 * x["score"] for x in c]
         style = "--" if r.get("bound") == "2(1 − ε)" else "-"
-        color = "k" if r["model"] == "naisnet_mnist" else f"C{i % 10}"
+        color = "k" if r["model"] == "naisnet_mnist" else ablation.line_color(i, len(rows))
         ax.plot(lr, acc, style, color=color, marker="o", ms=3, lw=1.2, label=r["label"])
         ax.plot([r["learning_rate"]], [100 * max(x["score"] for x in c)], "*", color=color, ms=10)
     ax.set(
