@@ -263,12 +263,8 @@ def gap_at_training_accuracy(row: dict, train_accuracy: float) -> dict | None:
     if reached.size == 0:
         return None
     i = int(reached[0])
-    if i == 0:
-        t = 0.0
-        j = 0
-    else:
-        j = i - 1
-        t = (train_accuracy - train[j]) / (train[i] - train[j])
+    j = max(i - 1, 0)
+    t = 0.0 if i == 0 else (train_accuracy - train[j]) / (train[i] - train[j])
     gap = (1 - t) * (train[j] - test[j]) + t * (train[i] - test[i])
     return {"epoch": float(epochs[j] + t * (epochs[i] - epochs[j])), "gap": float(gap)}
 

@@ -35,6 +35,7 @@ literal protocol (learning rate 0.1, ``--literal``) beside the tuned ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -134,19 +135,19 @@ def score(history: list[dict], seeds, *, epochs: int) -> dict:
     :data:`SCORE_EPOCHS` epochs (0 for a seed that diverged); the score is their mean."""
     last = max(r["epoch"] for r in history)
     window = range(max(1, last - SCORE_EPOCHS + 1), last + 1)
-    per_seed = []
-    for s in seeds:
-        rows = [r for r in history if r["seed"] == s]
-        if any(r["diverged_epoch"] is not None for r in rows):
-            per_seed.append(0.0)
-        else:
-            per_seed.append(float(np.mean([r["test_accuracy"] for r in rows if r["epoch"] in window])))
+    diverged = {r["seed"] for r in history if r["diverged_epoch"] is not None}
+    per_seed = [
+        0.0
+        if s in diverged
+        else float(np.mean([r["test_accuracy"] for r in history if r["seed"] == s and r["epoch"] in window]))
+        for s in seeds
+    ]
     final = [next(r["test_accuracy"] for r in history if r["seed"] == s and r["epoch"] == last) for s in seeds]
     return {
         "score": float(np.mean(per_seed)),
         "per_seed": per_seed,
         "final_accuracy": final,
-        "diverged": sum(any(r["diverged_epoch"] is not None for r in history if r["seed"] == s) for s in seeds),
+        "diverged": len(diverged & set(seeds)),
         "epochs": last,
         "complete": last >= epochs,
     }
@@ -207,12 +208,38 @@ def run_choice(variant: Variant, workdir: str, *, seeds: int, epochs: int, h: fl
         "rows": [scores[lr] for lr in sorted(scores, reverse=True)],
         "seeds": seeds,
         "epochs": epochs,
-        "validation": choice_config(variant, lr=best, seeds=seeds, epochs=epochs, h=h, smoke=smoke).validation,
+        "validation": config.validation,
         "seconds": seconds,
     }
 
 
 # --------------------------------------------------------------------------- the final run
+
+
+@functools.lru_cache(maxsize=4)
+def _saturation_counts(apply_fn, threshold: float):
+    """``(variables, x) -> (saturated, total)`` tanh units of one batch, jitted once per model
+    (every seed of a sweep shares its ``apply_fn``)."""
+    import jax
+    import jax.numpy as jnp
+
+    from naisnet_jax.probe import AUDIT_COLLECTION, BlockProbe
+
+    @jax.jit
+    def counts(variables, x):
+        _, sown = apply_fn(variables, x, train=False, mutable=[AUDIT_COLLECTION])
+        probes = jax.tree.leaves(sown, is_leaf=lambda v: isinstance(v, BlockProbe))
+        saturated = total = 0
+        for p in probes:
+            if p.activation != "tanh":
+                continue
+            xs = jnp.concatenate([p.x0[None].astype(p.states.dtype), p.states])
+            act = jnp.diff(xs, axis=0) / p.h
+            saturated += jnp.sum(jnp.abs(act) > math.tanh(threshold))
+            total += act.size
+        return saturated, total
+
+    return counts
 
 
 def saturated_share(state, data, mean, std, *, batch_size: int = 2000, threshold: float = SATURATION) -> float:
@@ -228,29 +255,15 @@ def saturated_share(state, data, mean, std, *, batch_size: int = 2000, threshold
 
     from naisnet_jax import data as data_lib
     from naisnet_jax import train
-    from naisnet_jax.probe import AUDIT_COLLECTION, BlockProbe
 
+    counts = _saturation_counts(state.apply_fn, threshold)
     variables = train.state_variables(state)
-
-    @jax.jit
-    def counts(x):
-        _, sown = state.apply_fn(variables, x, train=False, mutable=[AUDIT_COLLECTION])
-        probes = [p for p in jax.tree.leaves(sown, is_leaf=lambda v: isinstance(v, BlockProbe))]
-        saturated = total = 0
-        for p in probes:
-            if p.activation != "tanh":
-                continue
-            xs = jnp.concatenate([p.x0[None].astype(p.states.dtype), p.states])
-            act = jnp.diff(xs, axis=0) / p.h
-            saturated += jnp.sum(jnp.abs(act) > math.tanh(threshold))
-            total += act.size
-        return saturated, total
 
     n = data.images.shape[0]
     saturated = total = 0
     for start in range(0, n, batch_size):
         x, _ = data_lib.get_batch(data, jnp.arange(start, min(n, start + batch_size)), mean=mean, std=std)
-        s, t = jax.device_get(counts(x))
+        s, t = jax.device_get(counts(variables, x))
         saturated, total = saturated + int(s), total + int(t)
     if total == 0:
         raise ValueError("the model reports no tanh layer; the saturated share is undefined")
@@ -446,8 +459,9 @@ def plot_choice(rows: list[dict], workdir: str) -> None:
     plt.close(fig)
 
 
-def report(rows: list[dict], workdir: str, *, literal_path: str, h: float, settings: dict) -> str:
-    literal = literal_rows(literal_path)
+def report(
+    rows: list[dict], workdir: str, *, literal: dict[str, dict], literal_path: str, h: float, settings: dict
+) -> str:
     wall = sum(r["seconds"] + r["choice"]["seconds"] for r in rows)
     header = {
         "dataset": "mnist_pinned" + (" (smoke: digits, tiny sizes)" if settings["smoke"] else ""),
@@ -545,8 +559,8 @@ def run(
             raise RuntimeError(f"{key} is still held by another process; report once every process has ended")
         rows[key] = row
     ordered = [rows[v.key] for v in variants]
-    report(ordered, workdir, literal_path=literal if not smoke else "", h=h, settings=settings)
     literal_by = literal_rows(literal) if not smoke else {}
+    report(ordered, workdir, literal=literal_by, literal_path=literal, h=h, settings=settings)
     rank = rank_among_ten(ordered)
     print(f"\n{'model':<34} {'lr':>7} {'test acc (%)':>16} {'95% CI':>16} {'rank':>5} {'sat.':>6} {'lr 0.1':>16}")
     for r in ordered:
