@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-import subprocess
 
+import provenance
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -187,20 +187,6 @@ def test_the_checks_catch_a_missing_and_an_uncited_result(tmp_path):
 # ------------------------------------------------------------------------------ provenance
 
 
-def fields(record, names: tuple[str, ...]) -> list:
-    """Every value stored under one of ``names``, at any depth of a JSON record."""
-    found = []
-    if isinstance(record, dict):
-        for key, value in record.items():
-            if key in names:
-                found.append(value)
-            found.extend(fields(value, names))
-    elif isinstance(record, list):
-        for item in record:
-            found.extend(fields(item, names))
-    return found
-
-
 def records(repo: pathlib.Path = REPO) -> list[pathlib.Path]:
     """Every stored JSON result, less ``<name>_runs.json``, the runs of ``<name>.json`` beside it."""
     return [repo / RESULTS / f for f in stored_files(repo) if f.endswith(".json") and not f.endswith("_runs.json")]
@@ -218,12 +204,12 @@ def result_name(path: pathlib.Path, repo: pathlib.Path = REPO) -> str:
 def device_problems(record) -> list[str]:
     """A record names its card as ``device_kind`` (``_common.device_summary``) or as ``device``
     ("NVIDIA H200 (gpu)", ``audit_speed.py``)."""
-    names = [v for v in fields(record, ("device_kind", "device")) if isinstance(v, str) and v.strip()]
+    names = [v for v in provenance.fields(record, ("device_kind", "device")) if isinstance(v, str) and v.strip()]
     return [] if names else ["no 'device_kind' or 'device' naming the card"]
 
 
 def script_problems(record) -> list[str]:
-    scripts = fields(record, ("script",))
+    scripts = provenance.fields(record, ("script",))
     if not scripts:
         return ["no 'script' field: the commit that made it is not recorded"]
     bad = sorted({str(s) for s in scripts if not (isinstance(s, str) and SCRIPT.match(s))})
@@ -266,17 +252,10 @@ def test_the_results_without_a_script_are_those_listed():
     assert lacking == WITHOUT_SCRIPT, f"lacking a script: {sorted(lacking)}; listed: {sorted(WITHOUT_SCRIPT)}"
 
 
-def _git(*args) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def test_every_recorded_script_is_in_the_history():
-    if _git("rev-parse", "--is-shallow-repository") != "false":
+    if not provenance.full_history():
         pytest.skip("not a full git checkout: the recorded commits cannot be looked up")
-    commits = {s.partition("+")[0] for p in records() for s in fields(json.loads(p.read_text()), ("script",))}
-    assert commits, "no stored result records its script"
-    unknown = sorted(c for c in commits if _git("cat-file", "-e", f"{c}^{{commit}}") is None)
+    scripts = [s for p in records() for s in provenance.fields(json.loads(p.read_text()), ("script",))]
+    assert scripts, "no stored result records its script"
+    unknown = provenance.unknown_commits(scripts)
     assert not unknown, f"recorded script commits that this repository does not hold: {unknown}"

@@ -205,16 +205,9 @@ def test_fault_drill_twelve_kills(tmp_path):
     drill(tmp_path, kills=12, write_kills=4, epochs=60, seed=1)
 
 
-def test_one_trainer_per_workdir(tmp_path):
-    """While a trainer holds the workdir (a process holding its lock, as a running trainer does),
-    a second ``naisnet-train`` on it is refused in one line with exit 2 before it writes anything;
-    once the holder is SIGKILLed, its lock goes with it and the next run trains there."""
-    from naisnet_jax import engine
-
-    workdir = tmp_path / "run"
-    workdir.mkdir()
-    lock_path = workdir / engine.LOCK_FILE
-    holder = subprocess.Popen(
+def _hold_lock(lock_path) -> subprocess.Popen:
+    """A process that takes ``lock_path`` as a running trainer holds it, prints ``held`` and waits."""
+    return subprocess.Popen(
         [
             sys.executable,
             "-c",
@@ -224,6 +217,18 @@ def test_one_trainer_per_workdir(tmp_path):
         stdout=subprocess.PIPE,
         text=True,
     )
+
+
+def test_one_trainer_per_workdir(tmp_path):
+    """While a trainer holds the workdir (a process holding its lock, as a running trainer does),
+    a second ``naisnet-train`` on it is refused in one line with exit 2 before it writes anything;
+    once the holder is SIGKILLed, its lock goes with it and the next run trains there."""
+    from naisnet_jax import engine
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    lock_path = workdir / engine.LOCK_FILE
+    holder = _hold_lock(lock_path)
     try:
         assert holder.stdout.readline().strip() == "held"
         env = _env(tmp_path / "cache")
@@ -319,16 +324,7 @@ def test_the_demo_refuses_a_workdir_a_trainer_holds(tmp_path):
     (workdir / train.CHECKPOINT_DIR / "4").mkdir(parents=True)
     (workdir / train.METRICS_FILE).write_text('{"epoch": 1}\n')
     lock_path = workdir / engine.LOCK_FILE
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import filelock, time; lock = filelock.FileLock({str(lock_path)!r}); lock.acquire(); "
-            "print('held', flush=True); time.sleep(600)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    holder = _hold_lock(lock_path)
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",

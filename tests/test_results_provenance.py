@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-import subprocess
 import warnings
 
+import provenance
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -18,7 +18,7 @@ RESULTS_MD = REPO / "experiments" / "RESULTS.md"
 RESULTS_DIR = REPO / "experiments" / "results"
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
-#: A short (or full) git hash, "+changes" where the tree had uncommitted changes to src/ or experiments/.
+#: A short (or full) git hash, "+changes" where the tree had uncommitted changes to src/, experiments/ or verify/.
 SCRIPT = re.compile(r"^[0-9a-f]{7,40}(\+changes)?$")
 #: ``naisnet_jax.sweep.device_description()``: "<platform>: <device kind>", e.g. "gpu: NVIDIA H200".
 DEVICE = re.compile(r"\b(cpu|gpu|tpu): \S")
@@ -70,16 +70,7 @@ def test_links_into_the_stored_results_resolve(page):
 def fields(record, names: tuple[str, ...]) -> list:
     """Every value stored under one of ``names``, at any depth of a JSON record; list values are
     flattened."""
-    found = []
-    if isinstance(record, dict):
-        for key, value in record.items():
-            if key in names:
-                found.extend(value if isinstance(value, list) else [value])
-            found.extend(fields(value, names))
-    elif isinstance(record, list):
-        for item in record:
-            found.extend(fields(item, names))
-    return found
+    return provenance.fields(record, names, flatten_lists=True)
 
 
 def provenance_problems(record) -> list[str]:
@@ -130,18 +121,12 @@ def test_every_stored_result_names_its_commit_and_device(path):
     assert not problems, f"{path.relative_to(REPO)}: {problems}"
 
 
-def _git(*args) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def test_every_recorded_commit_is_in_the_history():
-    if _git("rev-parse", "--is-shallow-repository") != "false":
+    if not provenance.full_history():
         pytest.skip("not a full git checkout: the recorded commits cannot be looked up")
-    commits = {s.partition("+")[0] for p in result_files() for s in fields(json.loads(p.read_text()), ("script",))}
-    unknown = sorted(c for c in commits if _git("cat-file", "-e", f"{c}^{{commit}}") is None)
+    unknown = provenance.unknown_commits(
+        s for p in result_files() for s in fields(json.loads(p.read_text()), ("script",))
+    )
     assert not unknown, f"recorded script commits that this repository does not hold: {unknown}"
 
 
