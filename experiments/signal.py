@@ -344,6 +344,33 @@ def summary_row(rec: dict) -> dict:
         "train_eval_accuracy": rec["train_eval_accuracy"],
         "test_accuracy_batch_statistics": rec["test_accuracy_batch_statistics"],
         "test_accuracy_recomputed_statistics": rec.get("test_accuracy_recomputed_statistics"),
+        "trajectory": trajectory(rec),
+    }
+
+
+#: The steps at which the report's trajectory table samples each record (the last measured step too).
+TRAJECTORY_STEPS = (0, 1, 2, 5, 10, 20, 50, 100, 200)
+
+
+def trajectory(rec: dict) -> dict | None:
+    """The first block's drive kernel through the measured steps: at each of
+    :data:`TRAJECTORY_STEPS` (and the last measured step), its norm ``|D|``, its gradient's norm, the relative step SGD
+    takes on it, the drive BatchNorm's mean ``|scale|``, the same relative step in the last block,
+    and the mean training loss over the ten steps that end there. None for a record made before
+    the relative step was measured."""
+    steps = rec["steps"]
+    if "step_drive" not in steps[0]:
+        return None
+    at = sorted({i for i in TRAJECTORY_STEPS if i < len(steps)} | {len(steps) - 1})
+    return {
+        "step": at,
+        "w_drive_first_block": [steps[i]["w_drive"][0] for i in at],
+        "g_drive_first_block": [steps[i]["g_drive"][0] for i in at],
+        "step_drive_first_block": [steps[i]["step_drive"][0] for i in at],
+        "step_drive_last_block": [steps[i]["step_drive"][-1] for i in at],
+        # a ResNet block has no drive BatchNorm whose scale is recorded
+        "drive_scale_first_block": [steps[i]["drive_scale"][0] if "drive_scale" in steps[i] else None for i in at],
+        "loss_10": [float(np.mean([s["loss"] for s in steps[max(0, i - 9) : i + 1]])) for i in at],
     }
 
 
@@ -394,11 +421,48 @@ def report(workdir: str) -> list[dict]:
             f"{pct(r['train_accuracy'])} | {pct(r['train_eval_accuracy'])} | "
             f"{pct(r['test_accuracy_batch_statistics'])} | {pct(r['test_accuracy_recomputed_statistics'])} |"
         )
+    md += trajectory_table(rows)
     with open(os.path.join(workdir, "results.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     plot(records, os.path.join(workdir, "signal.png"))
     print("\n".join(md))
     return rows
+
+
+def trajectory_table(rows: list[dict]) -> list[str]:
+    """The trajectory section of ``results.md`` (empty when no row has one)."""
+    rows = [r for r in rows if r["trajectory"]]
+    if not rows:
+        return []
+    md = [
+        "",
+        "## The first block's drive kernel, step by step",
+        "",
+        "At each step: `|D|`, the first block's drive kernel norm before the step; `|g_D|`, the norm of "
+        "the loss's gradient on it; the relative step "
+        "`||D' - D|| / ||D||` SGD takes on it (momentum and weight decay included; with momentum 0.9 a "
+        "step of weight decay alone is lr x wd / (1 - 0.9) = 2e-4 at lr 0.1); the drive BatchNorm's "
+        "mean |scale|; the same relative step in the last block; the mean training loss over the ten "
+        "steps that end there.",
+        "",
+        "| variant | step | \\|D\\| first block | \\|g_D\\| first block | relative step, first block "
+        "| BN \\|scale\\|, first block | relative step, last block | loss (10 steps) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r["trajectory"]
+        for j, step in enumerate(t["step"]):
+            md.append(
+                f"| {r['variant'] if j == 0 else ''} | {step} | {t['w_drive_first_block'][j]:.3g} | "
+                f"{t['g_drive_first_block'][j]:.3g} | "
+                f"{t['step_drive_first_block'][j]:.3g} | {_g(t['drive_scale_first_block'][j])} | "
+                f"{t['step_drive_last_block'][j]:.3g} | {t['loss_10'][j]:.3f} |"
+            )
+    return md
+
+
+def _g(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
 
 
 def plot(records: list[dict], path: str) -> None:
@@ -407,7 +471,7 @@ def plot(records: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    fig, axes = plt.subplots(2, 4, figsize=(21, 8.5))
     colours = plt.get_cmap("tab20")
     for i, rec in enumerate(records):
         first, last = rec["steps"][0], rec["steps"][-1]
@@ -418,17 +482,22 @@ def plot(records: list[dict], path: str) -> None:
         axes[1, 0].plot(blocks, last["active_first"], color=line.get_color())
         axes[1, 1].semilogy(blocks, last["w_drive"], color=line.get_color())
         axes[1, 2].plot([s["loss"] for s in rec["steps"]], color=line.get_color(), lw=0.8)
-    titles = [
-        ("block output std at step 0", "std"),
-        ("block output std at the last measured step", "std"),
-        ("drive kernel gradient norm at step 0", "|g_D|"),
-        ("share of active ReLU units (first step) at the last measured step", "share"),
-        ("drive kernel norm at the last measured step", "|D|"),
-        ("training loss, step by step", "loss"),
+        axes[0, 3].semilogy([s["w_drive"][0] for s in rec["steps"]], color=line.get_color(), lw=0.8)
+        if "step_drive" in first:  # records made before the relative step was measured lack it
+            axes[1, 3].semilogy([s["step_drive"][0] for s in rec["steps"]], color=line.get_color(), lw=0.8)
+    titles = [  # in the order of axes.flat: (title, x label, y label)
+        ("block output std at step 0", "block", "std"),
+        ("block output std at the last measured step", "block", "std"),
+        ("drive kernel gradient norm at step 0", "block", "|g_D|"),
+        ("first block's drive kernel norm, step by step", "step", "|D|"),
+        ("share of active ReLU units (first step) at the last measured step", "block", "share"),
+        ("drive kernel norm at the last measured step", "block", "|D|"),
+        ("training loss, step by step", "step", "loss"),
+        ("relative SGD step on the first block's drive kernel", "step", "|D' - D| / |D|"),
     ]
-    for ax, (title, ylabel) in zip(axes.flat, titles):
+    for ax, (title, xlabel, ylabel) in zip(axes.flat, titles):
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step" if ylabel == "loss" else "block")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
     axes[1, 2].axhline(math.log(10), color="k", ls=":", lw=0.8)
     axes[1, 2].set_ylim(0, 5)  # ln 10 in the middle; a diverging run leaves the panel

@@ -61,3 +61,27 @@ def test_report_merges_the_records(smoke):
         assert "averages recomputed" in f.read()
     with pytest.raises(ValueError, match="no variant results"):
         signal.report(os.path.join(smoke, "empty"))
+
+
+def test_trajectory_samples_the_records_steps(smoke):
+    """The report's trajectory is the record's own values at the sampled steps (the last step too),
+    the loss averaged over the ten steps that end there, and no drive scale for a ResNet."""
+    for variant in ("nais10", "resnet"):
+        with open(os.path.join(smoke, f"{variant}.json")) as f:
+            rec = json.load(f)
+        t = signal.trajectory(rec)
+        steps = rec["steps"]
+        assert t["step"] == [0, 1, 2]  # three measured steps: 0, 1, 2 sampled, 2 is the last
+        for j, i in enumerate(t["step"]):
+            assert t["w_drive_first_block"][j] == steps[i]["w_drive"][0]
+            assert t["g_drive_first_block"][j] == steps[i]["g_drive"][0]
+            assert t["step_drive_first_block"][j] == steps[i]["step_drive"][0]
+            assert t["step_drive_last_block"][j] == steps[i]["step_drive"][-1]
+            assert t["loss_10"][j] == pytest.approx(np.mean([s["loss"] for s in steps[: i + 1]]))
+        scales = t["drive_scale_first_block"]
+        assert scales == ([None] * 3 if variant == "resnet" else [s["drive_scale"][0] for s in steps])
+    older = {**rec, "steps": [{k: v for k, v in s.items() if k != "step_drive"} for s in rec["steps"]]}
+    assert signal.trajectory(older) is None  # a record made before the relative step was measured
+    signal.report(smoke)
+    with open(os.path.join(smoke, "results.md")) as f:
+        assert "## The first block's drive kernel, step by step" in f.read()
