@@ -179,7 +179,6 @@ def time_steps(config, *, seeds: Sequence[int] | None = None, steps: int = 100, 
     common = dict(
         augment=train.augmentation(config),
         batch_size=config.batch_size,
-        steps_per_chunk=config.steps_per_chunk,
         eval_batch_size=config.eval_batch_size,
     )
     fn = sweep_seeds.make_sweep_epoch(s.mean, s.std, num_steps=steps, evaluate=False, mesh=s.mesh, **common)

@@ -792,8 +792,8 @@ def test_37_resuming_a_run_of_another_dataset_or_optimiser(two, jax_cache):
     code, out, err = command(jax_cache, "naisnet-train", *TINY_ARGS, f"--workdir={two}", "--config.num_epochs=3")
     assert code == 2, err[-3000:]
     assert stderr_lines(err, 1) == [
-        f"error: {two} holds a run on dataset 'fashion_mnist_idx'; this config asks for 'digits': "
-        "use another workdir or the same dataset."
+        f"error: {two} holds a run that differs from this one (dataset: checkpoint 'fashion_mnist_idx', "
+        "now 'digits'): use another workdir, or the checkpoint's settings, to resume."
     ]
     assert snapshot(two) == before
     for meta_file in (two / train.CHECKPOINT_DIR).glob("*/metadata/metadata"):

@@ -198,8 +198,7 @@ SWEEP_SCRIPT = textwrap.dedent(
     odd = sweep.seed_mesh(config(None), 3).devices.size  # 3 seeds do not split over 2 devices
     # the compiled epoch of two seeds on two devices: no communication at all
     s = sweep.prepare(config(None), (3, 4))
-    fn = sweep.make_sweep_epoch(s.mean, s.std, augment=True, batch_size=32, steps_per_chunk=2,
-                                eval_batch_size=32, mesh=s.mesh)
+    fn = sweep.make_sweep_epoch(s.mean, s.std, augment=True, batch_size=32, eval_batch_size=32, mesh=s.mesh)
     text = fn.lower(s.state, sweep.shard_seeds(np.zeros(2, np.int32), s.mesh), s.base_keys,
                     s.train_data, s.test_data, np.int32(1)).compile().as_text()
     collectives = sorted(set(re.findall(r"(all-reduce|all-gather|all-to-all|collective-permute)", text)))

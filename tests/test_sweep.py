@@ -154,16 +154,15 @@ def test_a_bn_resnet_seed_is_its_single_run(bn_sweep, index):
     assert result.runs[index].rho_max is None and result.runs[index].per_step_loss.shape == (3,)
 
 
-def test_step_keys_are_the_chunked_keys_of_the_single_run():
+def test_step_keys_come_from_the_step_alone():
+    """Step i's augmentation key is fold_in(epoch_key, i) (a plain loop), so chunks of any size
+    and the whole epoch at once give the same keys."""
     key = jax.random.PRNGKey(7)
-    got = np.asarray(sweep.step_keys(key, 7, 3))
-    expected, shorter = [], []
-    for c, start in enumerate(range(0, 7, 3)):
-        expected.extend(np.asarray(jax.random.split(jax.random.fold_in(key, c), 3))[: 7 - start])
-        shorter.extend(np.asarray(jax.random.split(jax.random.fold_in(key, c), min(3, 7 - start))))
-    np.testing.assert_array_equal(got, np.stack(expected))
-    # the padded last chunk's keys are those a chunk of its own length would get
-    np.testing.assert_array_equal(got, np.stack(shorter))
+    expected = np.stack([np.asarray(jax.random.fold_in(key, i)) for i in range(7)])
+    np.testing.assert_array_equal(np.asarray(train.step_keys(key, 0, 7)), expected)
+    for size in (1, 3, 5):
+        chunks = [np.asarray(train.step_keys(key, start, min(size, 7 - start))) for start in range(0, 7, size)]
+        np.testing.assert_array_equal(np.concatenate(chunks), expected)
 
 
 # ------------------------------------------------------------------ records, export, audit
@@ -188,7 +187,8 @@ def test_metrics_hold_one_record_per_epoch_and_seed(nais):
         "diverged_epoch",
     }
     for r in records:
-        assert set(r) == fields and r["diverged_epoch"] is None
+        # the record a single run writes (its model stops early per pattern: the depth too), plus seed and divergence
+        assert set(r) == fields | {"depth_mean", "depth_min", "depth_max"} and r["diverged_epoch"] is None
         assert r["generalisation_gap"] == pytest.approx(r["train_accuracy"] - r["test_accuracy"])
     assert list(result.history) == records
 
@@ -249,7 +249,8 @@ def test_an_interrupted_sweep_resumes(nais):
     assert first.runs[0].certified is None and first.all_certified is None
     assert [r["epoch"] for r in first.history] == [1, 1, 1]
     steps = sorted(int(d) for d in os.listdir(os.path.join(workdir, sweep.SWEEP_CHECKPOINT_DIR)) if d.isdigit())
-    assert steps == [1, 2]  # one sweep checkpoint per epoch (checkpoint_every_epochs=1)
+    # one sweep checkpoint per epoch (checkpoint_every_epochs=1), keyed as a single run's: by the step reached
+    assert steps == [result.runs[0].step // 2, result.runs[0].step]
     for a, b in zip(first.history, result.history[:3]):
         assert {k: v for k, v in a.items() if k != "epoch_seconds"} == {
             k: v for k, v in b.items() if k != "epoch_seconds"

@@ -642,5 +642,66 @@ def test_resuming_with_another_model_says_what_differs(tmp_path):
     train.train_and_evaluate(config, str(tmp_path))
     other = get_config(num_epochs=2)
     other.model_kwargs.features = 4
-    with pytest.raises(ValueError, match=r"holds checkpoints of model naisnet_mnist .*'features': 8.*'features': 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds a run that differs from this one \(model_kwargs: checkpoint .*'features': 8.*now .*'features': 4",
+    ):
         train.train_and_evaluate(other, str(tmp_path))
+
+
+# ------------------------------------------------------------------ the run directory
+
+
+def test_the_chunk_size_paces_the_progress_only(tmp_path):
+    """Augmentation keys come from the step: chunks of 3 and 1 steps, or of 1, train the same
+    parameters, bit for bit."""
+    runs = {}
+    for size in (3, 1):
+        config = get_config(num_epochs=1, augment=True, steps_per_chunk=size)
+        runs[size] = train.train_and_evaluate(config, str(tmp_path / f"chunk{size}"))
+    jax.tree.map(np.testing.assert_array_equal, runs[3]["state"].params, runs[1]["state"].params)
+    assert runs[3]["train_loss"] == pytest.approx(runs[1]["train_loss"], rel=1e-6)  # summed in another order
+
+
+def test_a_checkpoint_of_the_former_key_stream_is_refused_for_resume_only(tmp_path):
+    """A format-1 checkpoint (augmentation keys split per chunk) would resume another random
+    stream: refused in one line; it still loads for evaluation and the verifier."""
+    workdir = tmp_path / "run"
+    train.train_and_evaluate(get_config(num_epochs=1), str(workdir))
+    for meta_file in (workdir / train.CHECKPOINT_DIR).glob("*/metadata/metadata"):
+        meta = json.loads(meta_file.read_text())
+        meta["format_version"] = 1
+        meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"format_version 1, written before augmentation keys came from the step"):
+        train.train_and_evaluate(get_config(num_epochs=2), str(workdir))
+    _, meta = ckpt.load(str(workdir / train.CHECKPOINT_DIR))
+    assert meta["epoch"] == 1 and meta["format_version"] == 1
+
+
+def test_resuming_another_seed_is_refused(tmp_path):
+    train.train_and_evaluate(get_config(num_epochs=1), str(tmp_path))
+    with pytest.raises(ValueError, match=r"differs from this one \(seeds: checkpoint \[0\], now \[5\]\)"):
+        train.train_and_evaluate(get_config(num_epochs=2, seed=5), str(tmp_path))
+
+
+def test_an_old_log_without_a_checkpoint_is_kept_beside_the_new(tmp_path, capsys):
+    old = [{"epoch": 1, "step": 4}, {"epoch": 2, "step": 8}, {"epoch": 3, "step": 12}]
+    (tmp_path / train.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in old))
+    train.train_and_evaluate(get_config(num_epochs=1), str(tmp_path))
+    kept = tmp_path / "metrics.1.jsonl"
+    assert [json.loads(line) for line in kept.read_text().splitlines()] == old
+    assert [r["epoch"] for r in read_metrics(tmp_path)] == [1]
+    assert f"kept as {kept}" in capsys.readouterr().err
+
+
+def test_a_log_deleted_during_the_run_is_written_anew(tmp_path, capsys):
+    from naisnet_jax import engine
+
+    view = {"model": "m", "seeds": [0]}
+    with engine.RunDirectory(str(tmp_path), view) as run:
+        assert run.resume({}) is None
+        run.commit(1, 4, [{"epoch": 1, "step": 4}], None, None)
+        os.remove(run.metrics_path)
+        run.commit(2, 8, [{"epoch": 2, "step": 8}], None, None)
+    assert read_metrics(tmp_path) == [{"epoch": 1, "step": 4}, {"epoch": 2, "step": 8}]
+    assert "was deleted during the run; written anew from the 1 records" in capsys.readouterr().err

@@ -36,7 +36,12 @@ from naisnet_jax.checkpoint_metadata import METADATA_VERSION as METADATA_VERSION
 from naisnet_jax.checkpoint_metadata import CheckpointError, CheckpointMetadata
 
 FORMAT = "naisnet-jax"
-FORMAT_VERSION = 1
+#: 2: a training run's augmentation keys come from the step (``fold_in(epoch_key, step)``); 1 split
+#: them from the key of the step's chunk. The arrays and metadata are alike: both load for
+#: evaluation and the verifier, but only a version-2 checkpoint resumes training
+#: (:class:`naisnet_jax.engine.RunDirectory`), since version 1 continues another random stream.
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 #: Where a training run keeps its checkpoint directory, inside its workdir.
 RUN_CHECKPOINT_DIR = "checkpoints"
 
@@ -179,11 +184,12 @@ def _read_metadata(mngr, step: int) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else meta
         raise DamagedStep(mngr.directory, step, f"not a {FORMAT} checkpoint (metadata format={found!r})")
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_FORMAT_VERSIONS:
         raise DamagedStep(
             mngr.directory,
             step,
-            f"checkpoint format_version={meta.get('format_version')!r}, this code reads {FORMAT_VERSION}",
+            f"checkpoint format_version={meta.get('format_version')!r}, this code reads "
+            f"{' and '.join(map(str, READABLE_FORMAT_VERSIONS))}",
         )
     return meta
 

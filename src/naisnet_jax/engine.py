@@ -1,16 +1,25 @@
-"""What one run (:func:`naisnet_jax.train.train_and_evaluate`) and a sweep of seeds
-(:func:`naisnet_jax.sweep.train_sweep`) share: the checked training data, the checkpoint's tree,
-resuming from the latest checkpoint, the metrics log, stopping on divergence and the progress bar.
+"""The run protocol: what one run (:func:`naisnet_jax.train.train_and_evaluate`) and a sweep of
+seeds (:func:`naisnet_jax.sweep.train_sweep`) share, in one place.
 
-Both trainers follow one protocol. Nothing is written before the config, the data and the model
-are known to be good. Each epoch's record is written before its checkpoint, so a crash between
-the two leaves a record that resuming drops, never a checkpoint whose epoch has no record. A
-diverged run stops without saving and keeps its last good checkpoint.
+:class:`RunDirectory` owns a run's directory: its lock, its checkpoint manager, the resume check
+(one list of fields, :data:`RESUME_FIELDS`, and the stream version), the metrics log and its
+rewind, and "the record, then the checkpoint". Both trainers follow it:
+
+- nothing is written before the config, the data and the model are known to be good;
+- a resume restores the newest intact checkpoint of the same run (same model up to speed
+  options, same data, same seeds) and drops the metrics records of the epochs after it;
+- each epoch's records are written (and synced) before its checkpoint, so a crash between the
+  two leaves records that resuming drops, never a checkpoint whose epoch has no record;
+- checkpoints are keyed by the training step reached (``epoch x steps_per_epoch``) in both;
+- a diverged run stops without saving and keeps its last good checkpoint.
+
+Also here: the checked training data, the checkpoint's tree, the loss watch and the progress bar.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import sys
@@ -23,11 +32,15 @@ import numpy as np
 
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
-from naisnet_jax import metric_writers
+from naisnet_jax import metric_writers, models
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = ckpt.RUN_CHECKPOINT_DIR
 LOCK_FILE = ".trainer.lock"
+#: What a resumed run must share with the checkpoint it resumes (``model_kwargs`` up to the
+#: speed options, :data:`naisnet_jax.models.SPEED_OPTIONS`: same parameters, same maths), and
+#: ``seeds``, the run's seeds (``[config.seed]`` for one run).
+RESUME_FIELDS = ("model", "model_kwargs", "dataset", "validation", "limit_train", "limit_test", "standardize", "seeds")
 
 
 class TrainingDiverged(RuntimeError):
@@ -59,6 +72,225 @@ def workdir_lock(workdir: str) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+def resume_view(config, model_kwargs: dict, seeds) -> dict:
+    """The values of :data:`RESUME_FIELDS` for ``config`` (``model_kwargs``: the model's
+    keyword arguments as built; ``seeds``: the run's seeds), as JSON would read them back."""
+    view = {
+        "model": config.model,
+        "model_kwargs": model_kwargs,
+        "dataset": config.dataset,
+        "validation": config.get("validation"),
+        "limit_train": config.get("limit_train"),
+        "limit_test": config.get("limit_test"),
+        "standardize": config.get("standardize", True),
+        "seeds": [int(s) for s in seeds],
+    }
+    return json.loads(json.dumps(view))
+
+
+def checkpoint_view(meta: dict) -> dict:
+    """:func:`resume_view` of the run that wrote a checkpoint, from its stored metadata: the model
+    as the metadata rebuilds it, the dataset, the data fields of its config, and its seeds
+    (``extra["seeds"]``; ``[config.seed]`` where a checkpoint does not list them)."""
+    try:
+        model, kwargs = ckpt.CheckpointMetadata.from_json(meta).model_spec()
+    except ckpt.CheckpointError:
+        model, kwargs = meta.get("model"), meta.get("model_kwargs")
+    config = meta.get("config") or {}
+    view = {
+        "model": model,
+        "model_kwargs": kwargs,
+        "dataset": meta.get("dataset"),
+        "validation": config.get("validation"),
+        "limit_train": config.get("limit_train"),
+        "limit_test": config.get("limit_test"),
+        "standardize": config.get("standardize", True),
+        "seeds": (meta.get("extra") or {}).get("seeds", [config.get("seed")]),
+    }
+    return json.loads(json.dumps(view))
+
+
+class RunDirectory:
+    """A run's directory, held for the run: ``with RunDirectory(...) as run:``.
+
+    Entering takes the workdir's lock (:func:`workdir_lock`) and opens the checkpoint manager over
+    ``<workdir>/<checkpoints>``; leaving closes both. ``view`` (:func:`resume_view`) is what the
+    run is; it is stored with every checkpoint (``metadata.extra["resume"]``) and a resume checks
+    it against the checkpoint's: :meth:`check` before any data is loaded, :meth:`resume` for the
+    step it restores. The metrics log ``<workdir>/metrics.jsonl`` holds one record per epoch (and
+    seed); :meth:`commit` appends an epoch's records, synced, then saves the checkpoint.
+    """
+
+    def __init__(self, workdir: str, view: dict, *, checkpoints: str = CHECKPOINT_DIR, keep: int = 3):
+        self.workdir, self.view, self.keep = workdir, view, keep
+        self.checkpoint_dir = os.path.join(workdir, checkpoints)
+        self.metrics_path = os.path.join(workdir, METRICS_FILE)
+        self.records: list[dict] = []  # the log's records, as this run holds them
+        self.mngr = None
+        self._lock = None
+
+    def __enter__(self) -> RunDirectory:
+        self._lock = workdir_lock(self.workdir)
+        self._lock.__enter__()
+        try:
+            self.mngr = ckpt.manager(self.checkpoint_dir, max_to_keep=self.keep)
+        except BaseException:
+            self._lock.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.mngr.close()
+        finally:
+            self._lock.__exit__(*exc)
+
+    def _check(self, meta: dict) -> None:
+        """Refuse ``meta``'s checkpoint as a start for this run, in one line that says why."""
+        if meta.get("format_version") != ckpt.FORMAT_VERSION:
+            raise ValueError(
+                f"{self.checkpoint_dir} holds checkpoints of format_version {meta.get('format_version')!r}, "
+                f"written before augmentation keys came from the step: resuming would not continue that run "
+                f"exactly. Train into another workdir (the checkpoints still load for evaluation and naisnet-verify)."
+            )
+        theirs = checkpoint_view(meta)
+
+        def same(k):
+            if k == "model_kwargs":
+                return models.without_speed_options(theirs.get(k)) == models.without_speed_options(self.view[k])
+            return theirs.get(k) == self.view[k]
+
+        differ = [f"{k}: checkpoint {theirs.get(k)!r}, now {self.view[k]!r}" for k in RESUME_FIELDS if not same(k)]
+        if differ:
+            raise ValueError(
+                f"{self.workdir} holds a run that differs from this one ({'; '.join(differ)}): "
+                f"use another workdir, or the checkpoint's settings, to resume."
+            )
+
+    def check(self) -> None:
+        """Refuse at once, before data is loaded or programs compiled, when the newest
+        checkpoint is another run's (a damaged newest step is left to :meth:`resume`)."""
+        if self.mngr.latest_step() is None:
+            return
+        try:
+            meta = ckpt.read_metadata(self.mngr)
+        except ckpt.CheckpointError:
+            return
+        self._check(meta)
+
+    def resume(self, target: dict) -> tuple[dict, int] | None:
+        """The newest intact checkpoint of this run as ``target``'s tree and the epoch it ends
+        (``None`` on a fresh start); the metrics log keeps the records of those epochs only."""
+        if not self.mngr.all_steps():
+            self._rewind(0)
+            return None
+        tree, epoch = restore_latest(
+            self.mngr,
+            target,
+            check=self._check,
+            incompatible=": use another workdir, or the checkpoint's config, to resume.",
+        )
+        self._rewind(epoch)
+        return tree, epoch
+
+    def _rewind(self, epoch: int) -> None:
+        """Keep the log's records of epochs ``<= epoch`` (drop those a crash left after the
+        checkpoint, and a last line cut short); on a fresh start (``epoch == 0``) an old log is
+        kept beside the new one, renamed, and said in one line."""
+        records = read_metrics(self.metrics_path)
+        if epoch == 0:
+            if records:
+                kept = _free_name(self.metrics_path)
+                os.replace(self.metrics_path, kept)
+                print(
+                    f"notice: {self.metrics_path} holds {len(records)} records of a run without a checkpoint; "
+                    f"kept as {kept}, and this run starts a new log.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            elif os.path.exists(self.metrics_path):
+                os.remove(self.metrics_path)  # empty, or one line cut short
+            self.records = []
+            return
+        self.records = [r for r in records if int(r["epoch"]) <= epoch]
+        if len(self.records) != len(records) or not _ends_whole(self.metrics_path):
+            metric_writers.write_jsonl(self.metrics_path, self.records)
+
+    def commit(self, epoch: int, step: int, records: list[dict], tree: dict | None, metadata) -> None:
+        """Append ``records`` (epoch ``epoch``'s) to the log, synced, then, with a ``tree``, save
+        it as the checkpoint of ``step``. A log deleted during the run is written anew from the
+        records the run holds, with a notice."""
+        if self.records and not os.path.exists(self.metrics_path):
+            print(
+                f"notice: {self.metrics_path} was deleted during the run; written anew from the "
+                f"{len(self.records)} records this run holds.",
+                file=sys.stderr,
+                flush=True,
+            )
+            metric_writers.write_jsonl(self.metrics_path, self.records)
+        log = metric_writers.JsonlWriter(self.metrics_path, fsync=True)
+        try:
+            for record in records:
+                log.write_record(record)
+        finally:
+            log.close()
+        self.records.extend(records)
+        if tree is not None:
+            meta = metadata.replace(epoch=epoch, extra={**dict(metadata.extra), "seeds": self.view["seeds"]})
+            ckpt.save(self.mngr, step, tree, meta)
+
+    def stop_diverged(self, what: str):
+        """:func:`stop_diverged` on this run's checkpoints."""
+        stop_diverged(self.mngr, what)
+
+
+def epoch_record(
+    *, epoch: int, step: int, learning_rate: float, train: dict | None, test: dict, rho_max: float, seconds: float
+) -> dict:
+    """One run's record of one epoch, the same for a single run and each seed of a sweep:
+    ``train`` its mean training ``loss`` and ``accuracy`` over the epoch (``None`` for a seed
+    that diverged), ``test`` the evaluation (``loss``, ``accuracy`` and, for a model that stops
+    early per pattern, ``depth_mean``/``depth_min``/``depth_max``), ``rho_max`` the largest bound
+    on a NAIS block's spectral radius (NaN without one: logged as null)."""
+    record = {
+        "epoch": int(epoch),
+        "step": int(step),
+        "learning_rate": float(learning_rate),
+        "train_loss": None if train is None else float(train["loss"]),
+        "train_accuracy": None if train is None else float(train["accuracy"]),
+        "test_loss": finite_or_none(float(test["loss"])),
+        "test_accuracy": float(test["accuracy"]),
+        "rho_max": finite_or_none(float(rho_max)),
+        "epoch_seconds": float(seconds),
+    }
+    record["generalisation_gap"] = None if train is None else record["train_accuracy"] - record["test_accuracy"]
+    for k in ("depth_mean", "depth_min", "depth_max"):
+        if k in test:
+            record[k] = float(test[k])
+    return record
+
+
+def _ends_whole(path: str) -> bool:
+    """Whether ``path`` is missing, empty or ends its last line."""
+    if not os.path.exists(path):
+        return True
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def _free_name(path: str) -> str:
+    """``<stem>.<n>.jsonl`` beside ``path``, the first ``n`` not taken."""
+    stem, ext = os.path.splitext(path)
+    n = 1
+    while os.path.exists(f"{stem}.{n}{ext}"):
+        n += 1
+    return f"{stem}.{n}{ext}"
 
 
 def load_training_data(config) -> tuple[data_lib.Dataset, int]:

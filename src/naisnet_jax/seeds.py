@@ -42,23 +42,6 @@ def check_seeds(seeds: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(s) for s in seeds)
 
 
-def step_keys(aug_key: jax.Array, num_steps: int, steps_per_chunk: int) -> jax.Array:
-    """The per-step augmentation keys of ``train.train_and_evaluate``, ``(num_steps, 2)``.
-
-    That loop runs an epoch in chunks of ``steps_per_chunk`` steps (the last one padded to that
-    length) and gives chunk ``c`` the keys ``split(fold_in(aug_key, c), steps_per_chunk)``, of
-    which a shorter last chunk uses the first; in plain Python::
-
-        [k for c, start in enumerate(range(0, num_steps, steps_per_chunk))
-           for k in split(fold_in(aug_key, c), steps_per_chunk)[: num_steps - start]]
-    """
-    parts = [
-        jax.random.split(jax.random.fold_in(aug_key, c), steps_per_chunk)[: num_steps - start]
-        for c, start in enumerate(range(0, num_steps, steps_per_chunk))
-    ]
-    return jnp.concatenate(parts, axis=0)
-
-
 # --------------------------------------------------------------------------- the epoch program
 
 
@@ -73,7 +56,6 @@ def make_sweep_epoch(
     *,
     augment: bool | str,
     batch_size: int,
-    steps_per_chunk: int,
     eval_batch_size: int,
     num_steps: int | None = None,
     evaluate: bool = True,
@@ -97,7 +79,7 @@ def make_sweep_epoch(
         idx = data_lib.epoch_batches(perm_key, n, batch_size)
         if num_steps is not None:
             idx = idx[:num_steps]
-        keys = step_keys(aug_key, idx.shape[0], steps_per_chunk) if augment else None
+        keys = train.step_keys(aug_key, 0, idx.shape[0]) if augment else None
 
         def body(state, inputs):
             i, k = inputs
@@ -214,7 +196,6 @@ def _programs(config, ds, steps_per_epoch: int, mean, std, mesh: Mesh | None = N
                 std,
                 augment=train.augmentation(config),
                 batch_size=config.batch_size,
-                steps_per_chunk=config.steps_per_chunk,
                 eval_batch_size=config.eval_batch_size,
                 mesh=mesh,
             ),

@@ -8,7 +8,8 @@ Python, one epoch is::
 
     for i, seed in enumerate(seeds):                       # vmap
         perm_key, aug_key = split(fold_in(PRNGKey(seed + 1), epoch))
-        for idx, key in zip(epoch_batches(perm_key, ...), step_keys(aug_key, ...)):  # scan
+        for step, idx in enumerate(epoch_batches(perm_key, ...)):  # scan
+            key = fold_in(aug_key, step)                     # train.step_keys
             state[i], _ = train_step(state[i], get_batch(train_data, idx, key=key))
         test[i] = evaluate(state[i], test_data)
 
@@ -37,7 +38,6 @@ directory per seed, ``seed_<s>/`` with ``checkpoints/`` (``naisnet-verify`` audi
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -49,29 +49,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from naisnet_jax import checkpoint as ckpt
-from naisnet_jax import engine, metric_writers, models, train
+from naisnet_jax import engine, metric_writers, train
 from naisnet_jax.projection import count_projected_blocks
 from naisnet_jax.seeds import SweepSetup as SweepSetup
 from naisnet_jax.seeds import check_seeds, default_seeds, prepare, seed_config, shard_seeds
 from naisnet_jax.seeds import make_sweep_epoch as make_sweep_epoch  # the epoch program, for callers
 from naisnet_jax.seeds import seed_mesh as seed_mesh
-from naisnet_jax.seeds import step_keys as step_keys
 from naisnet_jax.stability import max_radius_bound
 
 SWEEP_CHECKPOINT_DIR = "sweep_checkpoints"
 CERTIFICATE_FILE = "certificate.json"
-# What a resumed sweep must share with the checkpoint it resumes.
-_RESUME_FIELDS = (
-    "model",
-    "model_kwargs",
-    "seeds",
-    "dataset",
-    "validation",
-    "limit_train",
-    "limit_test",
-    "batch_size",
-    "standardize",
-)
 
 
 # --------------------------------------------------------------------------- results
@@ -161,44 +148,6 @@ def _sweep_tree(state, diverged_epoch) -> dict:
     return dict(engine.checkpoint_tree(state), diverged_epoch=jnp.asarray(diverged_epoch, jnp.int32))
 
 
-def _normalised(value):
-    return json.loads(json.dumps(value))
-
-
-def _resume_view(config, seeds) -> dict:
-    return _normalised(
-        {
-            "model": config.model,
-            "model_kwargs": train.model_kwargs(config),
-            "seeds": list(seeds),
-            "dataset": config.dataset,
-            "validation": config.get("validation"),
-            "limit_train": config.get("limit_train"),
-            "limit_test": config.get("limit_test"),
-            "batch_size": config.batch_size,
-            "standardize": config.get("standardize", True),
-        }
-    )
-
-
-def _check_same_sweep(meta: dict, config, seeds, directory) -> None:
-    """Resuming another sweep would mix runs or fail as a shape mismatch; say what differs."""
-    ours = _resume_view(config, seeds)
-    theirs = (meta.get("extra") or {}).get("sweep", {})
-
-    def same(k):  # speed options may differ: same parameters, same maths
-        if k == "model_kwargs":
-            return models.without_speed_options(theirs.get(k)) == models.without_speed_options(ours[k])
-        return theirs.get(k) == ours[k]
-
-    differ = [f"{k}: checkpoint {theirs.get(k)!r}, now {ours[k]!r}" for k in _RESUME_FIELDS if not same(k)]
-    if differ:
-        raise ValueError(
-            f"{directory} holds a sweep that differs from this one ({'; '.join(differ)}): "
-            f"use another workdir, or the checkpoint's settings, to resume."
-        )
-
-
 # --------------------------------------------------------------------------- the verifier
 
 
@@ -256,37 +205,27 @@ def train_sweep(
     seeds = check_seeds(default_seeds(config) if seeds is None else seeds)
     train.validate_config(config)
     os.makedirs(workdir, exist_ok=True)
-    with engine.workdir_lock(workdir):
-        mngr = ckpt.manager(os.path.join(workdir, SWEEP_CHECKPOINT_DIR), max_to_keep=config.keep_checkpoints)
-        metrics_path = os.path.join(workdir, train.METRICS_FILE)
-        if mngr.latest_step() is not None:  # refuse before loading data or compiling
-            _check_same_sweep(ckpt.read_metadata(mngr), config, seeds, mngr.directory)
-
+    view = engine.resume_view(config, train.model_kwargs(config), seeds)
+    with engine.RunDirectory(workdir, view, checkpoints=SWEEP_CHECKPOINT_DIR, keep=config.keep_checkpoints) as run:
+        run.check()  # refuse another sweep's checkpoints before loading data or compiling
         s = prepare(config, seeds)
         n_seeds = len(seeds)
         state, diverged_epoch = s.state, shard_seeds(jnp.zeros((n_seeds,), jnp.int32), s.mesh)
-        metadata = ckpt.CheckpointMetadata.from_config(config, s.ds, s.mean, s.std).replace(
-            extra={"sweep": _resume_view(config, seeds)}
-        )
+        metadata = ckpt.CheckpointMetadata.from_config(config, s.ds, s.mean, s.std)
         start_epoch = 1
-        if mngr.latest_step() is not None:
-            tree, epoch = engine.restore_latest(mngr, _sweep_tree(state, diverged_epoch))
+        resumed = run.resume(_sweep_tree(state, diverged_epoch))
+        if resumed is not None:
+            tree, epoch = resumed
             state = engine.restore_into(state, tree)
             state = state.replace(step=jnp.asarray(state.step, s.state.step.dtype))  # saved as int32
             state, diverged_epoch = shard_seeds((state, tree["diverged_epoch"]), s.mesh)
             start_epoch = epoch + 1
-            metric_writers.write_jsonl(
-                metrics_path, [r for r in engine.read_metrics(metrics_path) if r["epoch"] < start_epoch]
-            )
             if verbose:
-                print(f"Resuming the sweep in {mngr.directory} at epoch {start_epoch}.", flush=True)
-        elif os.path.exists(metrics_path):
-            os.remove(metrics_path)
+                print(f"Resuming the sweep in {run.checkpoint_dir} at epoch {start_epoch}.", flush=True)
 
         epoch_fn = s.programs.epoch
         schedule = train.learning_rate_schedule(config, s.steps_per_epoch)
         has_nais = count_projected_blocks(state.params) > 0  # found by name: the seed axis does not matter
-        history = engine.read_metrics(metrics_path) if start_epoch > 1 else []
         end_epoch = (
             config.num_epochs
             if stop_after_epochs is None
@@ -306,27 +245,19 @@ def train_sweep(
                 rho = float("nan")
                 if has_nais:
                     rho = max_radius_bound(jax.tree.map(lambda x: x[i], host_params), eps=config.eps, h=config.h)
-                train_loss = float(train_m["loss"][i]) if int(div[i]) == 0 else None
-                train_acc = float(train_m["accuracy"][i]) if int(div[i]) == 0 else None
-                record = {
-                    "epoch": epoch,
-                    "seed": seed,
-                    "step": int(steps[i]),
-                    "learning_rate": float(schedule(max(int(steps[i]) - 1, 0))),
-                    "train_loss": train_loss,
-                    "train_accuracy": train_acc,
-                    "test_loss": engine.finite_or_none(float(test_m["loss"][i])),
-                    "test_accuracy": float(test_m["accuracy"][i]),
-                    "rho_max": engine.finite_or_none(rho),
-                    "epoch_seconds": seconds,
-                    "diverged_epoch": int(div[i]) or None,
-                }
-                record["generalisation_gap"] = None if train_acc is None else train_acc - record["test_accuracy"]
-                records.append(record)
-            history = history + records
-            metric_writers.write_jsonl(metrics_path, history)  # before the checkpoint, as train does
-            if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
-                ckpt.save(mngr, epoch, _sweep_tree(state, diverged_epoch), metadata.replace(epoch=epoch))
+                record = engine.epoch_record(
+                    epoch=epoch,
+                    step=int(steps[i]),
+                    learning_rate=float(schedule(max(int(steps[i]) - 1, 0))),
+                    train=jax.tree.map(lambda x: x[i], train_m) if int(div[i]) == 0 else None,
+                    test=jax.tree.map(lambda x: x[i], test_m),
+                    rho_max=rho,
+                    seconds=seconds,
+                )
+                records.append({"epoch": epoch, "seed": seed, **record, "diverged_epoch": int(div[i]) or None})
+            due = epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs
+            tree = _sweep_tree(state, diverged_epoch) if due else None
+            run.commit(epoch, epoch * s.steps_per_epoch, records, tree, metadata)
             progress.update(1)
             if verbose:
                 acc = np.asarray([r["test_accuracy"] for r in records])
@@ -336,6 +267,7 @@ def train_sweep(
                     f"[{config.model}] epoch {epoch}: {summary} over {int(ok.sum())}/{n_seeds} seeds | {seconds:.2f}s"
                 )
         progress.close()
+        history = list(run.records)
 
         done_epoch = max((r["epoch"] for r in history), default=0)
         last = {r["seed"]: r for r in history if r["epoch"] == done_epoch}
@@ -384,7 +316,6 @@ def train_sweep(
                     per_step_train_loss=None if train_losses is None else train_losses[i],
                 )
             runs.append(run)
-        mngr.close()
         return SweepResult(
             model=config.model,
             dataset=config.dataset,
@@ -411,9 +342,8 @@ def _export_seed(config, workdir, seed, tree, metadata, record, history) -> str:
         step = int(tree["step"])
         if mngr.latest_step() != step:
             one = seed_config(config, seed)
-            meta = metadata.replace(
-                config=one.to_dict(), epoch=record["epoch"], extra={"diverged_epoch": record["diverged_epoch"]}
-            )
+            extra = {"diverged_epoch": record["diverged_epoch"], "seeds": [seed]}  # resumable as a single run
+            meta = metadata.replace(config=one.to_dict(), epoch=record["epoch"], extra=extra)
             ckpt.save(mngr, step, tree, meta)
     finally:
         mngr.close()

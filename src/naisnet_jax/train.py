@@ -11,7 +11,6 @@ the accelerator.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import sys
@@ -230,18 +229,26 @@ def augmentation(config) -> bool | str:
     return True if config.get("augment_flip", True) else "crop"
 
 
+def step_keys(epoch_key: jax.Array, first_step, count: int) -> jax.Array:
+    """The augmentation keys of an epoch's steps ``first_step .. first_step + count - 1``,
+    ``(count, 2)``: step ``i``'s key is ``fold_in(epoch_key, i)``, whatever the steps are run in
+    (a chunk of any size, or the whole epoch at once)."""
+    steps = jnp.asarray(first_step, jnp.int32) + jnp.arange(count, dtype=jnp.int32)
+    return jax.vmap(lambda i: jax.random.fold_in(epoch_key, i))(steps)
+
+
 def make_train_chunk(
     mean, std, augment: bool | str, mesh: Mesh | None = None, *, sync_batch_norm: bool = True
 ) -> Callable:
-    """``(state, data, idx_rows, key, num_steps=None) -> (state, metrics)``: train steps in one
-    jitted loop, ``metrics`` their mean loss and accuracy.
+    """``(state, data, idx_rows, key, num_steps=None, first_step=0) -> (state, metrics)``: train
+    steps in one jitted loop, ``metrics`` their mean loss and accuracy.
 
-    Step ``i`` trains on the rows ``idx_rows[i]`` with the augmentation key
-    ``split(key, len(idx_rows))[i]``. ``num_steps`` (an int32 scalar, at most ``len(idx_rows)``)
-    runs only the first ``num_steps`` of them: an epoch's shorter last chunk, padded to the
-    others' length, then runs in the same compiled program instead of compiling a second one
-    (the keys are those of ``split(key, num_steps)``: JAX's threefry splits are prefixes of
-    each other). With a ``mesh`` of several devices, each batch is split over them
+    Step ``i`` trains on the rows ``idx_rows[i]`` with the augmentation key of the epoch's step
+    ``first_step + i`` (:func:`step_keys` of the epoch's key ``key``), so the chunk size does not
+    change the random stream. ``num_steps`` (an int32 scalar, at most ``len(idx_rows)``) runs
+    only the first ``num_steps`` of them: an epoch's shorter last chunk, padded to the others'
+    length, then runs in the same compiled program instead of compiling a second one. With a
+    ``mesh`` of several devices, each batch is split over them
     (:func:`data_parallel_step`, BatchNorm by the whole batch or, ``sync_batch_norm=False``, by
     each device's rows) and the state comes back replicated (pass it in replicated:
     ``replicate``).
@@ -252,8 +259,8 @@ def make_train_chunk(
             return train_step(state, shard_batch(batch, mesh))
         return data_parallel_step(state, batch, mesh, sync_batch_norm=sync_batch_norm)
 
-    def train_chunk(state, data, idx_rows, key, num_steps=None):
-        keys = jax.random.split(key, idx_rows.shape[0])
+    def train_chunk(state, data, idx_rows, key, num_steps=None, first_step=0):
+        keys = step_keys(key, first_step, idx_rows.shape[0])
         count = idx_rows.shape[0] if num_steps is None else num_steps
 
         def body(i, carry):
@@ -411,28 +418,6 @@ def input_stats(config, train_images) -> tuple[np.ndarray, np.ndarray]:
     return np.zeros(channels), np.ones(channels)
 
 
-def _check_same_run(meta: dict, config, workdir) -> None:
-    """Resuming a run on another dataset or with another model would fail as a shape mismatch
-    (or, worse, train on); say what differs, from the checkpoint's stored metadata. Speed options
-    (:data:`naisnet_jax.models.SPEED_OPTIONS`) may differ: same parameters, same maths."""
-    if meta.get("dataset") != config.dataset:
-        raise ValueError(
-            f"{workdir} holds a run on dataset {meta.get('dataset')!r}; this config asks for "
-            f"{config.dataset!r}: use another workdir or the same dataset."
-        )
-    try:
-        theirs = ckpt.CheckpointMetadata.from_json(meta).model_spec()
-    except ckpt.CheckpointError:
-        theirs = (meta.get("model"), meta.get("model_kwargs"))
-    ours = (config.model, json.loads(json.dumps(model_kwargs(config))))
-    theirs = (theirs[0], json.loads(json.dumps(theirs[1])))
-    if (theirs[0], models.without_speed_options(theirs[1])) != (ours[0], models.without_speed_options(ours[1])):
-        raise ValueError(
-            f"{workdir} holds checkpoints of model {theirs[0]} with {theirs[1]}, but config.model="
-            f"{ours[0]} with {ours[1]}: use another workdir, or the checkpoint's config, to resume."
-        )
-
-
 def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: int | None = None) -> dict:
     """Train ``config`` in ``workdir``, resuming from its latest checkpoint.
 
@@ -466,30 +451,18 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     augment = augmentation(config)
 
     os.makedirs(workdir, exist_ok=True)  # only now: a refused run writes nothing
-    with engine.workdir_lock(workdir):
+    view = engine.resume_view(config, model_kwargs(config), [config.seed])
+    with engine.RunDirectory(workdir, view, keep=config.keep_checkpoints) as run:
         own_writer = writer is None
         if own_writer:
             writer = metric_writers.default_writer(workdir)
-        mngr = ckpt.manager(os.path.join(workdir, CHECKPOINT_DIR), max_to_keep=config.keep_checkpoints)
-        metrics_path = os.path.join(workdir, METRICS_FILE)
-        metrics_log = metric_writers.JsonlWriter(metrics_path, fsync=True)
         start_epoch = 1
-        if mngr.all_steps():
-            try:  # the newest intact checkpoint, if it is this run's
-                tree, epoch = engine.restore_latest(
-                    mngr,
-                    engine.checkpoint_tree(state),
-                    check=lambda meta: _check_same_run(meta, config, workdir),
-                    incompatible=": use another workdir, or the checkpoint's config, to resume.",
-                )
-            except BaseException:
-                mngr.close()
-                raise
-            state = engine.restore_into(state, tree)
-            start_epoch = epoch + 1
-            print(f"Resuming from {mngr.directory} at epoch {start_epoch} (step {int(state.step)}).")
-        # drop records of steps after the checkpoint (written before a crash), or all of them
-        metrics_log.truncate_after(int(state.step) if start_epoch > 1 else -1)
+        resumed = run.resume(engine.checkpoint_tree(state))
+        if resumed is not None:
+            state = engine.restore_into(state, resumed[0])
+            start_epoch = resumed[1] + 1
+            print(f"Resuming from {run.checkpoint_dir} at epoch {start_epoch} (step {int(state.step)}).")
+        # the scalars of steps after the checkpoint (written before a crash), or all of them
         engine.rewind(writer, int(state.step) if start_epoch > 1 else -1)
 
         state = replicate(state, mesh)
@@ -499,8 +472,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
         schedule = learning_rate_schedule(config, steps_per_epoch)
         metadata = ckpt.CheckpointMetadata.from_config(config, ds, mean, std)
 
-        done = engine.read_metrics(metrics_path) if start_epoch > 1 else []
-        last = done[-1] if done else {}
+        last = run.records[-1] if run.records else {}
         end_epoch = (
             config.num_epochs
             if stop_after_epochs is None
@@ -510,27 +482,25 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
         growth = engine.LossGrowth(math.log(ds.num_classes))
         for epoch in range(start_epoch, end_epoch + 1):
             t0 = time.time()
-            epoch_key = jax.random.fold_in(base_key, epoch)
-            perm_key, aug_key = jax.random.split(epoch_key)
+            perm_key, aug_key = jax.random.split(jax.random.fold_in(base_key, epoch))
             idx = np.asarray(data_lib.epoch_batches(perm_key, n_train, config.batch_size))
             sums, seen = {"loss": 0.0, "accuracy": 0.0}, 0
-            for c, start in enumerate(range(0, steps_per_epoch, config.steps_per_chunk)):
+            for start in range(0, steps_per_epoch, config.steps_per_chunk):
                 rows, count = chunk_rows(idx, start, config.steps_per_chunk)
                 t_chunk = time.perf_counter()
                 state, m = train_chunk(
                     state,
                     train_data,
                     replicate(rows, mesh),
-                    replicate(jax.random.fold_in(aug_key, c), mesh),
+                    replicate(aug_key, mesh),
                     replicate(np.int32(count), mesh),
+                    replicate(np.int32(start), mesh),
                 )
                 m = jax.device_get(m)
                 t_chunk = time.perf_counter() - t_chunk
                 if not all(np.isfinite(v) for v in m.values()):
                     progress.close()
-                    engine.stop_diverged(
-                        mngr, f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)})"
-                    )
+                    run.stop_diverged(f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)})")
                 warning = growth.watch(float(m["loss"]))
                 if warning:
                     print(warning, file=sys.stderr, flush=True)
@@ -550,36 +520,25 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
                     },
                 )
             test = jax.device_get(evaluate(state, test_data))
-            record = {
-                "epoch": epoch,
-                "step": int(state.step),
-                "learning_rate": float(schedule(int(state.step) - 1)),
-                "train_loss": sums["loss"] / seen,
-                "train_accuracy": sums["accuracy"] / seen,
-                "test_loss": float(test["loss"]),
-                "test_accuracy": float(test["accuracy"]),
-                "rho_max": engine.finite_or_none(max_radius_bound(state.params, eps=config.eps, h=config.h)),
-                "epoch_seconds": time.time() - t0,
-            }
-            record["generalisation_gap"] = record["train_accuracy"] - record["test_accuracy"]
-            for k in ("depth_mean", "depth_min", "depth_max"):
-                if k in test:
-                    record[k] = float(test[k])
-            params_finite = all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(jax.device_get(state.params)))
-            if not (params_finite and np.isfinite(record["test_loss"])):
-                progress.close()
-                what = (
-                    "the parameters are not finite" if not params_finite else f"the test loss is {record['test_loss']}"
-                )
-                engine.stop_diverged(mngr, f"after epoch {epoch} (step {int(state.step)}) {what}")
-            # The record first: a crash between the two leaves a record that resume drops,
-            # never a checkpoint whose epoch has no record.
-            metrics_log.write_record(record)
-            writer.write_scalars(
-                record["step"], {f"epoch/{k}": v for k, v in record.items() if k != "step" and v is not None}
+            step = int(state.step)
+            record = engine.epoch_record(
+                epoch=epoch,
+                step=step,
+                learning_rate=float(schedule(step - 1)),
+                train={k: v / seen for k, v in sums.items()},
+                test=test,
+                rho_max=max_radius_bound(state.params, eps=config.eps, h=config.h),
+                seconds=time.time() - t0,
             )
-            if epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs:
-                ckpt.save(mngr, int(state.step), engine.checkpoint_tree(state), metadata.replace(epoch=epoch))
+            params_finite = all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(jax.device_get(state.params)))
+            if not (params_finite and np.isfinite(float(test["loss"]))):
+                progress.close()
+                what = "the parameters are not finite" if not params_finite else f"the test loss is {test['loss']}"
+                run.stop_diverged(f"after epoch {epoch} (step {step}) {what}")
+            # the scalars and the record first: a crash before the checkpoint leaves what a resume drops
+            writer.write_scalars(step, {f"epoch/{k}": v for k, v in record.items() if k != "step" and v is not None})
+            due = epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs
+            run.commit(epoch, step, [record], engine.checkpoint_tree(state) if due else None, metadata)
             progress.write(
                 f"epoch {epoch}: train loss {record['train_loss']:.4f} acc {record['train_accuracy']:.4f} | "
                 f"test loss {record['test_loss']:.4f} acc {record['test_accuracy']:.4f} | "
@@ -588,8 +547,6 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
             )
             last = record
         progress.close()
-        mngr.close()
-        metrics_log.close()
         if own_writer:
             writer.close()
         elif callable(getattr(writer, "flush", None)):
