@@ -705,3 +705,35 @@ def test_a_log_deleted_during_the_run_is_written_anew(tmp_path, capsys):
         run.commit(2, 8, [{"epoch": 2, "step": 8}], None, None)
     assert read_metrics(tmp_path) == [{"epoch": 1, "step": 4}, {"epoch": 2, "step": 8}]
     assert "was deleted during the run; written anew from the 1 records" in capsys.readouterr().err
+
+
+def test_resuming_with_other_optimiser_settings_says_so(tmp_path, capsys):
+    train.train_and_evaluate(get_config(num_epochs=1), str(tmp_path))
+    capsys.readouterr()
+    train.train_and_evaluate(get_config(num_epochs=2, learning_rate=0.05, batch_size=32), str(tmp_path))
+    err = capsys.readouterr().err
+    assert (
+        f"notice: resuming {tmp_path} with learning_rate 0.05 (the checkpoint's: 0.1), batch_size 32 (the checkpoint's: 64)."
+        in err
+    )
+
+
+def test_a_complete_run_says_so(tmp_path, capsys):
+    train.train_and_evaluate(get_config(num_epochs=1), str(tmp_path))
+    capsys.readouterr()
+    train.train_and_evaluate(get_config(num_epochs=1), str(tmp_path))
+    out = capsys.readouterr().out
+    assert f"{tmp_path} holds a complete run of 1 epochs (config.num_epochs=1): nothing left to train" in out
+    assert "Resuming" not in out
+
+
+def test_progress_off_a_terminal_says_a_line_every_interval(capsys, monkeypatch):
+    from naisnet_jax import engine
+
+    clock = iter([0.0, 10.0, 31.0, 40.0, 70.0])
+    monkeypatch.setattr(engine.time, "monotonic", lambda: next(clock))
+    bar = engine.LineProgress(100, "step", interval=30.0)  # starts at 0 s
+    bar.set_postfix(epoch=1)
+    for _ in range(4):  # at 10, 31, 40 and 70 s
+        bar.update(25)
+    assert capsys.readouterr().err.splitlines() == ["50/100 steps (50%), epoch 1", "100/100 steps (100%), epoch 1"]

@@ -23,8 +23,9 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,8 @@ LOCK_FILE = ".trainer.lock"
 #: What a resumed run must share with the checkpoint it resumes (``model_kwargs`` up to the
 #: speed options, :data:`naisnet_jax.models.SPEED_OPTIONS`: same parameters, same maths), and
 #: ``seeds``, the run's seeds (``[config.seed]`` for one run).
+#: What a resumed run may change, and is told in one line that it did (the optimiser's settings).
+NOTICE_FIELDS = ("learning_rate", "lr_boundaries_epochs", "momentum", "weight_decay", "batch_size", "augment")
 RESUME_FIELDS = ("model", "model_kwargs", "dataset", "validation", "limit_train", "limit_test", "standardize", "seeds")
 
 
@@ -123,8 +126,12 @@ class RunDirectory:
     seed); :meth:`commit` appends an epoch's records, synced, then saves the checkpoint.
     """
 
-    def __init__(self, workdir: str, view: dict, *, checkpoints: str = CHECKPOINT_DIR, keep: int = 3):
+    def __init__(
+        self, workdir: str, view: dict, *, checkpoints: str = CHECKPOINT_DIR, keep: int = 3, config=None
+    ) -> None:
         self.workdir, self.view, self.keep = workdir, view, keep
+        self.config = config  # its NOTICE_FIELDS are compared with the checkpoint's on resume
+        self._checked: dict = {}  # the metadata last checked: the restored step's, after resume
         self.checkpoint_dir = os.path.join(workdir, checkpoints)
         self.metrics_path = os.path.join(workdir, METRICS_FILE)
         self.records: list[dict] = []  # the log's records, as this run holds them
@@ -149,6 +156,7 @@ class RunDirectory:
 
     def _check(self, meta: dict) -> None:
         """Refuse ``meta``'s checkpoint as a start for this run, in one line that says why."""
+        self._checked = meta
         if meta.get("format_version") != ckpt.FORMAT_VERSION:
             raise ValueError(
                 f"{self.checkpoint_dir} holds checkpoints of format_version {meta.get('format_version')!r}, "
@@ -193,7 +201,33 @@ class RunDirectory:
             incompatible=": use another workdir, or the checkpoint's config, to resume.",
         )
         self._rewind(epoch)
+        self._notice_changes()
         return tree, epoch
+
+    def _notice_changes(self) -> None:
+        """Say in one line which of :data:`NOTICE_FIELDS` the resumed run changes."""
+        if self.config is None:
+            return
+        theirs = self._checked.get("config") or {}
+        ours = json.loads(json.dumps({k: self.config.get(k) for k in NOTICE_FIELDS}))
+        changed = [
+            f"{k} {ours[k]!r} (the checkpoint's: {theirs[k]!r})"
+            for k in NOTICE_FIELDS
+            if k in theirs and theirs[k] != ours[k]
+        ]
+        if changed:
+            print(f"notice: resuming {self.workdir} with {', '.join(changed)}.", file=sys.stderr, flush=True)
+
+    def complete(self, start_epoch: int, num_epochs: int) -> bool:
+        """Whether the run has nothing left to train, said in one line when so."""
+        if start_epoch <= num_epochs:
+            return False
+        print(
+            f"{self.workdir} holds a complete run of {start_epoch - 1} epochs (config.num_epochs={num_epochs}): "
+            f"nothing left to train; raise config.num_epochs to train on.",
+            flush=True,
+        )
+        return True
 
     def _rewind(self, epoch: int) -> None:
         """Keep the log's records of epochs ``<= epoch`` (drop those a crash left after the
@@ -244,6 +278,53 @@ class RunDirectory:
     def stop_diverged(self, what: str):
         """:func:`stop_diverged` on this run's checkpoints."""
         stop_diverged(self.mngr, what)
+
+
+class EpochProgram(Protocol):
+    """One kind of run's epoch, driven by :func:`run_epochs`: a data-parallel single seed
+    (:class:`naisnet_jax.train.DataParallelEpochs`) or seeds side by side
+    (:class:`naisnet_jax.sweep.SeedEpochs`)."""
+
+    steps_per_epoch: int
+    unit: str  # what the progress bar counts: "step" or "epoch"
+
+    def progress_units(self, epochs: int) -> int:
+        """The progress bar's units in ``epochs`` epochs."""
+
+    def train_epoch(self, state, epoch: int, progress) -> tuple[Any, list[dict]]:
+        """Train ``epoch``; the new state and the epoch's records (:func:`epoch_record`, one per
+        run). A single run that diverges stops here (:meth:`RunDirectory.stop_diverged`)."""
+
+    def checkpoint_tree(self, state) -> dict:
+        """What the checkpoint of ``state`` holds."""
+
+    def summary(self, epoch: int, records: list[dict]) -> str:
+        """The epoch's line."""
+
+
+def last_epoch(config, start_epoch: int, stop_after_epochs: int | None) -> int:
+    """The last epoch this call trains: ``config.num_epochs``, or fewer with ``stop_after_epochs``
+    (which ends a call early, as an interruption would)."""
+    if stop_after_epochs is None:
+        return config.num_epochs
+    return min(config.num_epochs, start_epoch + stop_after_epochs - 1)
+
+
+def run_epochs(
+    run: RunDirectory, program: EpochProgram, state, *, start_epoch: int, end_epoch: int, config, metadata, progress
+):
+    """The loop of every run: epochs ``start_epoch .. end_epoch`` of ``program``; after each, its
+    records and (every ``config.checkpoint_every_epochs`` epochs, and at the last of
+    ``config.num_epochs``) its checkpoint, keyed by the step reached, go to ``run``
+    (:meth:`RunDirectory.commit`). Returns the final state."""
+    for epoch in range(start_epoch, end_epoch + 1):
+        state, records = program.train_epoch(state, epoch, progress)
+        due = epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs
+        tree = program.checkpoint_tree(state) if due else None
+        run.commit(epoch, epoch * program.steps_per_epoch, records, tree, metadata)
+        progress.write(program.summary(epoch, records))
+    progress.close()
+    return state
 
 
 def epoch_record(
@@ -406,27 +487,43 @@ class LossGrowth:
         )
 
 
-class _NoProgress:
-    """The progress bar's interface without a bar: one printed line per ``write``."""
+class LineProgress:
+    """The progress bar's interface off a terminal (a log file, a batch job): a line on stderr
+    whenever ``interval`` seconds have passed since the last one (``done/total units (pct%)``
+    and the last ``set_postfix`` values), and each ``write`` on stdout; with ``quiet``, nothing."""
+
+    def __init__(self, total: int = 0, unit: str = "step", *, interval: float = 30.0, quiet: bool = False):
+        self.total, self.unit, self.interval, self.quiet = total, unit, interval, quiet
+        self.done, self.postfix, self.last = 0, {}, time.monotonic()
 
     def update(self, n):
-        pass
+        self.done += n
+        now = time.monotonic()
+        if self.quiet or now - self.last < self.interval:
+            return
+        self.last = now
+        share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
+        extra = "".join(f", {k} {v}" for k, v in self.postfix.items())
+        print(f"{self.done}/{self.total} {self.unit}s{share}{extra}", file=sys.stderr, flush=True)
 
     def set_postfix(self, **kw):
-        pass
+        self.postfix = kw
 
     def write(self, s):
-        print(s, flush=True)
+        if not self.quiet:
+            print(s, flush=True)
 
     def close(self):
         pass
 
 
-def progress(total: int, enabled: bool, *, unit: str = "step") -> Any:
-    """A tqdm bar over ``total`` units on a terminal; redirected (or ``enabled=False``), a line a
-    ``write`` and nothing else."""
-    if not (enabled and sys.stderr.isatty()):
-        return _NoProgress()
+def progress(total: int, enabled: bool, *, unit: str = "step", quiet: bool = False) -> Any:
+    """With ``enabled``, a tqdm bar over ``total`` units on a terminal and, redirected, a
+    :class:`LineProgress` (a line every 30 s); without, only each ``write``; ``quiet``, nothing."""
+    if quiet or not enabled:
+        return LineProgress(total, unit, interval=math.inf, quiet=quiet)
+    if not sys.stderr.isatty():
+        return LineProgress(total, unit)
     from tqdm.auto import tqdm
 
     return tqdm(total=total, unit=unit, dynamic_ncols=True, leave=False)

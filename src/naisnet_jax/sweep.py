@@ -166,6 +166,64 @@ def certificate_certified(certificate) -> bool:
 # --------------------------------------------------------------------------- the sweep
 
 
+@dataclasses.dataclass
+class SeedEpochs:
+    """The epoch of every seed as one jitted call (:func:`naisnet_jax.seeds.make_sweep_epoch`),
+    on the state ``(stacked train state, diverged_epoch)``; a seed that diverges is frozen, the
+    others go on. An :class:`naisnet_jax.engine.EpochProgram`."""
+
+    config: Any
+    setup: SweepSetup
+    seeds: tuple[int, ...]
+    has_nais: bool  # found by name: the seed axis does not matter
+    unit: str = "epoch"
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.setup.steps_per_epoch
+
+    def progress_units(self, epochs: int) -> int:
+        return epochs
+
+    def checkpoint_tree(self, state) -> dict:
+        return _sweep_tree(*state)
+
+    def summary(self, epoch: int, records: list[dict]) -> str:
+        ok = [r for r in records if r["diverged_epoch"] is None]
+        acc = np.asarray([r["test_accuracy"] for r in ok])
+        summary = f"test acc {acc.mean():.4f} +- {acc.std():.4f}" if ok else "every seed diverged"
+        seconds = records[0]["epoch_seconds"]
+        return f"[{self.config.model}] epoch {epoch}: {summary} over {len(ok)}/{len(records)} seeds | {seconds:.2f}s"
+
+    def train_epoch(self, state, epoch: int, progress) -> tuple[tuple, list[dict]]:
+        config, s = self.config, self.setup
+        schedule = train.learning_rate_schedule(config, s.steps_per_epoch)
+        t0 = time.time()
+        state, diverged_epoch, train_m, test_m = s.programs.epoch(
+            *state, s.base_keys, s.train_data, s.test_data, jnp.asarray(epoch, jnp.int32)
+        )
+        params = state.params if self.has_nais else None
+        train_m, test_m, div, steps, host_params = jax.device_get((train_m, test_m, diverged_epoch, state.step, params))
+        seconds = time.time() - t0
+        records = []
+        for i, seed in enumerate(self.seeds):
+            rho = float("nan")
+            if self.has_nais:
+                rho = max_radius_bound(jax.tree.map(lambda x: x[i], host_params), eps=config.eps, h=config.h)
+            record = engine.epoch_record(
+                epoch=epoch,
+                step=int(steps[i]),
+                learning_rate=float(schedule(max(int(steps[i]) - 1, 0))),
+                train=jax.tree.map(lambda x: x[i], train_m) if int(div[i]) == 0 else None,
+                test=jax.tree.map(lambda x: x[i], test_m),
+                rho_max=rho,
+                seconds=seconds,
+            )
+            records.append({"epoch": epoch, "seed": seed, **record, "diverged_epoch": int(div[i]) or None})
+        progress.update(1)
+        return (state, diverged_epoch), records
+
+
 def _has_step_logits(model, state, input_shape) -> bool:
     one = jax.tree.map(lambda x: x[0], train.state_variables(state))
     out = jax.eval_shape(
@@ -206,7 +264,9 @@ def train_sweep(
     train.validate_config(config)
     os.makedirs(workdir, exist_ok=True)
     view = engine.resume_view(config, train.model_kwargs(config), seeds)
-    with engine.RunDirectory(workdir, view, checkpoints=SWEEP_CHECKPOINT_DIR, keep=config.keep_checkpoints) as run:
+    with engine.RunDirectory(
+        workdir, view, checkpoints=SWEEP_CHECKPOINT_DIR, keep=config.keep_checkpoints, config=config
+    ) as run:
         run.check()  # refuse another sweep's checkpoints before loading data or compiling
         s = prepare(config, seeds)
         n_seeds = len(seeds)
@@ -220,53 +280,22 @@ def train_sweep(
             state = state.replace(step=jnp.asarray(state.step, s.state.step.dtype))  # saved as int32
             state, diverged_epoch = shard_seeds((state, tree["diverged_epoch"]), s.mesh)
             start_epoch = epoch + 1
-            if verbose:
+            if verbose and not run.complete(start_epoch, config.num_epochs):
                 print(f"Resuming the sweep in {run.checkpoint_dir} at epoch {start_epoch}.", flush=True)
 
-        epoch_fn = s.programs.epoch
-        schedule = train.learning_rate_schedule(config, s.steps_per_epoch)
-        has_nais = count_projected_blocks(state.params) > 0  # found by name: the seed axis does not matter
-        end_epoch = (
-            config.num_epochs
-            if stop_after_epochs is None
-            else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
+        end_epoch = engine.last_epoch(config, start_epoch, stop_after_epochs)
+        program = SeedEpochs(config=config, setup=s, seeds=seeds, has_nais=count_projected_blocks(state.params) > 0)
+        progress = engine.progress(end_epoch - start_epoch + 1, bool(config.progress), unit="epoch", quiet=not verbose)
+        state, diverged_epoch = engine.run_epochs(
+            run,
+            program,
+            (state, diverged_epoch),
+            start_epoch=start_epoch,
+            end_epoch=end_epoch,
+            config=config,
+            metadata=metadata,
+            progress=progress,
         )
-        progress = engine.progress(end_epoch - start_epoch + 1, bool(config.progress) and verbose, unit="epoch")
-        for epoch in range(start_epoch, end_epoch + 1):
-            t0 = time.time()
-            state, diverged_epoch, train_m, test_m = epoch_fn(
-                state, diverged_epoch, s.base_keys, s.train_data, s.test_data, jnp.asarray(epoch, jnp.int32)
-            )
-            fetched = jax.device_get((train_m, test_m, diverged_epoch, state.step, state.params if has_nais else None))
-            train_m, test_m, div, steps, host_params = fetched
-            seconds = time.time() - t0
-            records = []
-            for i, seed in enumerate(seeds):
-                rho = float("nan")
-                if has_nais:
-                    rho = max_radius_bound(jax.tree.map(lambda x: x[i], host_params), eps=config.eps, h=config.h)
-                record = engine.epoch_record(
-                    epoch=epoch,
-                    step=int(steps[i]),
-                    learning_rate=float(schedule(max(int(steps[i]) - 1, 0))),
-                    train=jax.tree.map(lambda x: x[i], train_m) if int(div[i]) == 0 else None,
-                    test=jax.tree.map(lambda x: x[i], test_m),
-                    rho_max=rho,
-                    seconds=seconds,
-                )
-                records.append({"epoch": epoch, "seed": seed, **record, "diverged_epoch": int(div[i]) or None})
-            due = epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs
-            tree = _sweep_tree(state, diverged_epoch) if due else None
-            run.commit(epoch, epoch * s.steps_per_epoch, records, tree, metadata)
-            progress.update(1)
-            if verbose:
-                acc = np.asarray([r["test_accuracy"] for r in records])
-                ok = np.asarray(div) == 0
-                summary = f"test acc {acc[ok].mean():.4f} +- {acc[ok].std():.4f}" if ok.any() else "every seed diverged"
-                progress.write(
-                    f"[{config.model}] epoch {epoch}: {summary} over {int(ok.sum())}/{n_seeds} seeds | {seconds:.2f}s"
-                )
-        progress.close()
         history = list(run.records)
 
         done_epoch = max((r["epoch"] for r in history), default=0)
@@ -301,7 +330,7 @@ def train_sweep(
                     config, workdir, seed, jax.tree.map(lambda x: x[i], host_tree), metadata, r, history
                 )
                 cert = certified = None
-                if audit and (has_nais or audit_baselines):
+                if audit and (program.has_nais or audit_baselines):
                     cert = audit_seed(directory, audit_options)
                     certified = certificate_certified(cert)
                     from naisnet_jax.verify.report import write_json  # the verifier is imported on use

@@ -10,6 +10,7 @@ the accelerator.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -418,6 +419,103 @@ def input_stats(config, train_images) -> tuple[np.ndarray, np.ndarray]:
     return np.zeros(channels), np.ones(channels)
 
 
+@dataclasses.dataclass
+class DataParallelEpochs:
+    """The epoch of one seed, its batches split over ``mesh``'s devices, in chunks of
+    ``config.steps_per_chunk`` steps (:func:`make_train_chunk`): each chunk's scalars go to
+    ``writer`` and advance the progress bar; a loss or parameters that stop being finite stop the
+    run (:meth:`naisnet_jax.engine.RunDirectory.stop_diverged`). An
+    :class:`naisnet_jax.engine.EpochProgram`."""
+
+    config: Any
+    run: engine.RunDirectory
+    writer: Any
+    mesh: Mesh
+    steps_per_epoch: int
+    train_data: Any
+    test_data: Any
+    train_chunk: Callable
+    evaluate: Callable
+    growth: engine.LossGrowth
+    unit: str = "step"
+
+    def progress_units(self, epochs: int) -> int:
+        return epochs * self.steps_per_epoch
+
+    def checkpoint_tree(self, state) -> dict:
+        return engine.checkpoint_tree(state)
+
+    def summary(self, epoch: int, records: list[dict]) -> str:
+        (r,) = records
+        rho = "n/a" if r["rho_max"] is None else format(r["rho_max"], ".4f")
+        return (
+            f"epoch {epoch}: train loss {r['train_loss']:.4f} acc {r['train_accuracy']:.4f} | "
+            f"test loss {r['test_loss']:.4f} acc {r['test_accuracy']:.4f} | rho_max {rho} | {r['epoch_seconds']:.1f}s"
+        )
+
+    def train_epoch(self, state, epoch: int, progress) -> tuple[TrainState, list[dict]]:
+        config, mesh = self.config, self.mesh
+        schedule = learning_rate_schedule(config, self.steps_per_epoch)
+        t0 = time.time()
+        perm_key, aug_key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(config.seed + 1), epoch))
+        n_train = self.train_data.num_examples
+        idx = np.asarray(data_lib.epoch_batches(perm_key, n_train, config.batch_size))
+        sums, seen = {"loss": 0.0, "accuracy": 0.0}, 0
+        for start in range(0, self.steps_per_epoch, config.steps_per_chunk):
+            rows, count = chunk_rows(idx, start, config.steps_per_chunk)
+            t_chunk = time.perf_counter()
+            state, m = self.train_chunk(
+                state,
+                self.train_data,
+                replicate(rows, mesh),
+                replicate(aug_key, mesh),
+                replicate(np.int32(count), mesh),
+                replicate(np.int32(start), mesh),
+            )
+            m = jax.device_get(m)
+            t_chunk = time.perf_counter() - t_chunk
+            if not all(np.isfinite(v) for v in m.values()):
+                progress.close()
+                self.run.stop_diverged(f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)})")
+            warning = self.growth.watch(float(m["loss"]))
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
+            for k in sums:
+                sums[k] += float(m[k]) * count
+            seen += count
+            progress.update(count)
+            progress.set_postfix(epoch=epoch, loss=f"{float(m['loss']):.4f}")
+            step = int(state.step)
+            self.writer.write_scalars(
+                step,
+                {
+                    "train/loss": float(m["loss"]),
+                    "train/accuracy": float(m["accuracy"]),
+                    "train/learning_rate": float(schedule(step - 1)),
+                    "train/steps_per_second": count / max(t_chunk, 1e-9),
+                },
+            )
+        test = jax.device_get(self.evaluate(state, self.test_data))
+        step = int(state.step)
+        record = engine.epoch_record(
+            epoch=epoch,
+            step=step,
+            learning_rate=float(schedule(step - 1)),
+            train={k: v / seen for k, v in sums.items()},
+            test=test,
+            rho_max=max_radius_bound(state.params, eps=config.eps, h=config.h),
+            seconds=time.time() - t0,
+        )
+        params_finite = all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(jax.device_get(state.params)))
+        if not (params_finite and np.isfinite(float(test["loss"]))):
+            progress.close()
+            what = "the parameters are not finite" if not params_finite else f"the test loss is {test['loss']}"
+            self.run.stop_diverged(f"after epoch {epoch} (step {step}) {what}")
+        # the scalars before the record and the checkpoint: a crash between them leaves what a resume drops
+        self.writer.write_scalars(step, {f"epoch/{k}": v for k, v in record.items() if k != "step" and v is not None})
+        return state, [record]
+
+
 def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: int | None = None) -> dict:
     """Train ``config`` in ``workdir``, resuming from its latest checkpoint.
 
@@ -437,7 +535,6 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     if writer is not None:
         metric_writers.check_writer(writer)
     ds, steps_per_epoch = engine.load_training_data(config)
-    n_train = ds.train_images.shape[0]
     model = build_model(config, ds.num_classes)
     state = create_train_state(config, model, ds.train_images.shape[1:], steps_per_epoch)
     if count_projected_blocks(state.params) == 0 and config.model.startswith("naisnet"):
@@ -452,7 +549,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
 
     os.makedirs(workdir, exist_ok=True)  # only now: a refused run writes nothing
     view = engine.resume_view(config, model_kwargs(config), [config.seed])
-    with engine.RunDirectory(workdir, view, keep=config.keep_checkpoints) as run:
+    with engine.RunDirectory(workdir, view, keep=config.keep_checkpoints, config=config) as run:
         own_writer = writer is None
         if own_writer:
             writer = metric_writers.default_writer(workdir)
@@ -461,92 +558,37 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
         if resumed is not None:
             state = engine.restore_into(state, resumed[0])
             start_epoch = resumed[1] + 1
-            print(f"Resuming from {run.checkpoint_dir} at epoch {start_epoch} (step {int(state.step)}).")
+            if not run.complete(start_epoch, config.num_epochs):
+                print(f"Resuming from {run.checkpoint_dir} at epoch {start_epoch} (step {int(state.step)}).")
         # the scalars of steps after the checkpoint (written before a crash), or all of them
         engine.rewind(writer, int(state.step) if start_epoch > 1 else -1)
 
         state = replicate(state, mesh)
-        train_chunk = make_train_chunk(mean, std, augment, mesh, sync_batch_norm=config.get("sync_batch_norm", True))
-        evaluate = make_evaluate(mean, std, config.eval_batch_size, mesh)
-        base_key = jax.random.PRNGKey(config.seed + 1)
-        schedule = learning_rate_schedule(config, steps_per_epoch)
-        metadata = ckpt.CheckpointMetadata.from_config(config, ds, mean, std)
-
-        last = run.records[-1] if run.records else {}
-        end_epoch = (
-            config.num_epochs
-            if stop_after_epochs is None
-            else min(config.num_epochs, start_epoch + stop_after_epochs - 1)
+        end_epoch = engine.last_epoch(config, start_epoch, stop_after_epochs)
+        program = DataParallelEpochs(
+            config=config,
+            run=run,
+            writer=writer,
+            mesh=mesh,
+            steps_per_epoch=steps_per_epoch,
+            train_data=train_data,
+            test_data=test_data,
+            train_chunk=make_train_chunk(mean, std, augment, mesh, sync_batch_norm=config.get("sync_batch_norm", True)),
+            evaluate=make_evaluate(mean, std, config.eval_batch_size, mesh),
+            growth=engine.LossGrowth(math.log(ds.num_classes)),
         )
-        progress = engine.progress((end_epoch - start_epoch + 1) * steps_per_epoch, bool(config.progress))
-        growth = engine.LossGrowth(math.log(ds.num_classes))
-        for epoch in range(start_epoch, end_epoch + 1):
-            t0 = time.time()
-            perm_key, aug_key = jax.random.split(jax.random.fold_in(base_key, epoch))
-            idx = np.asarray(data_lib.epoch_batches(perm_key, n_train, config.batch_size))
-            sums, seen = {"loss": 0.0, "accuracy": 0.0}, 0
-            for start in range(0, steps_per_epoch, config.steps_per_chunk):
-                rows, count = chunk_rows(idx, start, config.steps_per_chunk)
-                t_chunk = time.perf_counter()
-                state, m = train_chunk(
-                    state,
-                    train_data,
-                    replicate(rows, mesh),
-                    replicate(aug_key, mesh),
-                    replicate(np.int32(count), mesh),
-                    replicate(np.int32(start), mesh),
-                )
-                m = jax.device_get(m)
-                t_chunk = time.perf_counter() - t_chunk
-                if not all(np.isfinite(v) for v in m.values()):
-                    progress.close()
-                    run.stop_diverged(f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)})")
-                warning = growth.watch(float(m["loss"]))
-                if warning:
-                    print(warning, file=sys.stderr, flush=True)
-                for k in sums:
-                    sums[k] += float(m[k]) * count
-                seen += count
-                progress.update(count)
-                progress.set_postfix(epoch=epoch, loss=f"{float(m['loss']):.4f}")
-                step = int(state.step)
-                writer.write_scalars(
-                    step,
-                    {
-                        "train/loss": float(m["loss"]),
-                        "train/accuracy": float(m["accuracy"]),
-                        "train/learning_rate": float(schedule(step - 1)),
-                        "train/steps_per_second": count / max(t_chunk, 1e-9),
-                    },
-                )
-            test = jax.device_get(evaluate(state, test_data))
-            step = int(state.step)
-            record = engine.epoch_record(
-                epoch=epoch,
-                step=step,
-                learning_rate=float(schedule(step - 1)),
-                train={k: v / seen for k, v in sums.items()},
-                test=test,
-                rho_max=max_radius_bound(state.params, eps=config.eps, h=config.h),
-                seconds=time.time() - t0,
-            )
-            params_finite = all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(jax.device_get(state.params)))
-            if not (params_finite and np.isfinite(float(test["loss"]))):
-                progress.close()
-                what = "the parameters are not finite" if not params_finite else f"the test loss is {test['loss']}"
-                run.stop_diverged(f"after epoch {epoch} (step {step}) {what}")
-            # the scalars and the record first: a crash before the checkpoint leaves what a resume drops
-            writer.write_scalars(step, {f"epoch/{k}": v for k, v in record.items() if k != "step" and v is not None})
-            due = epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs
-            run.commit(epoch, step, [record], engine.checkpoint_tree(state) if due else None, metadata)
-            progress.write(
-                f"epoch {epoch}: train loss {record['train_loss']:.4f} acc {record['train_accuracy']:.4f} | "
-                f"test loss {record['test_loss']:.4f} acc {record['test_accuracy']:.4f} | "
-                f"rho_max {'n/a' if record['rho_max'] is None else format(record['rho_max'], '.4f')} | "
-                f"{record['epoch_seconds']:.1f}s"
-            )
-            last = record
-        progress.close()
+        progress = engine.progress(program.progress_units(end_epoch - start_epoch + 1), bool(config.progress))
+        state = engine.run_epochs(
+            run,
+            program,
+            state,
+            start_epoch=start_epoch,
+            end_epoch=end_epoch,
+            config=config,
+            metadata=ckpt.CheckpointMetadata.from_config(config, ds, mean, std),
+            progress=progress,
+        )
+        last = run.records[-1] if run.records else {}
         if own_writer:
             writer.close()
         elif callable(getattr(writer, "flush", None)):
