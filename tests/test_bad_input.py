@@ -53,6 +53,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 import warnings
 
 import jax
@@ -61,13 +62,13 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
-from naisnet_jax.verify import cli as verify_cli
 
 import naisnet_jax as nj
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
 from naisnet_jax import engine, models, train, train_cli
 from naisnet_jax.configs import default
+from naisnet_jax.verify import cli as verify_cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY_ARGS = [
@@ -1158,3 +1159,19 @@ def test_48b_the_trainer_projects_a_baseline_without_a_warning():
         warnings.simplefilter("error")
         state = train.create_train_state(config, net, (8, 8, 1), steps_per_epoch=4)
     assert "W" in state.params and "R" not in state.params
+
+
+def test_49_a_checkpoints_path_that_is_a_file(jax_cache, tmp_path):
+    """Refused before training, in one line, exit 2; nothing else is written (it used to sit for
+    minutes in Orbax's writer threads)."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / train.CHECKPOINT_DIR).write_text("not a directory")
+    start = time.time()
+    code, out, err = command(jax_cache, "naisnet-train", *TINY_ARGS, f"--workdir={workdir}")
+    assert code == 2, err[-3000:]
+    assert stderr_lines(err, 1) == [
+        f"error: cannot write checkpoints to {workdir / train.CHECKPOINT_DIR}: it is a file, not a directory."
+    ]
+    assert time.time() - start < 60
+    assert sorted(p.name for p in workdir.iterdir()) == [".trainer.lock", train.CHECKPOINT_DIR]

@@ -737,3 +737,30 @@ def test_progress_off_a_terminal_says_a_line_every_interval(capsys, monkeypatch)
     for _ in range(4):  # at 10, 31, 40 and 70 s
         bar.update(25)
     assert capsys.readouterr().err.splitlines() == ["50/100 steps (50%), epoch 1", "100/100 steps (100%), epoch 1"]
+
+
+def test_a_checkpoints_path_that_is_a_file_is_refused_before_training(tmp_path):
+    (tmp_path / train.CHECKPOINT_DIR).write_text("not a directory")
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"checkpoints: it is a file, not a directory\.$"):
+        train.train_and_evaluate(get_config(num_epochs=1), str(tmp_path))
+    assert not (tmp_path / train.METRICS_FILE).exists()
+
+
+def test_a_checkpoint_write_that_fails_later_ends_at_once(tmp_path):
+    """The checkpoints directory turns into a file during epoch 2: the save of step 8 fails in
+    seconds, in one line naming the step and the cause; epoch 1's checkpoint stays intact."""
+    checkpoints = tmp_path / train.CHECKPOINT_DIR
+    moved = tmp_path / "kept"
+
+    class Sabotage:
+        def write_scalars(self, step, scalars):
+            if scalars.get("epoch/epoch") == 2:
+                checkpoints.rename(moved)
+                checkpoints.write_text("a file now")
+
+    start = time.time()
+    with pytest.raises(ckpt.CheckpointWriteError, match=r"checkpoints \(step 8\): it is a file, not a directory\.$"):
+        train.train_and_evaluate(get_config(num_epochs=2), str(tmp_path), writer=Sabotage())
+    assert time.time() - start < 60
+    _, meta = ckpt.load(str(moved))
+    assert meta["epoch"] == 1

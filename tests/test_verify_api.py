@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from references import rho
+
+from naisnet_jax import models
 from naisnet_jax.verify import (
     SCHEMA,
     AuditOptions,
@@ -25,9 +28,6 @@ from naisnet_jax.verify import (
     Verdict,
     audit_model,
 )
-from references import rho
-
-from naisnet_jax import models
 
 
 @pytest.fixture(scope="module")

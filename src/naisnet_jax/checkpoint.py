@@ -71,6 +71,28 @@ class CheckpointMismatch(CheckpointError):
     """An intact checkpoint whose arrays do not fit the tree asked for (another model or optimiser)."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that cannot be written (the directory is a file, read-only, or the disk is
+    full); the steps already saved are intact."""
+
+
+def check_writable(directory: str, what: str = "") -> None:
+    """Make sure ``directory`` exists and takes a new entry (a probe directory made and removed),
+    before Orbax is asked to write there: its background writers wait minutes on a directory they
+    cannot create. Raises :class:`CheckpointWriteError` in one line naming the directory, ``what``
+    was to be written and the cause."""
+    import tempfile
+
+    where = f"{directory}{what}"
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointWriteError(f"cannot write checkpoints to {where}: it is a file, not a directory.")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=directory))
+    except OSError as e:
+        raise CheckpointWriteError(f"cannot write checkpoints to {where}: {e.strerror or e}.") from None
+
+
 REASON_CHARS = 160  # a damaged step's reason is cut to its first line and this many characters
 
 
@@ -166,12 +188,18 @@ def save(mngr, step: int, state: Any, metadata: CheckpointMetadata) -> None:
     state = jax.device_get(state)
     meta = metadata.replace(step=int(step), digest=tree_digest(state)).to_json()
     meta.update(format=FORMAT, format_version=FORMAT_VERSION)
-    mngr.save(
-        int(step),
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(meta)),
-        force=True,
-    )
-    mngr.wait_until_finished()
+    check_writable(str(mngr.directory), f" (step {int(step)})")
+    try:
+        mngr.save(
+            int(step),
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(meta)),
+            force=True,
+        )
+        mngr.wait_until_finished()
+    except OSError as e:  # a full disk, say: the steps saved before are intact
+        raise CheckpointWriteError(
+            f"cannot write checkpoints to {mngr.directory} (step {int(step)}): {e.strerror or e}."
+        ) from None
 
 
 def _read_metadata(mngr, step: int) -> dict:

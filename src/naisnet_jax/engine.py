@@ -142,6 +142,7 @@ class RunDirectory:
         self._lock = workdir_lock(self.workdir)
         self._lock.__enter__()
         try:
+            ckpt.check_writable(self.checkpoint_dir)  # before any training: Orbax would hang on it
             self.mngr = ckpt.manager(self.checkpoint_dir, max_to_keep=self.keep)
         except BaseException:
             self._lock.__exit__(None, None, None)
