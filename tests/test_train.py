@@ -713,8 +713,8 @@ def test_resuming_with_other_optimiser_settings_says_so(tmp_path, capsys):
     train.train_and_evaluate(get_config(num_epochs=2, learning_rate=0.05, batch_size=32), str(tmp_path))
     err = capsys.readouterr().err
     assert (
-        f"notice: resuming {tmp_path} with learning_rate 0.05 (the checkpoint's: 0.1), batch_size 32 (the checkpoint's: 64)."
-        in err
+        f"notice: resuming {tmp_path} with learning_rate 0.05 (the checkpoint's: 0.1), "
+        "batch_size 32 (the checkpoint's: 64)." in err
     )
 
 
