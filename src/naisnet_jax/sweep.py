@@ -51,8 +51,8 @@ import numpy as np
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import engine, metric_writers, models, train
 from naisnet_jax.projection import count_projected_blocks
+from naisnet_jax.seeds import ProgramCache, check_seeds, default_seeds, prepare, seed_config, shard_seeds
 from naisnet_jax.seeds import SweepSetup as SweepSetup
-from naisnet_jax.seeds import check_seeds, default_seeds, prepare, seed_config, shard_seeds
 from naisnet_jax.seeds import make_sweep_epoch as make_sweep_epoch  # the epoch program, for callers
 from naisnet_jax.seeds import seed_mesh as seed_mesh
 from naisnet_jax.seeds import step_keys as step_keys
@@ -240,6 +240,7 @@ def train_sweep(
     audit_baselines: bool = True,
     per_step_loss: bool = True,
     verbose: bool = True,
+    programs: ProgramCache | None = None,
 ) -> SweepResult:
     """Train ``config``'s model once per seed, side by side, in ``workdir``; resumes.
 
@@ -249,7 +250,9 @@ def train_sweep(
     audited by the verifier (``audit=False`` skips it, ``audit_baselines=False`` skips it for
     models without a NAIS block; ``audit_options`` is passed on) and, for
     FC models, its per-layer loss on the test set and on the training set is measured
-    (``per_step_loss=False`` skips it).
+    (``per_step_loss=False`` skips it). ``programs``: the compiled programs to take from and keep
+    in (pass the same :class:`naisnet_jax.seeds.ProgramCache` to sweeps of one configuration run
+    one after another; by default this call's own).
     Resuming a workdir that holds a sweep of another model, seeds or data raises ``ValueError``.
     """
     t_start = time.time()
@@ -262,7 +265,7 @@ def train_sweep(
         if mngr.latest_step() is not None:  # refuse before loading data or compiling
             _check_same_sweep(ckpt.read_metadata(mngr), config, seeds, mngr.directory)
 
-        s = prepare(config, seeds)
+        s = prepare(config, seeds, programs=programs)
         n_seeds = len(seeds)
         state, diverged_epoch = s.state, shard_seeds(jnp.zeros((n_seeds,), jnp.int32), s.mesh)
         metadata = ckpt.CheckpointMetadata.from_config(config, s.ds, s.mean, s.std).replace(
