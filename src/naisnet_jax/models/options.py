@@ -39,7 +39,17 @@ BLOCK_VJP = {"autodiff": None, "stacked": "store", "stacked_recompute": "recompu
 KERNEL_ENGINES = (None, "triton", "wgmma")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Options that change speed or memory, never the maths (``dtype`` changes the rounding only).
-PERF_OPTIONS = ("scan_unroll", "remat", "block_vjp", "kernel_engine", "dtype", "check_every", "compact", "stream_slots")
+PERF_OPTIONS = (
+    "scan_unroll",
+    "remat",
+    "block_vjp",
+    "kernel_engine",
+    "kernel_interpret",
+    "dtype",
+    "check_every",
+    "compact",
+    "stream_slots",
+)
 #: The performance options that change neither the parameters nor the values computed (all but
 #: the compute ``dtype``): a run or a sweep may resume with others (e.g. on another machine).
 SPEED_OPTIONS = tuple(o for o in PERF_OPTIONS if o != "dtype")
@@ -157,7 +167,9 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
       after at most ``max_steps`` steps (tied weights only).
     - performance (:data:`PERF_OPTIONS`, see the module docstring): ``scan_unroll``, ``remat``,
       ``block_vjp``, ``kernel_engine`` (with ``block_vjp="fused"``: the conv blocks' engine,
-      ``None`` by card, ``"triton"`` or ``"wgmma"``), ``check_every``, ``compact``,
+      ``None`` by card, ``"triton"`` or ``"wgmma"``), ``kernel_interpret`` (with
+      ``block_vjp="fused"``: the blocks the kernels take run them in Pallas' interpreter, on any
+      backend, the others the stacked VJP; for tests on a CPU), ``check_every``, ``compact``,
       ``stream_slots`` and ``dtype``.
     """
 
@@ -170,6 +182,7 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
     remat: str = "none"
     block_vjp: str = "autodiff"
     kernel_engine: str | None = None
+    kernel_interpret: bool = False
     check_every: int = 1
     compact: bool = False
     stream_slots: int | None = None
@@ -204,6 +217,13 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
             raise ValueError(
                 f"kernel_engine={self.kernel_engine!r} picks the fused kernels' engine; it needs "
                 f"block_vjp='fused', got {self.block_vjp!r}."
+            )
+        check_bool("kernel_interpret", self.kernel_interpret)
+        if self.kernel_interpret and (self.block_vjp != "fused" or self.kernel_engine == "wgmma"):
+            raise ValueError(
+                f"kernel_interpret=True runs the fused kernels in Pallas' interpreter; it needs "
+                f"block_vjp='fused' and an engine other than 'wgmma' (which the interpreter cannot "
+                f"run), got block_vjp={self.block_vjp!r}, kernel_engine={self.kernel_engine!r}."
             )
         if self.block_vjp == "autodiff":
             return
