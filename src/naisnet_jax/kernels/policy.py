@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import jax
 
-from naisnet_jax.checks import check_int
+from naisnet_jax.checks import check_bool, check_int
 from naisnet_jax.kernels import common, tuning, wgmma_split, wgmma_tf32
 from naisnet_jax.kernels.common import Layout
 
@@ -78,8 +78,7 @@ class KernelPolicy:
             raise ValueError(f"engine={self.engine!r} must be None, 'triton' or 'wgmma'.")
         if self.interpret not in (None, True, False):
             raise ValueError(f"interpret={self.interpret!r} must be None, True or False.")
-        if not isinstance(self.strict, bool):
-            raise ValueError(f"strict={self.strict!r} must be True or False.")
+        check_bool("strict", self.strict)
         for name in ("tile_rows", "block_rows"):
             value = getattr(self, name)
             if value is not None:
