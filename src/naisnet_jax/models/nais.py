@@ -320,7 +320,7 @@ class NaisConvBlock(ConvOptions):
         )(u)
         if self.normalize_drive:
             zero_scale = self.zero_init_drive and self.initial_state == "input"
-            drive = batch_norm(train, "drive_norm", self.dtype, zero_scale=zero_scale)(drive)
+            drive = batch_norm(train, "drive_norm", self.dtype, zero_scale=zero_scale, axis_name=self.batch_axis)(drive)
         batch, height, width = drive.shape[:3]
         dtype = compute_dtype(self.dtype) or jnp.result_type(drive, kernel)  # conv: equal dtypes
         drive, kernel = drive.astype(dtype), kernel.astype(dtype)
@@ -419,7 +419,7 @@ class NaisNetConv(ConvOptions, DriveNorm, Classifier, Stages, kw_only=True):
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
         dtype = compute_dtype(self.dtype)
         x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype, name="stem")(x)
-        x = ACTIVATIONS[self.activation](batch_norm(train, "stem_bn", self.dtype)(x))
+        x = ACTIVATIONS[self.activation](batch_norm(train, "stem_bn", self.dtype, axis_name=self.batch_axis)(x))
         states, depths = [], []
         options = options_of(self, ConvOptions)
         for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):

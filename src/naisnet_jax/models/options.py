@@ -109,6 +109,21 @@ class ComputeDtype(HyperParameters, kw_only=True):
         )
 
 
+class BatchAxis(HyperParameters, kw_only=True):
+    """``batch_axis``: the name of the mapped axis the batch is split over (a ``jax.shard_map``
+    mesh axis, a ``jax.vmap`` ``axis_name``). Every BatchNorm of the model then takes its
+    training statistics over the whole batch, across that axis, as one device would; ``None``:
+    over the rows this program holds. Set by the program that maps the model (the trainer's
+    data-parallel step); it changes no parameter, and evaluation reads the running averages."""
+
+    batch_axis: str | None = None
+
+    @nn.nowrap
+    def _check_fields(self):
+        if self.batch_axis is not None and (not isinstance(self.batch_axis, str) or not self.batch_axis):
+            raise ValueError(f"batch_axis={self.batch_axis!r} must be None or the name of a mapped axis.")
+
+
 class KernelSize(HyperParameters, kw_only=True):
     """``kernel_size``: the odd side ``k = 2p+1`` of the ``k x k`` convolutions."""
 
@@ -271,7 +286,7 @@ class DenseOptions(NaisOptions, kw_only=True):
 DRIVE_INITS = ("lecun", "he")
 
 
-class ConvOptions(KernelSize, NaisOptions, kw_only=True):
+class ConvOptions(KernelSize, BatchAxis, NaisOptions, kw_only=True):
     """Conv NAIS options: Algorithm 2's ``eta`` in ``(eps, 1)``; ``learn_delta`` (train the
     centre-tap shifts ``delta``, else ``delta = 0``); ``kernel_size``; ``drive_init``, the
     initial scale of the drive convolution ``D`` (:func:`naisnet_jax.models.layers.drive_init`);
@@ -348,7 +363,7 @@ class DriveNorm(HyperParameters, kw_only=True):
         return self.drive_norm == "every" or (stage_change and self.drive_norm == "transitions")
 
 
-class ResNetConvOptions(KernelSize, ComputeDtype, kw_only=True):
+class ResNetConvOptions(KernelSize, BatchAxis, ComputeDtype, kw_only=True):
     """Options of :class:`ResNetConvBlock`, which :class:`ResNetConv` hands to its blocks.
 
     ``zero_init_residual``: the BatchNorm scale of each block's branch starts at zero, so

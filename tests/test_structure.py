@@ -1,0 +1,71 @@
+"""How the code is put together: short functions, and no state that a traced program reads from
+where it was traced (the BatchNorm axis is a model field; the kernels' interpreter is a policy
+field, tested in ``tests/test_conv_kernels.py``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from naisnet_jax import models as M
+from naisnet_jax.models.layers import BN_MOMENTUM
+
+
+# ------------------------------------------------------------------ BatchNorm across a mapped axis
+
+
+def _conv_same(u: np.ndarray, kernel: np.ndarray) -> np.ndarray:
+    """Stride-1 SAME convolution, NHWC x HWIO, in float64 numpy loops."""
+    kh, kw = kernel.shape[:2]
+    p, q = kh // 2, kw // 2
+    padded = np.pad(u, [(0, 0), (p, p), (q, q), (0, 0)])
+    out = np.zeros(u.shape[:3] + (kernel.shape[-1],))
+    for a in range(kh):
+        for b in range(kw):
+            window = padded[:, a : a + u.shape[1], b : b + u.shape[2], :]
+            out += np.einsum("nhwi,io->nhwo", window, kernel[a, b])
+    return out
+
+
+@pytest.mark.parametrize("axis", [None, "shards"])
+def test_batch_norm_takes_its_statistics_across_the_models_batch_axis(axis):
+    """A conv NAIS block with a normalised drive, built with ``batch_axis`` and run in training
+    under ``jax.vmap(axis_name=...)`` over two shards of a batch: its BatchNorm's running mean
+    and variance are those of the whole batch's drive (numpy, float64), the same in both
+    shards; built without it, each shard's are its own rows'."""
+    rng = np.random.default_rng(0)
+    u = rng.standard_normal((2, 3, 5, 5, 2))  # (shards, rows, H, W, C_in)
+    block = M.NaisConvBlock(4, steps=2, normalize_drive=True, batch_axis=axis)
+    variables = jax.tree.map(lambda a: a.astype(jnp.float64), block.init(jax.random.key(0), jnp.asarray(u[0])))
+
+    def train_apply(x):
+        _, updates = block.apply(variables, x, train=True, mutable=["batch_stats"])
+        return updates["batch_stats"]["drive_norm"]
+
+    stats = jax.vmap(train_apply, axis_name="shards")(jnp.asarray(u))
+    D = np.asarray(variables["params"]["input"]["kernel"])
+    drive = _conv_same(u.reshape(6, 5, 5, 2), D).reshape(2, 3 * 5 * 5, 4)  # no bias: BatchNorm's offset
+    rows = drive.reshape(1, -1, 4) if axis else drive
+    mean, var = rows.mean(axis=1), rows.var(axis=1)
+    expected_mean = np.broadcast_to((1 - BN_MOMENTUM) * mean, (2, 4))
+    expected_var = np.broadcast_to(BN_MOMENTUM + (1 - BN_MOMENTUM) * var, (2, 4))
+    np.testing.assert_allclose(stats["mean"], expected_mean, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(stats["var"], expected_var, rtol=1e-10, atol=1e-12)
+    if axis is None:  # the two shards' own statistics differ: the comparison can tell them apart
+        assert np.ptp(np.asarray(stats["mean"]), axis=0).max() > 1e-3
+
+
+def test_batch_axis_reaches_every_batch_norm_of_a_net():
+    """A net hands ``batch_axis`` to its blocks (one field, passed down): the NAIS conv net's
+    and the conv ResNet's blocks are built with it, and a bad value is refused, naming it."""
+    x = jnp.zeros((2, 8, 8, 1))
+    for name in ("naisnet_conv_tiny", "resnet_conv_tiny"):
+        net = M.get_model(name, batch_axis="data")
+        variables = net.init(jax.random.key(0), x)
+        with pytest.raises(NameError, match="data"):  # training outside the mapped axis: unbound
+            net.apply(variables, x, train=True, mutable=["batch_stats"])
+        net.apply(variables, x, train=False)  # evaluation reads the running averages
+    with pytest.raises(ValueError, match="batch_axis=''"):
+        M.get_model("naisnet_conv_tiny", batch_axis="")
