@@ -69,3 +69,24 @@ def test_batch_axis_reaches_every_batch_norm_of_a_net():
         net.apply(variables, x, train=False)  # evaluation reads the running averages
     with pytest.raises(ValueError, match="batch_axis=''"):
         M.get_model("naisnet_conv_tiny", batch_axis="")
+
+
+# ------------------------------------------------------------------ the initializer's threefry
+
+
+def test_initializer_takes_the_gpu_threefry_kernel_in_its_own_lowering_only():
+    """The compiled initializer's random draws lower to XLA's GPU threefry kernel (a custom call,
+    lowered here for CUDA on any machine), while the process-wide option stays off: a plain
+    lowering of the same function afterwards has the unrolled rounds, not the kernel. Its values
+    are eager ``init``'s."""
+    from naisnet_jax import train
+
+    args = (M.get_model("naisnet_conv_tiny"), (8, 8, 1), 0.01, 0.9, False)
+    text = train._lowered_initializer(*args, platforms=("cuda",)).as_text()
+    assert "cu_threefry2x32_ffi" in text
+    assert jax.config.jax_threefry_gpu_kernel_lowering is False
+    plain = jax.jit(train._initializer(*args)).trace(jax.random.PRNGKey(0)).lower(lowering_platforms=("cuda",))
+    assert "cu_threefry2x32_ffi" not in plain.as_text()
+    compiled, _ = train._compiled_initializer(*args)(jax.random.PRNGKey(3))
+    eager, _ = train._initializer(*args)(jax.random.PRNGKey(3))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), compiled, eager)

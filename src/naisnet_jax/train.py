@@ -363,19 +363,26 @@ def _initializer(model, input_shape: tuple, eps: float, eta: float, relaxed: boo
     return init
 
 
+def _lowered_initializer(model, input_shape: tuple, eps: float, eta: float, relaxed: bool, platforms=None):
+    """:func:`_initializer` lowered (for ``platforms``, default this backend) with its random draws
+    as XLA's GPU threefry kernel (the same bits, a far smaller program: unrolled, threefry's rounds
+    for every parameter made the program ~85k lines).
+
+    JAX's ``jax_threefry_gpu_kernel_lowering`` option picks that form, and it is read by the
+    threefry primitive's lowering rule while the program is lowered (a custom call in place of the
+    rounds), not by XLA: no ``compiler_options`` of a compilation can ask for it. So it is set for
+    this one lowering, in this thread (JAX's scoped form of the option), never process-wide."""
+    from jax._src import config as jax_config  # the option's scoped form is not exported
+
+    fn = jax.jit(_initializer(model, input_shape, eps, eta, relaxed))
+    with jax_config.threefry_gpu_kernel_lowering(True):
+        return fn.trace(jax.random.PRNGKey(0)).lower(lowering_platforms=platforms)
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled_initializer(model, input_shape: tuple, eps: float, eta: float, relaxed: bool):
-    """:func:`_initializer` compiled ahead of time. Its random draws are lowered as XLA's GPU
-    threefry kernel (``jax_threefry_gpu_kernel_lowering``; the same bits, a far smaller program:
-    unrolled, threefry's rounds for every parameter made the program ~85k lines), set only while
-    this compiles, so nothing else in the process changes."""
-    fn = jax.jit(_initializer(model, input_shape, eps, eta, relaxed))
-    before = jax.config.jax_threefry_gpu_kernel_lowering
-    jax.config.update("jax_threefry_gpu_kernel_lowering", True)
-    try:
-        return fn.lower(jax.random.PRNGKey(0)).compile()
-    finally:
-        jax.config.update("jax_threefry_gpu_kernel_lowering", before)
+    """:func:`_initializer` compiled ahead of time, from :func:`_lowered_initializer`."""
+    return _lowered_initializer(model, input_shape, eps, eta, relaxed).compile()
 
 
 def initial_variables(config, model, input_shape) -> tuple[Any, Any]:
