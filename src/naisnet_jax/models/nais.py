@@ -157,12 +157,16 @@ def _unroll_to_tolerance(block, step, x0, *, train, trajectory, tied: Tied):
     if block.check_every == 1 and not block.compact and not streaming:
         x, depth = unroll_adaptive(step, x0, tol=tol, max_steps=max_steps)
         return x, depth, None
+
+    def driven(x, d):  # a function of its own: the loops take the step as a static argument
+        return tied.driven(x, d)
+
     drives = jnp.broadcast_to(tied.drive, x0.shape)
     common = dict(tol=tol, max_steps=max_steps, check_every=block.check_every)
     if streaming:
-        x, depth = unroll_adaptive_stream(tied.driven, x0, drives, slots=block.stream_slots, **common)
+        x, depth = unroll_adaptive_stream(driven, x0, drives, slots=block.stream_slots, **common)
     else:
-        x, depth = unroll_adaptive(tied.driven, x0, inputs=drives, compact=block.compact, **common)
+        x, depth = unroll_adaptive(driven, x0, inputs=drives, compact=block.compact, **common)
     return x, depth, None
 
 
