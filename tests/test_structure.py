@@ -4,6 +4,9 @@ field, tested in ``tests/test_conv_kernels.py``)."""
 
 from __future__ import annotations
 
+import ast
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +14,66 @@ import pytest
 
 from naisnet_jax import models as M
 from naisnet_jax.models.layers import BN_MOMENTUM
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+#: The most lines a function of the package may span (its signature, docstring and body).
+MAX_LINES = 80
+#: Modules whose functions the length rule leaves to their own restructuring.
+LENGTH_EXEMPT_MODULES = {"train.py", "sweep.py", "engine.py", "train_cli.py"}
+
+
+def is_kernel_body(path: pathlib.Path, node: ast.FunctionDef) -> bool:
+    """A Pallas kernel body: a function of ``src/naisnet_jax/kernels/`` whose name ends in
+    ``_kernel`` (the convention every engine follows for what it hands to ``pallas_call`` or to
+    Mosaic GPU). A kernel is one program's straight-line code; splitting it would only hide
+    its schedule."""
+    return path.parent.name == "kernels" and node.name.endswith("_kernel")
+
+
+def lengths_in(path: pathlib.Path, source: str) -> list[tuple[int, str]]:
+    """``(lines, "path:name")`` of every function in ``source`` (the file at ``path``, relative to
+    the repository), nested ones too, the kernel bodies left out."""
+    return [
+        (node.end_lineno - node.lineno + 1, f"{path}:{node.name}")
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not is_kernel_body(path, node)
+    ]
+
+
+def function_lengths() -> list[tuple[int, str]]:
+    """:func:`lengths_in` over ``src/`` and ``verify/``, the exempt modules left out."""
+    out = []
+    for root in (REPO / "src" / "naisnet_jax", REPO / "verify"):
+        for path in sorted(root.rglob("*.py")):
+            if path.is_relative_to(REPO / "src" / "naisnet_jax" / "verify"):
+                continue  # a link to verify/ in an editable install
+            if path.parent.name == "naisnet_jax" and path.name in LENGTH_EXEMPT_MODULES:
+                continue
+            out += lengths_in(path.relative_to(REPO), path.read_text())
+    return out
+
+
+def test_no_function_is_longer_than_eighty_lines():
+    long = sorted((n, name) for n, name in function_lengths() if n > MAX_LINES)
+    assert not long, f"functions over {MAX_LINES} lines: {long}"
+
+
+def test_the_length_rule_has_teeth():
+    """An 81-line function is counted as 81 lines, outside the kernels' folder and inside it; a
+    nested ``*_kernel`` function is counted outside it and left out inside it. The walk over the
+    package finds its functions (hundreds) and none of its kernel bodies."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(79))
+    source = f'def big():\n    """doc"""\n{body}\n\ndef outer():\n    def big_kernel():\n        pass\n'
+    models, kernels = pathlib.Path("src/naisnet_jax/models/m.py"), pathlib.Path("src/naisnet_jax/kernels/k.py")
+    assert (81, f"{models}:big") in lengths_in(models, source)
+    assert (2, f"{models}:big_kernel") in lengths_in(models, source)
+    assert (81, f"{kernels}:big") in lengths_in(kernels, source)
+    assert not any(name.endswith("big_kernel") for _, name in lengths_in(kernels, source))
+    lengths = function_lengths()
+    assert len(lengths) > 300
+    names = {name for _, name in lengths}
+    assert "src/naisnet_jax/models/nais.py:_unroll" in names and "verify/certify.py:_audit" in names
+    assert not any(name.endswith(("_forward_kernel", "_backward_kernel")) for name in names)
 
 
 # ------------------------------------------------------------------ BatchNorm across a mapped axis
