@@ -62,13 +62,13 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+from naisnet_jax.verify import cli as verify_cli
 
 import naisnet_jax as nj
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
 from naisnet_jax import engine, models, train, train_cli
 from naisnet_jax.configs import default
-from naisnet_jax.verify import cli as verify_cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY_ARGS = [

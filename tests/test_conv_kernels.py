@@ -122,7 +122,7 @@ def test_layout_round_trip_and_offsets():
 
 
 def test_model_with_fused_blocks_matches_autodiff_through_the_kernels():
-    """NaisConvBlock with block_vjp='fused', its kernels forced through the interpreter,
+    """NaisConvBlock with block_vjp='fused', its kernels in the interpreter (``kernel_interpret``),
     against the plain autodiff scan: output and every parameter's gradient, float64."""
     x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 5, 5, 16)))
     ctor = functools.partial(M.NaisConvBlock, 16, steps=2, learn_delta=True, activation="relu")
@@ -135,9 +135,9 @@ def test_model_with_fused_blocks_matches_autodiff_through_the_kernels():
         return jax.value_and_grad(loss)(variables)
 
     ref = value_and_grad(ctor())
-    with common.interpreted():
-        jaxpr = str(jax.make_jaxpr(lambda v: ctor(block_vjp="fused").apply(v, x))(variables))
-        out = value_and_grad(ctor(block_vjp="fused"))
+    fused = ctor(block_vjp="fused", kernel_interpret=True)
+    jaxpr = str(jax.make_jaxpr(lambda v: fused.apply(v, x))(variables))
+    out = value_and_grad(fused)
     assert "pallas_call" in jaxpr
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), out, ref)
 
@@ -215,6 +215,45 @@ def test_forcing_the_kernels_on_a_block_they_do_not_take_names_why():
     x0, drive, kernel, _ = _case((1, 4, 4, 12), 3)
     with pytest.raises(ValueError, match="channels must be a power of two from 16 to 128, got 12"):
         kconv.unroll_tied_conv(x0, drive, kernel, steps=2, policy=KernelPolicy(interpret=True))
+
+
+def test_interpretation_is_a_policy_field_not_ambient():
+    """``KernelPolicy(interpret=True, strict=False)``, passed explicitly, runs a block the kernels
+    take in Pallas' interpreter (its value the plain loop's, float64) and a block they do not take
+    (12 channels) on the stacked VJP, whose value is also the loop's; the same policy with
+    ``strict=True`` refuses that block. The default policy on a CPU never interprets."""
+    lenient = KernelPolicy(interpret=True, strict=False)
+    for shape, kernels in (((1, 5, 5, 16), True), ((1, 5, 5, 12), False)):
+        x0, drive, kernel, _ = _case(shape, 3)
+        run = functools.partial(kconv.unroll_tied_conv, steps=3, h=0.5, activation="relu", policy=lenient)
+        jaxpr = str(jax.make_jaxpr(run)(x0, drive, kernel))
+        assert ("pallas_call" in jaxpr) == kernels, shape
+        np.testing.assert_allclose(run(x0, drive, kernel), _loop(x0, drive, kernel, 3, 0.5, "relu"), rtol=1e-12)
+        default = functools.partial(kconv.unroll_tied_conv, steps=3, h=0.5, activation="relu")
+        assert "pallas_call" not in str(jax.make_jaxpr(default)(x0, drive, kernel))
+    with pytest.raises(ValueError, match="got 12"):
+        kconv.unroll_tied_conv(x0, drive, kernel, steps=2, policy=KernelPolicy(interpret=True, strict=True))
+    with pytest.raises(ValueError, match="strict='no' must be True or False"):
+        KernelPolicy(strict="no")
+
+
+def test_model_option_kernel_interpret_reaches_every_block():
+    """``kernel_interpret`` (a model option) builds each fused block's policy: a net whose stages
+    have 16 and 12 channels traces the interpreter's kernels for the first and the stacked VJP
+    for the second, and its output equals the autodiff net's (float64). Without
+    ``block_vjp="fused"``, or with the wgmma engine, the option is refused, naming it."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 6, 6, 1)))
+    kw = dict(steps=2, filters=(16, 12))
+    net = M.get_model("naisnet_conv_tiny", **kw)
+    variables = jax.tree.map(lambda a: a.astype(jnp.float64), net.init(jax.random.key(0), x))
+    fused = M.get_model("naisnet_conv_tiny", **kw, block_vjp="fused", kernel_interpret=True)
+    jaxpr = str(jax.make_jaxpr(lambda v: fused.apply(v, x))(variables))
+    assert jaxpr.count("pallas_call") == 1  # the forward kernel of the 16-channel stage's block
+    np.testing.assert_allclose(fused.apply(variables, x), net.apply(variables, x), rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="kernel_interpret=True runs the fused kernels"):
+        M.get_model("naisnet_conv_tiny", kernel_interpret=True)
+    with pytest.raises(ValueError, match="kernel_interpret=True runs the fused kernels"):
+        M.get_model("naisnet_conv_tiny", block_vjp="fused", kernel_engine="wgmma", kernel_interpret=True)
 
 
 @pytest.mark.parametrize("engine, kernel_name", [(None, "mosaic_gpu"), ("wgmma", "mosaic_gpu"), ("triton", "triton")])

@@ -23,6 +23,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from naisnet_jax.verify import AuditOptions, audit_model, conv_inf_norm_bound, conv_operator, gershgorin
+from naisnet_jax.verify import cli as verify_cli
+from naisnet_jax.verify.spectral import fft_conv_spectrum
 
 import naisnet_jax as nj
 from naisnet_jax import checkpoint as ckpt
@@ -33,9 +36,6 @@ from naisnet_jax.configs import default
 from naisnet_jax.kernels.stacked import dense_op, unroll_tied
 from naisnet_jax.parametrize import check_eps
 from naisnet_jax.projection import check_eta
-from naisnet_jax.verify import AuditOptions, audit_model, conv_inf_norm_bound, conv_operator, gershgorin
-from naisnet_jax.verify import cli as verify_cli
-from naisnet_jax.verify.spectral import fft_conv_spectrum
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = sorted((ROOT / "src" / "naisnet_jax").rglob("*.py")) + sorted((ROOT / "verify").rglob("*.py"))

@@ -57,7 +57,8 @@ SCRIPT = textwrap.dedent(
         from naisnet_jax import data as data_lib
         config = digits_tiny.get_config()
         config.model, config.model_kwargs = "naisnet_conv_tiny", {"steps": 4, **model_kwargs}
-        st = train.create_train_state(config, train.build_model(config, 10), (8, 8, 1), 10)
+        net = train.build_model(config, 10, batch_axis=train.DATA_AXIS)
+        st = train.create_train_state(config, net, (8, 8, 1), 10)
         d = data_lib.DeviceData(images=np.zeros((64, 8, 8, 1), np.uint8), labels=np.zeros(64, np.int32))
         text = chunk.lower(train.replicate(st, mesh), train.replicate(d, mesh),
                            train.replicate(np.zeros((2, 32), np.int32), mesh),
@@ -125,7 +126,8 @@ SIDE_STREAM_SCRIPT = textwrap.dedent(
         mesh = train.make_mesh(2)
         config = digits_tiny.get_config()
         config.model, config.model_kwargs = "naisnet_conv_tiny", {"steps": 4, "block_vjp": "stacked"}
-        state = train.create_train_state(config, train.build_model(config, 10), (8, 8, 1), 10)
+        net = train.build_model(config, 10, batch_axis=train.DATA_AXIS)
+        state = train.create_train_state(config, net, (8, 8, 1), 10)
         rng = np.random.default_rng(0)
         d = data_lib.DeviceData(images=rng.integers(0, 255, (64, 8, 8, 1)).astype(np.uint8),
                                 labels=rng.integers(0, 10, 64).astype(np.int32))
@@ -234,7 +236,7 @@ HOPPER_SCRIPT = textwrap.dedent(
     config = digits_tiny.get_config()
     config.model = "naisnet_conv_tiny"
     config.model_kwargs = ml_collections.ConfigDict({"steps": 2, "filters": (16, 32), "block_vjp": "fused"})
-    model = train.build_model(config, 10)
+    model = train.build_model(config, 10, batch_axis=train.DATA_AXIS)
     state = train.create_train_state(config, model, (8, 8, 1), steps_per_epoch=10)
     # as on a Hopper GPU: the fused blocks take the wgmma kernels
     common.gpu_backend = lambda: True
@@ -275,9 +277,11 @@ PER_DEVICE_BN_SCRIPT = textwrap.dedent(
     y = rng.integers(0, 10, 32).astype(np.int32)
     mesh = train.make_mesh(2)
 
-    def sharded(sync):
+    def sharded(sync):  # BatchNorm across the devices: a model built with the mesh's axis
+        net = train.build_model(config, 10, batch_axis=train.batch_norm_axis(mesh, sync))
+        st = state.replace(apply_fn=net.apply)
         step = jax.jit(lambda s, b: train.data_parallel_step(s, b, mesh, sync_batch_norm=sync))
-        args = (train.replicate(state, mesh), train.replicate((x, y), mesh))
+        args = (train.replicate(st, mesh), train.replicate((x, y), mesh))
         text = step.lower(*args).compile().as_text()
         new, metrics = step(*args)
         return new, metrics, len(re.findall(r" all-reduce(?:-start)?\\(", text))

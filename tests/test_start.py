@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from naisnet_jax.verify import AuditOptions, audit_model
 
 from naisnet_jax import models as M
 from naisnet_jax import train
 from naisnet_jax.configs import default
-from naisnet_jax.verify import AuditOptions, audit_model
 
 BLOCKS = (M.NaisConvBlock, M.NaisDenseBlock, M.ResNetConvBlock)
 IMAGES = {"conv": (16, 16, 3), "fc": (28, 28, 1)}

@@ -92,8 +92,12 @@ def nais(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("nais"))
     workdir = os.path.join(root, "sweep")
     config = get_config()
-    first = sweep.train_sweep(config, workdir, seeds=SEEDS, stop_after_epochs=1, verbose=False)
-    result = sweep.train_sweep(get_config(), workdir, seeds=SEEDS, audit_options=AuditOptions(data="none"))
+    programs = sweep.ProgramCache()  # the resumed sweep reuses the first call's compiled epoch
+    first = sweep.train_sweep(config, workdir, seeds=SEEDS, stop_after_epochs=1, verbose=False, programs=programs)
+    result = sweep.train_sweep(
+        get_config(), workdir, seeds=SEEDS, audit_options=AuditOptions(data="none"), programs=programs
+    )
+    assert len(programs) == 1
     return config, workdir, result, single_runs(config, root), first
 
 
@@ -360,3 +364,24 @@ def test_default_seeds_follow_config_seed_and_num_seeds():
     config.num_seeds = 0
     with pytest.raises(ValueError, match="num_seeds=0"):
         sweep.default_seeds(config)
+
+
+def test_program_cache_is_owned_by_its_caller():
+    """A :class:`naisnet_jax.seeds.ProgramCache` hands back the same programs for a configuration
+    that differs only in its seeds and bookkeeping, builds new ones for another learning rate,
+    keeps its last ``kept`` configurations, and nothing outlives it: a second cache builds its own."""
+    from types import SimpleNamespace
+
+    images = SimpleNamespace(shape=(256, 8, 8, 1))
+    ds = SimpleNamespace(num_classes=10, train_images=images, test_images=SimpleNamespace(shape=(100, 8, 8, 1)))
+    args = (ds, 4, np.zeros(1), np.ones(1))
+    cache = seeds_lib.ProgramCache(kept=2)
+    first = cache.get(get_config(), *args)
+    assert cache.get(get_config(seed=7, num_epochs=5), *args) is first
+    other = cache.get(get_config(learning_rate=0.5), *args)
+    assert other is not first and len(cache) == 2
+    cache.get(get_config(learning_rate=0.25), *args)  # the oldest entry (first) goes
+    assert len(cache) == 2 and cache.get(get_config(), *args) is not first
+    assert seeds_lib.ProgramCache().get(get_config(), *args) is not first
+    with pytest.raises(ValueError, match="kept=0"):
+        seeds_lib.ProgramCache(kept=0)

@@ -99,7 +99,7 @@ def test_weight_gradient_kernel_sums_every_step(steps, batch):
 
 
 def test_model_with_fused_blocks_matches_autodiff_through_the_kernels():
-    """NaisDenseBlock with block_vjp='fused', its kernels forced through the interpreter,
+    """NaisDenseBlock with block_vjp='fused', its kernels in the interpreter (``kernel_interpret``),
     against the plain autodiff scan: output and every parameter's gradient, float64."""
     u = jnp.asarray(np.random.default_rng(3).standard_normal((3, 10)))
     ctor = functools.partial(M.NaisDenseBlock, 20, steps=4, activation="tanh", h=0.5)
@@ -112,9 +112,9 @@ def test_model_with_fused_blocks_matches_autodiff_through_the_kernels():
         return jax.value_and_grad(loss)(variables)
 
     ref = value_and_grad(ctor())
-    with common.interpreted():
-        jaxpr = str(jax.make_jaxpr(lambda v: ctor(block_vjp="fused").apply(v, u))(variables))
-        out = value_and_grad(ctor(block_vjp="fused"))
+    fused = ctor(block_vjp="fused", kernel_interpret=True)
+    jaxpr = str(jax.make_jaxpr(lambda v: fused.apply(v, u))(variables))
+    out = value_and_grad(fused)
     assert "pallas_call" in jaxpr
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), out, ref)
 

@@ -15,9 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from references import rho
-
-from naisnet_jax import models
 from naisnet_jax.verify import (
     SCHEMA,
     AuditOptions,
@@ -28,6 +25,9 @@ from naisnet_jax.verify import (
     Verdict,
     audit_model,
 )
+from references import rho
+
+from naisnet_jax import models
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from naisnet_jax.verify import AuditOptions, _conv, audit, cli, report
+from naisnet_jax.verify._common import Block
 from references import loop_conv_matrix, rho
 
 from naisnet_jax import checkpoint as ckpt
@@ -40,8 +42,6 @@ from naisnet_jax import data as data_lib
 from naisnet_jax.parametrize import fc_state_matrix
 from naisnet_jax.probe import BlockProbe
 from naisnet_jax.projection import fc_delta, project_conv, project_params
-from naisnet_jax.verify import AuditOptions, _conv, audit, cli, report
-from naisnet_jax.verify._common import Block
 
 pytestmark = pytest.mark.filterwarnings(
     # Orbax leaves asyncio tasks behind when a read fails; harmless, and out of our hands.

@@ -12,14 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from naisnet_jax.verify import AuditOptions, _conv, _dense, audit_model, figure_status
+from naisnet_jax.verify._common import Block
 from references import loop_conv_matrix, rho
 
 from naisnet_jax import models
 from naisnet_jax.parametrize import EPS_MIN
 from naisnet_jax.probe import BlockProbe
 from naisnet_jax.projection import project_conv, project_fc
-from naisnet_jax.verify import AuditOptions, _conv, _dense, audit_model, figure_status
-from naisnet_jax.verify._common import Block
 
 
 def dense_block(A32, R32, *, eps, h=1.0, activation="tanh"):

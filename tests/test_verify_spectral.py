@@ -9,12 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from references import loop_conv_matrix, rho
-from scipy.optimize import linear_sum_assignment
-
 from naisnet_jax.verify import bounds as G
 from naisnet_jax.verify import operators as O
 from naisnet_jax.verify import spectral as S
+from references import loop_conv_matrix, rho
+from scipy.optimize import linear_sum_assignment
 
 SHAPES = [(c, k, hw) for c in (1, 2, 3) for k in (3, 5) for hw in (5, 6, 7)]
 

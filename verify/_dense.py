@@ -21,6 +21,7 @@ sampled inputs (float64 forward pass).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -113,104 +114,133 @@ def _steps(x):
     return x if x.ndim == 3 else x[None]
 
 
+class _Group(NamedTuple):
+    """The proven enclosures of a group of dense blocks of one shape, indexed by member."""
+
+    A32: list  # each member's float32 operator per step, (S, n, n)
+    A: jax.Array  # (G, S, n, n): float64 holding the float32 values
+    symmetric: list[bool]
+    skew: np.ndarray  # (G, S): upper bounds on ||K||_2, K the skew part of A
+    lower: np.ndarray  # (G, S): proven lower bounds on the eigenvalues of M = -(A + A^T)/2
+    upper: np.ndarray  # (G, S): proven upper bounds on them
+    lam: np.ndarray  # (G, S, n): M's eigenvalues
+    frob: np.ndarray  # ||R^T R||_F per (member, step)
+    frob_up: np.ndarray  # a proven upper bound on it
+    spread: np.ndarray  # how far another float32 evaluation of A can be (Frobenius norm)
+
+
+def _enclose_group(members: list[Block]) -> _Group:
+    """The enclosures of ``members`` (dense blocks of one shape), computed together."""
+    A32 = [_steps(b.p32.operator) for b in members]
+    S, n = A32[0].shape[0], A32[0].shape[-1]
+    A = stack(A32)
+    R = stack([_steps(b.p32.factor) for b in members])
+    M = -(A + jnp.swapaxes(A, -1, -2)) / 2  # -S: exact in float64 for float32 entries
+    skew = np.asarray(jnp.sqrt(jnp.sum(((A - jnp.swapaxes(A, -1, -2)) / 2) ** 2, axis=(-2, -1))))
+    skew = skew * (1 + gamma(n * n + 4))  # >= ||K||_F >= ||K||_2, per (block, step)
+    lower, upper, lam = jax.device_get(enclosure(M.reshape(-1, n, n)))
+    G = len(members)
+    frob, frob_up, Gabs = jax.device_get(_frobenius(R))
+    # any float32 evaluation of -R^T R - eps I differs from the exact one entrywise by at most
+    # gamma32(r) (|R|^T |R|) + u32 (diag); ours is one of them, so another is within twice that
+    r = R.shape[-2]
+    g32 = r * _U32 / (1 - r * _U32)
+    diag = np.abs(np.diagonal(Gabs, axis1=-2, axis2=-1))[..., None] + 1
+    spread = 2 * np.sqrt(np.sum((g32 * Gabs + _U32 * np.eye(n) * diag) ** 2, axis=(-2, -1))) * (1 + 1e-6)
+    return _Group(
+        A32=A32,
+        A=A,
+        symmetric=[bool(np.array_equal(a, np.swapaxes(a, -1, -2))) for a in A32],
+        skew=skew,
+        lower=lower.reshape(G, S),
+        upper=upper.reshape(G, S),
+        lam=lam.reshape(G, S, n),
+        frob=frob,
+        frob_up=frob_up,
+        spread=spread,
+    )
+
+
+def _rho_bound(lo: float, hi: float, sigma: float, kappa: float, h: float) -> float:
+    """Proven: the sup of ``rho(I + h diag(s) A)`` over slopes ``s`` in ``[sigma, 1]``, for
+    ``M``'s eigenvalues in ``[lo, hi]`` and a skew part of norm at most ``kappa``."""
+    if not (lo > 0 and np.isfinite(hi)):
+        return float("inf")
+    value = np.sqrt(max((1 - h * sigma * lo) ** 2, (1 - h * hi) ** 2) + (h * kappa) ** 2)
+    return float(value * (1 + 8 * U64) + 4 * U64)
+
+
+def _condition1(lo: float, hi: float, kappa: float, h: float) -> bool:
+    """``h (a^2 + kappa^2) < 2 a`` at ``a = lo`` and ``a = hi`` (with rounding slack)."""
+
+    def ok(a):
+        return h * (a * a + kappa * kappa) * (1 + 8 * U64) < 2 * a
+
+    return bool(lo > 0 and np.isfinite(hi) and ok(lo) and ok(hi))
+
+
+def _block_parameters(b: Block, i: int, g: _Group, options) -> tuple[DenseParameters, Spectrum | None]:
+    """Member ``i`` of group ``g`` (block ``b``): its proven figures, and its spectrum if finite."""
+    p = b.p32
+    S, n = g.A32[i].shape[0], g.A32[i].shape[-1]
+    h, eps = float32_h(p.h), float(p.eps)
+    delta = 2 * (1 - eps) if options.relaxed else 1 - 2 * eps
+    finite = all_finite(g.A32[i])  # a float32 A that overflowed has no eigenvalues to show
+    lo, hi = float(np.min(g.lower[i])), float(np.max(g.upper[i]))
+    kappa = float(np.max(g.skew[i])) if finite else float("inf")
+    rho_bound = _rho_bound(lo, hi, 1.0, kappa, h)
+    rho_bar = rho_bound if p.activation == "relu" else max(_rho_bound(lo, hi, options.sigma_min, kappa, h), rho_bound)
+    proven = _condition1(lo, hi, kappa, h)
+    e = float(np.max(g.spread[i]))  # another float32 evaluation of A: within e (norm), skew too
+    robust = bool(proven and _condition1(lo - e, hi + e, kappa + e, h))
+    lam_A = -g.lam[i]  # eigenvalues of A per step (ascending in M)
+    rho_eigvals = (
+        max(spectral_radius_info(np.eye(n) + h * np.asarray(g.A[i, s]), method="dense").radius for s in range(S))
+        if finite
+        else None
+    )
+    interval = (1 - h * (2 * (1 - eps) + eps) if options.relaxed else 1 - h * (1 - eps), 1 - h * eps)
+    params = DenseParameters(
+        condition=f"||R^T R||_F <= delta = {'2(1 - eps)' if options.relaxed else '1 - 2 eps'} = {delta:.6g}",
+        delta=float(delta),
+        frobenius_RtR=float(np.max(g.frob[i])),
+        condition_holds=bool(np.all(g.frob_up[i] <= delta)),
+        symmetric=g.symmetric[i],
+        skew_norm_bound=kappa,
+        eig_M_lower=lo if np.isfinite(lo) else None,
+        eig_M_upper=hi if np.isfinite(hi) else None,
+        rho_I_plus_hA_bound=rho_bound,
+        rho_bar_bound=rho_bar,
+        condition1_proven=proven,
+        device_independent=robust,
+        eig_A=(float(lam_A.min()), float(lam_A.max())) if finite else None,
+        lemma_interval_I_plus_hA=(float(interval[0]), float(interval[1])),
+        rho_I_plus_hA=float(np.max(np.abs(1 + h * lam_A))) if finite else None,
+        rho_I_plus_hA_eigvals=None if rho_eigvals is None else float(rho_eigvals),
+        steps=int(S),
+    )
+    if not finite:
+        return params, None
+    J0 = np.eye(n) + h * np.asarray(g.A[i, 0])
+    spectrum = Spectrum(
+        eigenvalues=tuple(complex(z) for z in np.sort(1 + h * lam_A[0])),
+        all_eigenvalues=True,
+        disc_centres=tuple(float(c) for c in np.diag(J0)),
+        disc_radii=tuple(float(x) for x in np.abs(J0).sum(axis=1) - np.abs(np.diag(J0))),
+        bound=rho_bound if np.isfinite(rho_bound) else None,
+        bound_label="rho(I + hA)",
+    )
+    return params, spectrum
+
+
 def parameters(blocks: list[Block], options) -> dict[int, tuple[DenseParameters, Spectrum | None]]:
+    """Every dense block's proven figures (:class:`DenseParameters`) and spectrum, by block index;
+    blocks of one shape are enclosed together (:func:`_enclose_group`)."""
     out = {}
     for members in group(blocks, lambda b: _steps(b.p32.operator).shape + _steps(b.p32.factor).shape):
-        A32 = [_steps(b.p32.operator) for b in members]
-        S, n = A32[0].shape[0], A32[0].shape[-1]
-        A = stack(A32)  # (G, S, n, n): float64 holding the float32 values
-        R = stack([_steps(b.p32.factor) for b in members])
-        symmetric = [bool(np.array_equal(a, np.swapaxes(a, -1, -2))) for a in A32]
-        M = -(A + jnp.swapaxes(A, -1, -2)) / 2  # -S: exact in float64 for float32 entries
-        skew = np.asarray(jnp.sqrt(jnp.sum(((A - jnp.swapaxes(A, -1, -2)) / 2) ** 2, axis=(-2, -1))))
-        skew = skew * (1 + gamma(n * n + 4))  # >= ||K||_F >= ||K||_2, per (block, step)
-        lower, upper, lam = jax.device_get(enclosure(M.reshape(-1, n, n)))
-        lower, upper, lam = (
-            lower.reshape(len(members), S),
-            upper.reshape(len(members), S),
-            lam.reshape(len(members), S, n),
-        )
-        frob, frob_up, Gabs = jax.device_get(_frobenius(R))
-        # any float32 evaluation of -R^T R - eps I differs from the exact one entrywise by at most
-        # gamma32(r) (|R|^T |R|) + u32 (diag); ours is one of them, so another is within twice that
-        r = R.shape[-2]
-        g32 = r * _U32 / (1 - r * _U32)
-        spread = (
-            2
-            * np.sqrt(
-                np.sum(
-                    (g32 * Gabs + _U32 * np.eye(n) * (np.abs(np.diagonal(Gabs, axis1=-2, axis2=-1))[..., None] + 1))
-                    ** 2,
-                    axis=(-2, -1),
-                )
-            )
-            * (1 + 1e-6)
-        )
+        g = _enclose_group(members)
         for i, b in enumerate(members):
-            p = b.p32
-            h, eps = float32_h(p.h), float(p.eps)
-            relu = p.activation == "relu"
-            delta = 2 * (1 - eps) if options.relaxed else 1 - 2 * eps
-            finite = all_finite(A32[i])  # a float32 A that overflowed has no eigenvalues to show
-            lo, hi = float(np.min(lower[i])), float(np.max(upper[i]))
-            kappa = float(np.max(skew[i])) if finite else float("inf")
-            sym = symmetric[i]
-
-            def bound(lo, hi, sigma, kappa=kappa):  # proven: sup of rho for slopes in [sigma, 1]
-                if not (lo > 0 and np.isfinite(hi)):
-                    return float("inf")
-                value = np.sqrt(max((1 - h * sigma * lo) ** 2, (1 - h * hi) ** 2) + (h * kappa) ** 2)
-                return float(value * (1 + 8 * U64) + 4 * U64)
-
-            def condition1(lo, hi, kappa):  # h (a^2 + kappa^2) < 2 a at a = lo and a = hi
-                ok = lambda a: h * (a * a + kappa * kappa) * (1 + 8 * U64) < 2 * a  # noqa: E731
-                return bool(lo > 0 and np.isfinite(hi) and ok(lo) and ok(hi))
-
-            rho_bound = bound(lo, hi, 1.0)
-            rho_bar = rho_bound if relu else max(bound(lo, hi, options.sigma_min), rho_bound)
-            proven = condition1(lo, hi, kappa)
-            e = float(np.max(spread[i]))  # another float32 evaluation of A: within e (norm), skew too
-            robust = bool(proven and condition1(lo - e, hi + e, kappa + e))
-            lam_A = -lam[i]  # eigenvalues of A per step (ascending in M)
-            rho = float(np.max(np.abs(1 + h * lam_A))) if finite else None
-            J0 = np.eye(n) + h * np.asarray(A[i, 0])
-            rho_eigvals = (
-                max(spectral_radius_info(np.eye(n) + h * np.asarray(A[i, s]), method="dense").radius for s in range(S))
-                if finite
-                else None
-            )
-            interval = (1 - h * (2 * (1 - eps) + eps) if options.relaxed else 1 - h * (1 - eps), 1 - h * eps)
-            params = DenseParameters(
-                condition=f"||R^T R||_F <= delta = {'2(1 - eps)' if options.relaxed else '1 - 2 eps'} = {delta:.6g}",
-                delta=float(delta),
-                frobenius_RtR=float(np.max(frob[i])),
-                condition_holds=bool(np.all(frob_up[i] <= delta)),
-                symmetric=sym,
-                skew_norm_bound=kappa,
-                eig_M_lower=lo if np.isfinite(lo) else None,
-                eig_M_upper=hi if np.isfinite(hi) else None,
-                rho_I_plus_hA_bound=rho_bound,
-                rho_bar_bound=rho_bar,
-                condition1_proven=proven,
-                device_independent=robust,
-                eig_A=(float(lam_A.min()), float(lam_A.max())) if finite else None,
-                lemma_interval_I_plus_hA=(float(interval[0]), float(interval[1])),
-                rho_I_plus_hA=rho,
-                rho_I_plus_hA_eigvals=None if rho_eigvals is None else float(rho_eigvals),
-                steps=int(S),
-            )
-            if not finite:
-                out[b.index] = (params, None)
-                continue
-            spectrum = Spectrum(
-                eigenvalues=tuple(complex(z) for z in np.sort(1 + h * lam_A[0])),
-                all_eigenvalues=True,
-                disc_centres=tuple(float(c) for c in np.diag(J0)),
-                disc_radii=tuple(float(x) for x in np.abs(J0).sum(axis=1) - np.abs(np.diag(J0))),
-                bound=rho_bound if np.isfinite(rho_bound) else None,
-                bound_label="rho(I + hA)",
-            )
-            out[b.index] = (params, spectrum)
+            out[b.index] = _block_parameters(b, i, g, options)
     return out
 
 

@@ -263,7 +263,24 @@ def arnoldi_eigs_batch(
         raise ValueError(f"krylov_dim must be at least k + 2 = {k + 2} (or n); got {krylov_dim}")
     if keys is None:
         keys = jnp.broadcast_to(jax.random.PRNGKey(0), (B, 2))
-    keys = jnp.asarray(keys)
+    basis_dtype = _batch_basis_dtype(ops, n, v0, dtype)
+    real_basis = not jnp.issubdtype(basis_dtype, jnp.complexfloating)
+    host_dtype = np.float64 if real_basis else np.complex128
+    if tol is None:
+        tol = max(1e-10, 100 * float(jnp.finfo(basis_dtype).eps))
+    check_positive("tol", tol)
+    V, H, keys = _batch_start(jnp.asarray(keys), v0, B, n, m, basis_dtype)
+    with single_threaded_blas():
+        V, H, final, matvecs, restarts, converged = _restarted_loop(
+            ops, V, H, keys, m, k, tol, max_restarts, real_basis, host_dtype, basis_dtype
+        )
+    return _batch_results(ops, V, final, matvecs, restarts, converged, m, k, real_basis, basis_dtype)
+
+
+def _batch_basis_dtype(ops, n: int, v0, dtype):
+    """The dtype of the Krylov bases: the start vector's (``dtype``, else ``v0``'s, else the
+    default float) promoted with the operator's output; refuses an operator that does not map
+    ``(n,)`` to ``(n,)``."""
     in_dtype = (
         jnp.dtype(dtype)
         if dtype is not None
@@ -273,13 +290,12 @@ def arnoldi_eigs_batch(
     out = jax.eval_shape(one, jax.ShapeDtypeStruct((n,), in_dtype))
     if out.shape != (n,):
         raise ValueError(f"matvec must map shape ({n},) to ({n},); it returns {out.shape}")
-    basis_dtype = jnp.result_type(in_dtype, out.dtype)
-    real_basis = not jnp.issubdtype(basis_dtype, jnp.complexfloating)
-    host_dtype = np.float64 if real_basis else np.complex128
-    if tol is None:
-        tol = max(1e-10, 100 * float(jnp.finfo(basis_dtype).eps))
-    check_positive("tol", tol)
+    return jnp.result_type(in_dtype, out.dtype)
 
+
+def _batch_start(keys: Array, v0, B: int, n: int, m: int, basis_dtype):
+    """``(V, H, keys)``: the bases ``(B, m+1, n)`` holding each member's normalised start vector
+    (``v0``, else a normal draw from its key), the Hessenbergs ``(B, m+1, m)``, the keys left."""
     split = jax.vmap(jax.random.split)(keys)
     keys, start_keys = split[:, 0], split[:, 1]
     if v0 is None:
@@ -290,11 +306,12 @@ def arnoldi_eigs_batch(
         raise ValueError("v0 must be a nonzero vector")
     V = jnp.zeros((B, m + 1, n), basis_dtype).at[:, 0].set(v0 / norms[:, None])
     H = jnp.zeros((B, m + 1, m), basis_dtype)
-    with single_threaded_blas():
-        V, H, final, matvecs, restarts, converged = _restarted_loop(
-            ops, V, H, keys, m, k, tol, max_restarts, real_basis, host_dtype, basis_dtype
-        )
+    return V, H, keys
 
+
+def _batch_results(ops, V, final, matvecs, restarts, converged, m, k, real_basis, basis_dtype) -> list[ArnoldiResult]:
+    """One :class:`ArnoldiResult` per member from the restart loop's final Ritz values, with
+    the Ritz vectors and their true residuals computed on the device."""
     complex_dtype = jnp.result_type(basis_dtype, 1j)
     coeffs = jnp.asarray(np.stack([f[1][:, :k].T for f in final]), complex_dtype)
     theta0 = jnp.asarray(np.array([f[0][0] for f in final]), complex_dtype)

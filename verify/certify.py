@@ -225,6 +225,158 @@ def check_finite_variables(variables) -> None:
     )
 
 
+class _Clock:
+    """Wall and CPU seconds of an audit's phases: ``timings[phase]`` and ``timings[phase + " (cpu)"]``."""
+
+    def __init__(self):
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
+        self.cpu = self.cpu_start
+        self.timings: dict[str, float] = {}
+
+    def lap(self, phase: str, t0: float) -> float:
+        """Add the seconds since ``t0`` (wall) and since the last lap (CPU) to ``phase``; returns now."""
+        now, c = time.perf_counter(), time.process_time()
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - t0
+        self.timings[phase + " (cpu)"] = self.timings.get(phase + " (cpu)", 0.0) + c - self.cpu
+        self.cpu = c
+        return now
+
+    def total(self) -> dict[str, float]:
+        """The timings with the audit's total so far."""
+        self.timings["total"] = time.perf_counter() - self.start
+        self.timings["total (cpu)"] = time.process_time() - self.cpu_start
+        return self.timings
+
+
+def _audit_inputs(inputs, options: AuditOptions) -> tuple[np.ndarray, bool]:
+    """``(x, use_data)``: the float64 batch the forward pass runs on (the real inputs, or one zero
+    input of ``options.input_shape`` for the parameter-level audit), and whether the trajectory
+    figures use it."""
+    use_data = inputs is not None and options.data != "none"
+    if use_data:
+        return np.asarray(inputs, np.float64), True
+    if options.input_shape is not None or inputs is not None:
+        shape = np.shape(inputs)[1:] if inputs is not None else tuple(options.input_shape)
+        return np.zeros((1,) + tuple(shape), np.float64), False
+    raise ValueError(
+        "audit_model needs inputs (a batch of real inputs) or options.input_shape "
+        "(the shape of one input, for the parameter-level audit only)"
+    )
+
+
+@dataclasses.dataclass
+class _Figures:
+    """What an audit computed, block by block (keyed by block index)."""
+
+    dense: dict
+    dense_trajectories: dict
+    conv: dict
+    conv_trajectories: dict
+    baselines: dict
+    overflow: dict[int, str]  # NAIS blocks whose float32 operator is not finite: why
+    no_states: dict[int, str]  # blocks whose trajectory figures are skipped: why
+
+
+def _figures(blocks: list[Block], options: AuditOptions, clock: _Clock, t: float) -> _Figures:
+    """Every block's proofs and estimates, and the trajectory figures of those with usable states."""
+    by_kind = {
+        kind: [b for b in blocks if b.kind == kind] for kind in ("dense", "conv", "dense-baseline", "conv-baseline")
+    }
+    overflow = {b.index: why for b in blocks if b.kind in ("dense", "conv") and (why := non_finite_operator(b))}
+    no_states = {b.index: why for b in blocks if b.p64 is not None and (why := _unusable_states(b, overflow))}
+
+    def traced(kind):
+        return [b for b in by_kind[kind] if b.p64 is not None and b.index not in no_states]
+
+    dense_par = _dense.parameters(by_kind["dense"], options)
+    t = clock.lap("dense: proofs", t)
+    with single_threaded_blas():  # small host eigenproblems: BLAS threads only fight XLA's
+        dense_traj = _dense.trajectories(traced("dense"), dense_par, options)
+    t = clock.lap("dense: trajectories", t)
+    conv_par = _conv.parameters(by_kind["conv"], options)
+    t = clock.lap("conv: proofs and radius estimates", t)
+    with single_threaded_blas():
+        conv_traj = _conv.trajectories(traced("conv"), conv_par, options)
+    t = clock.lap("conv: trajectories", t)
+    base = {**_baseline.dense(by_kind["dense-baseline"], options), **_baseline.conv(by_kind["conv-baseline"], options)}
+    clock.lap("baselines", t)
+    return _Figures(dense_par, dense_traj, conv_par, conv_traj, base, overflow, no_states)
+
+
+def _report(b: Block, figures: _Figures, use_data: bool) -> BlockReport:
+    """Block ``b``'s report: a NAIS block's verdict (:func:`_decide`), or a baseline's."""
+    if b.kind not in ("dense", "conv"):
+        params, spectrum = figures.baselines[b.index]
+        reason = "baseline: plain ResNet weights with no stability parametrisation"
+        return BlockReport(b.name, b.kind, Verdict.BASELINE, reason, params, None, spectrum)
+    dense = b.kind == "dense"
+    params, spectrum = (figures.dense if dense else figures.conv)[b.index]
+    traj = (figures.dense_trajectories if dense else figures.conv_trajectories).get(b.index)
+    if traj is None and use_data:
+        traj = Trajectory(
+            states=0,
+            states_in_P_fraction=0.0,
+            unsaturated_fraction=0.0,
+            slope_min=0.0,
+            rho_J_max=None,
+            skipped=figures.no_states.get(b.index, "no states recorded for this block"),
+        )
+    if b.index in figures.overflow:
+        verdict, reason = Verdict.NOT_PROVEN, figures.overflow[b.index]
+    else:
+        verdict, reason = _decide(b, params, traj)
+    return BlockReport(b.name, b.kind, verdict, reason, params, traj, spectrum)
+
+
+def _verdict(blocks: list[Block], reports: tuple[BlockReport, ...], overflow: dict[int, str]) -> tuple[bool, str]:
+    """``(certified, reason)`` of the whole model: every block certified, and at least one NAIS block."""
+    nais = [r for r in reports if r.kind in ("dense", "conv")]
+    certified = bool(nais) and all(r.certified for r in reports)
+    if not reports:
+        return certified, "no blocks found (the model announces no naisnet-jax block)"
+    if not nais:
+        return certified, "baseline model: no NAIS block to certify"
+    failed = [
+        r.name + (" (its float32 operator overflows)" if b.index in overflow else "")
+        for b, r in zip(blocks, reports)
+        if not r.certified
+    ]
+    return certified, "every block certified stable" if not failed else f"not proven stable: {', '.join(failed)}"
+
+
+def _hyperparameters(blocks: list[Block], options: AuditOptions) -> Hyperparameters | None:
+    """The model's hyper-parameters as its first NAIS block (else its first block) announces them."""
+    first = next((b.p32 for b in blocks if b.kind in ("dense", "conv")), blocks[0].p32 if blocks else None)
+    if first is None:
+        return None
+    return Hyperparameters(
+        eps=first.eps, eta=first.eta, h=first.h, relaxed=options.relaxed, activation=first.activation
+    )
+
+
+def _summary(reports: tuple[BlockReport, ...]) -> Summary:
+    """The largest radii and bounds over the blocks, and the count certified."""
+
+    def finite_max(xs):
+        xs = [x for x in xs if x is not None and np.isfinite(x)]
+        return max(xs) if xs else None
+
+    nais = [r for r in reports if r.kind in ("dense", "conv")]
+    return Summary(
+        blocks=len(reports),
+        certified_blocks=sum(r.certified for r in reports),
+        rho_I_plus_hA_max=finite_max([r.parameter.rho_I_plus_hA for r in reports]),
+        rho_bound_max=finite_max(
+            [
+                getattr(r.parameter, "rho_I_plus_hA_bound", None)
+                or getattr(r.parameter, "inf_norm_bound_I_plus_hA", None)
+                for r in nais
+            ]
+        ),
+        rho_J_trajectory_max=finite_max([r.trajectory.rho_J_max for r in reports if r.trajectory is not None]),
+    )
+
+
 def _audit(
     model,
     variables,
@@ -234,136 +386,26 @@ def _audit(
     data_source: str,
     hyper: Hyperparameters | None = None,
 ) -> Certificate:
-    t_start, c_start = time.perf_counter(), time.process_time()
-    timings: dict[str, float] = {}
-    cpu = {"c": c_start}
-
-    def lap(phase, t0):
-        """Wall seconds of ``phase`` and, as ``phase + " (cpu)"``, this process's CPU seconds."""
-        now, c = time.perf_counter(), time.process_time()
-        timings[phase] = timings.get(phase, 0.0) + now - t0
-        timings[phase + " (cpu)"] = timings.get(phase + " (cpu)", 0.0) + c - cpu["c"]
-        cpu["c"] = c
-        return now
-
+    clock = _Clock()
     t = time.perf_counter()
-    use_data = inputs is not None and options.data != "none"
-    if use_data:
-        x = np.asarray(inputs, np.float64)
-    elif options.input_shape is not None or inputs is not None:
-        shape = np.shape(inputs)[1:] if inputs is not None else tuple(options.input_shape)
-        x = np.zeros((1,) + tuple(shape), np.float64)
-    else:
-        raise ValueError(
-            "audit_model needs inputs (a batch of real inputs) or options.input_shape "
-            "(the shape of one input, for the parameter-level audit only)"
-        )
+    x, use_data = _audit_inputs(inputs, options)
     found = _probes(model, variables, jnp.asarray(x, jnp.float64), options.apply_kwargs)
     jax.block_until_ready(found)
-    t = lap("forward pass (float32 operators, float64 states)", t)
+    t = clock.lap("forward pass (float32 operators, float64 states)", t)
     key = jax.random.PRNGKey(options.seed)
     blocks = [
         Block(i, name, p, p if use_data else None, jax.random.fold_in(key, i)) for i, (name, p) in enumerate(found)
     ]
-    by_kind = {
-        kind: [b for b in blocks if b.kind == kind] for kind in ("dense", "conv", "dense-baseline", "conv-baseline")
-    }
-
-    reports: dict[int, BlockReport] = {}
-    overflow = {b.index: why for b in blocks if b.kind in ("dense", "conv") and (why := non_finite_operator(b))}
-    no_states = {b.index: why for b in blocks if b.p64 is not None and (why := _unusable_states(b, overflow))}
-    traced = lambda kind: [b for b in by_kind[kind] if b.p64 is not None and b.index not in no_states]  # noqa: E731
-    dense_par = _dense.parameters(by_kind["dense"], options)
-    t = lap("dense: proofs", t)
-    with single_threaded_blas():  # small host eigenproblems: BLAS threads only fight XLA's
-        dense_traj = _dense.trajectories(traced("dense"), dense_par, options)
-    t = lap("dense: trajectories", t)
-    conv_par = _conv.parameters(by_kind["conv"], options)
-    t = lap("conv: proofs and radius estimates", t)
-    with single_threaded_blas():
-        conv_traj = _conv.trajectories(traced("conv"), conv_par, options)
-    t = lap("conv: trajectories", t)
-    base = {**_baseline.dense(by_kind["dense-baseline"], options), **_baseline.conv(by_kind["conv-baseline"], options)}
-    t = lap("baselines", t)
-
-    for b in blocks:
-        if b.kind in ("dense", "conv"):
-            params, spectrum = (dense_par if b.kind == "dense" else conv_par)[b.index]
-            traj = (dense_traj if b.kind == "dense" else conv_traj).get(b.index)
-            if traj is None and use_data:
-                traj = Trajectory(
-                    states=0,
-                    states_in_P_fraction=0.0,
-                    unsaturated_fraction=0.0,
-                    slope_min=0.0,
-                    rho_J_max=None,
-                    skipped=no_states.get(b.index, "no states recorded for this block"),
-                )
-            verdict, reason = (
-                (Verdict.NOT_PROVEN, overflow[b.index]) if b.index in overflow else _decide(b, params, traj)
-            )
-            reports[b.index] = BlockReport(b.name, b.kind, verdict, reason, params, traj, spectrum)
-        else:
-            params, spectrum = base[b.index]
-            reports[b.index] = BlockReport(
-                b.name,
-                b.kind,
-                Verdict.BASELINE,
-                "baseline: plain ResNet weights with no stability parametrisation",
-                params,
-                None,
-                spectrum,
-            )
-    ordered = tuple(reports[b.index] for b in blocks)
-    nais = [r for r in ordered if r.kind in ("dense", "conv")]
-    certified = bool(nais) and all(r.certified for r in ordered)
-    if not ordered:
-        reason = "no blocks found (the model announces no naisnet-jax block)"
-    elif not nais:
-        reason = "baseline model: no NAIS block to certify"
-    else:
-        failed = [
-            r.name + (" (its float32 operator overflows)" if b.index in overflow else "")
-            for b, r in zip(blocks, ordered)
-            if not r.certified
-        ]
-        reason = "every block certified stable" if not failed else f"not proven stable: {', '.join(failed)}"
-    first_nais = next((b.p32 for b in blocks if b.kind in ("dense", "conv")), blocks[0].p32 if blocks else None)
-    hyper = (
-        hyper
-        if hyper is not None or first_nais is None
-        else Hyperparameters(
-            eps=first_nais.eps,
-            eta=first_nais.eta,
-            h=first_nais.h,
-            relaxed=options.relaxed,
-            activation=first_nais.activation,
-        )
-    )
-    finite = lambda xs: [x for x in xs if x is not None and np.isfinite(x)]  # noqa: E731
-    rho = finite([r.parameter.rho_I_plus_hA for r in ordered])
-    bounds = finite(
-        [
-            getattr(r.parameter, "rho_I_plus_hA_bound", None) or getattr(r.parameter, "inf_norm_bound_I_plus_hA", None)
-            for r in nais
-        ]
-    )
-    traj = finite([r.trajectory.rho_J_max for r in ordered if r.trajectory is not None])
-    summary = Summary(
-        blocks=len(ordered),
-        certified_blocks=sum(r.certified for r in ordered),
-        rho_I_plus_hA_max=max(rho) if rho else None,
-        rho_bound_max=max(bounds) if bounds else None,
-        rho_J_trajectory_max=max(traj) if traj else None,
-    )
-    timings["total"] = time.perf_counter() - t_start
-    timings["total (cpu)"] = time.process_time() - c_start
+    figures = _figures(blocks, options, clock, t)
+    reports = tuple(_report(b, figures, use_data) for b in blocks)
+    certified, reason = _verdict(blocks, reports, figures.overflow)
+    timings = clock.total()
     return Certificate(
         certified=certified,
         reason=reason,
-        blocks=ordered,
-        summary=summary,
-        hyperparameters=hyper,
+        blocks=reports,
+        summary=_summary(reports),
+        hyperparameters=hyper if hyper is not None else _hyperparameters(blocks, options),
         source=source,
         data=DataInfo(source=data_source if use_data else "none", samples=int(len(inputs)) if use_data else 0),
         device=str(jax.devices()[0]),

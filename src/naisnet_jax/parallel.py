@@ -36,6 +36,13 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
     return Mesh(np.asarray(devices), (DATA_AXIS,))
 
 
+def batch_norm_axis(mesh: Mesh | None, sync_batch_norm: bool = True) -> str | None:
+    """The ``batch_axis`` of a model the data-parallel step runs over ``mesh``: ``"data"`` where
+    the batch is split over several devices and BatchNorm takes the whole batch's statistics
+    (``sync_batch_norm``), else ``None`` (one device, or each device's own rows)."""
+    return DATA_AXIS if mesh is not None and mesh.devices.size > 1 and sync_batch_norm else None
+
+
 def replicate(tree, mesh: Mesh):
     """Every array of ``tree`` on every device of ``mesh``."""
     sharding = NamedSharding(mesh, PartitionSpec())

@@ -159,19 +159,36 @@ class _Programs:
     per_step_loss: Callable
 
 
-_PROGRAMS: dict[str, _Programs] = {}
-_PROGRAMS_KEPT = 2
+class ProgramCache:
+    """The programs of the last ``kept`` configurations a sweep ran, so that a resumed or repeated
+    sweep of the same configuration reuses the compiled epoch (jit caches on the function object
+    and on the state's static fields, ``apply_fn`` and ``tx``). Its owner decides how long it
+    lives: :func:`prepare` makes one per call unless it is given one, and a caller that runs
+    sweeps of the same configuration one after another passes the same cache to each."""
+
+    def __init__(self, kept: int = 2):
+        self.kept = check_int("kept", kept)
+        self._entries: dict[str, _Programs] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, config, ds, steps_per_epoch: int, mean, std, mesh: Mesh | None = None) -> _Programs:
+        """The programs of ``config`` on ``ds``, built on the first request. The key is the whole
+        config but the seeds and the bookkeeping, plus the data's shape and statistics."""
+        key = _programs_key(config, ds, steps_per_epoch, mean, std, mesh)
+        if key not in self._entries:
+            while len(self._entries) >= self.kept:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = _build_programs(config, ds, steps_per_epoch, mean, std, mesh)
+        return self._entries[key]
 
 
-def _programs(config, ds, steps_per_epoch: int, mean, std, mesh: Mesh | None = None) -> _Programs:
-    """One set of programs per configuration and process, so that a resumed or repeated sweep
-    of the same configuration reuses the compiled epoch (jit caches on the function object and
-    on the state's static fields, ``apply_fn`` and ``tx``). The key is the whole config but the
-    seeds and the bookkeeping, plus the data's shape and statistics."""
+def _programs_key(config, ds, steps_per_epoch: int, mean, std, mesh: Mesh | None) -> str:
     d = config.to_dict()
     for k in ("seed", "num_seeds", "num_epochs", "progress", "checkpoint_every_epochs", "keep_checkpoints"):
         d.pop(k, None)
-    key = json.dumps(
+    return json.dumps(
         [
             d,
             ds.num_classes,
@@ -185,30 +202,29 @@ def _programs(config, ds, steps_per_epoch: int, mean, std, mesh: Mesh | None = N
         sort_keys=True,
         default=str,
     )
-    if key not in _PROGRAMS:
-        while len(_PROGRAMS) >= _PROGRAMS_KEPT:
-            _PROGRAMS.pop(next(iter(_PROGRAMS)))
-        _PROGRAMS[key] = _Programs(
-            model=train.build_model(config, ds.num_classes),
-            tx=train.make_optimizer(config, steps_per_epoch),
-            epoch=make_sweep_epoch(
-                mean,
-                std,
-                augment=train.augmentation(config),
-                batch_size=config.batch_size,
-                eval_batch_size=config.eval_batch_size,
-                mesh=mesh,
-            ),
-            per_step_loss=jax.jit(
-                per_device_seeds(
-                    jax.vmap(train.make_per_step_loss(mean, std, config.eval_batch_size), in_axes=(0, None)),
-                    mesh,
-                    1,
-                    1,
-                )
-            ),
-        )
-    return _PROGRAMS[key]
+
+
+def _build_programs(config, ds, steps_per_epoch: int, mean, std, mesh: Mesh | None) -> _Programs:
+    return _Programs(
+        model=train.build_model(config, ds.num_classes),
+        tx=train.make_optimizer(config, steps_per_epoch),
+        epoch=make_sweep_epoch(
+            mean,
+            std,
+            augment=train.augmentation(config),
+            batch_size=config.batch_size,
+            eval_batch_size=config.eval_batch_size,
+            mesh=mesh,
+        ),
+        per_step_loss=jax.jit(
+            per_device_seeds(
+                jax.vmap(train.make_per_step_loss(mean, std, config.eval_batch_size), in_axes=(0, None)),
+                mesh,
+                1,
+                1,
+            )
+        ),
+    )
 
 
 @dataclasses.dataclass
@@ -226,15 +242,15 @@ class SweepSetup:
     mesh: Mesh  # the seed axis's devices
 
 
-def prepare(config, seeds: tuple[int, ...]) -> SweepSetup:
+def prepare(config, seeds: tuple[int, ...], *, programs: ProgramCache | None = None) -> SweepSetup:
     """Everything a sweep of ``config`` over ``seeds`` runs on: the checked data on the device,
-    the compiled programs (cached), every seed's initial state stacked and split over the seed
-    mesh, the seeds' data keys."""
+    the compiled programs (from ``programs``, else built for this call), every seed's initial
+    state stacked and split over the seed mesh, the seeds' data keys."""
     train.validate_config(config)
     ds, steps_per_epoch = engine.load_training_data(config)
     mean, std = train.input_stats(config, ds.train_images)
     mesh = seed_mesh(config, len(seeds))
-    programs = _programs(config, ds, steps_per_epoch, mean, std, mesh)
+    programs = (ProgramCache() if programs is None else programs).get(config, ds, steps_per_epoch, mean, std, mesh)
     model = programs.model
     # Each seed initialised exactly as its single run (same eager ops), then stacked.
     states = [

@@ -51,8 +51,8 @@ import numpy as np
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import engine, metric_writers, train
 from naisnet_jax.projection import count_projected_blocks
+from naisnet_jax.seeds import ProgramCache, check_seeds, default_seeds, prepare, seed_config, shard_seeds
 from naisnet_jax.seeds import SweepSetup as SweepSetup
-from naisnet_jax.seeds import check_seeds, default_seeds, prepare, seed_config, shard_seeds
 from naisnet_jax.seeds import make_sweep_epoch as make_sweep_epoch  # the epoch program, for callers
 from naisnet_jax.seeds import seed_mesh as seed_mesh
 from naisnet_jax.stability import max_radius_bound
@@ -247,6 +247,7 @@ def train_sweep(
     audit_baselines: bool = True,
     per_step_loss: bool = True,
     verbose: bool = True,
+    programs: ProgramCache | None = None,
 ) -> SweepResult:
     """Train ``config``'s model once per seed, side by side, in ``workdir``; resumes.
 
@@ -254,10 +255,11 @@ def train_sweep(
     this call early (as an interruption would). Once ``config.num_epochs`` epochs are done,
     every seed is exported as a single-run checkpoint under ``workdir/seed_<s>/checkpoints``,
     audited by the verifier (``audit=False`` skips it, ``audit_baselines=False`` skips it for
-    models without a NAIS block; ``audit_options`` is passed on) and, for
-    FC models, its per-layer loss on the test set and on the training set is measured
-    (``per_step_loss=False`` skips it).
-    Resuming a workdir that holds a sweep of another model, seeds or data raises ``ValueError``.
+    models without a NAIS block; ``audit_options`` is passed on) and, for FC models, its per-layer
+    loss on the test and training sets is measured (``per_step_loss=False`` skips it).
+    ``programs``: the compiled programs to take from and keep in (the same
+    :class:`naisnet_jax.seeds.ProgramCache` for sweeps of one configuration, one after another;
+    by default this call's own). Resuming another sweep's workdir raises ``ValueError``.
     """
     t_start = time.time()
     seeds = check_seeds(default_seeds(config) if seeds is None else seeds)
@@ -268,20 +270,9 @@ def train_sweep(
         workdir, view, checkpoints=SWEEP_CHECKPOINT_DIR, keep=config.keep_checkpoints, config=config
     ) as run:
         run.check()  # refuse another sweep's checkpoints before loading data or compiling
-        s = prepare(config, seeds)
-        n_seeds = len(seeds)
-        state, diverged_epoch = s.state, shard_seeds(jnp.zeros((n_seeds,), jnp.int32), s.mesh)
+        s = prepare(config, seeds, programs=programs)
         metadata = ckpt.CheckpointMetadata.from_config(config, s.ds, s.mean, s.std)
-        start_epoch = 1
-        resumed = run.resume(_sweep_tree(state, diverged_epoch))
-        if resumed is not None:
-            tree, epoch = resumed
-            state = engine.restore_into(state, tree)
-            state = state.replace(step=jnp.asarray(state.step, s.state.step.dtype))  # saved as int32
-            state, diverged_epoch = shard_seeds((state, tree["diverged_epoch"]), s.mesh)
-            start_epoch = epoch + 1
-            if verbose and not run.complete(start_epoch, config.num_epochs):
-                print(f"Resuming the sweep in {run.checkpoint_dir} at epoch {start_epoch}.", flush=True)
+        state, diverged_epoch, start_epoch = _start(run, s, config, verbose)
 
         end_epoch = engine.last_epoch(config, start_epoch, stop_after_epochs)
         program = SeedEpochs(config=config, setup=s, seeds=seeds, has_nais=count_projected_blocks(state.params) > 0)
@@ -299,59 +290,15 @@ def train_sweep(
         history = list(run.records)
 
         done_epoch = max((r["epoch"] for r in history), default=0)
-        last = {r["seed"]: r for r in history if r["epoch"] == done_epoch}
-        runs = []
-        finished = done_epoch >= config.num_epochs
-        if finished:
-            losses = train_losses = None
-            if per_step_loss and _has_step_logits(s.model, state, s.ds.image_shape):
-                losses = np.asarray(s.programs.per_step_loss(state, s.test_data))
-                train_losses = np.asarray(s.programs.per_step_loss(state, s.train_data))
-            host_tree = jax.device_get(engine.checkpoint_tree(state))
-        for i, seed in enumerate(seeds):
-            r = last.get(seed)
-            if r is None:  # nothing trained yet
-                runs.append(SeedResult(seed, 0, 0, None, None, float("nan"), float("nan"), None, None, None))
-                continue
-            run = SeedResult(
-                seed=seed,
-                epoch=r["epoch"],
-                step=r["step"],
-                train_loss=r["train_loss"],
-                train_accuracy=r["train_accuracy"],
-                test_loss=r["test_loss"] if r["test_loss"] is not None else float("nan"),
-                test_accuracy=r["test_accuracy"],
-                generalisation_gap=r["generalisation_gap"],
-                rho_max=r["rho_max"],
-                diverged_epoch=r["diverged_epoch"],
-            )
-            if finished:
-                directory = _export_seed(
-                    config, workdir, seed, jax.tree.map(lambda x: x[i], host_tree), metadata, r, history
-                )
-                cert = certified = None
-                if audit and (program.has_nais or audit_baselines):
-                    cert = audit_seed(directory, audit_options)
-                    certified = certificate_certified(cert)
-                    from naisnet_jax.verify.report import write_json  # the verifier is imported on use
-
-                    write_json(cert, os.path.join(workdir, f"seed_{seed}", CERTIFICATE_FILE))
-                run = dataclasses.replace(
-                    run,
-                    checkpoint_dir=directory,
-                    certified=certified,
-                    certificate=cert,
-                    per_step_loss=None if losses is None else losses[i],
-                    per_step_train_loss=None if train_losses is None else train_losses[i],
-                )
-            runs.append(run)
+        audit = audit and (program.has_nais or audit_baselines)
+        runs = _seed_results(config, workdir, seeds, s, state, history, metadata, audit, audit_options, per_step_loss)
         return SweepResult(
             model=config.model,
             dataset=config.dataset,
             seeds=seeds,
             epoch=done_epoch,
             num_epochs=config.num_epochs,
-            runs=tuple(runs),
+            runs=runs,
             history=tuple(history),
             seconds=time.time() - t_start,
             state=state,
@@ -360,6 +307,78 @@ def train_sweep(
             train_data=s.train_data,
             test_data=s.test_data,
         )
+
+
+def _start(run: engine.RunDirectory, s: SweepSetup, config, verbose: bool):
+    """``(state, diverged_epoch, start_epoch)``: the setup's fresh state, or the run's newest
+    checkpoint restored into it and split over the seed mesh."""
+    state, diverged_epoch = s.state, shard_seeds(jnp.zeros((len(s.base_keys),), jnp.int32), s.mesh)
+    resumed = run.resume(_sweep_tree(state, diverged_epoch))
+    if resumed is None:
+        return state, diverged_epoch, 1
+    tree, epoch = resumed
+    state = engine.restore_into(state, tree)
+    state = state.replace(step=jnp.asarray(state.step, s.state.step.dtype))  # saved as int32
+    state, diverged_epoch = shard_seeds((state, tree["diverged_epoch"]), s.mesh)
+    if verbose and not run.complete(epoch + 1, config.num_epochs):
+        print(f"Resuming the sweep in {run.checkpoint_dir} at epoch {epoch + 1}.", flush=True)
+    return state, diverged_epoch, epoch + 1
+
+
+def _seed_results(
+    config, workdir, seeds, s: SweepSetup, state, history, metadata, audit: bool, audit_options, per_step_loss: bool
+) -> tuple[SeedResult, ...]:
+    """Each seed's :class:`SeedResult` from its last record; once the sweep has finished, each
+    seed is also exported as a single-run directory, audited (``audit``) and, for a model with
+    per-step logits, measured layer by layer (``per_step_loss``)."""
+    done_epoch = max((r["epoch"] for r in history), default=0)
+    last = {r["seed"]: r for r in history if r["epoch"] == done_epoch}
+    runs = []
+    finished = done_epoch >= config.num_epochs
+    if finished:
+        losses = train_losses = None
+        if per_step_loss and _has_step_logits(s.model, state, s.ds.image_shape):
+            losses = np.asarray(s.programs.per_step_loss(state, s.test_data))
+            train_losses = np.asarray(s.programs.per_step_loss(state, s.train_data))
+        host_tree = jax.device_get(engine.checkpoint_tree(state))
+    for i, seed in enumerate(seeds):
+        r = last.get(seed)
+        if r is None:  # nothing trained yet
+            runs.append(SeedResult(seed, 0, 0, None, None, float("nan"), float("nan"), None, None, None))
+            continue
+        run = SeedResult(
+            seed=seed,
+            epoch=r["epoch"],
+            step=r["step"],
+            train_loss=r["train_loss"],
+            train_accuracy=r["train_accuracy"],
+            test_loss=r["test_loss"] if r["test_loss"] is not None else float("nan"),
+            test_accuracy=r["test_accuracy"],
+            generalisation_gap=r["generalisation_gap"],
+            rho_max=r["rho_max"],
+            diverged_epoch=r["diverged_epoch"],
+        )
+        if finished:
+            directory = _export_seed(
+                config, workdir, seed, jax.tree.map(lambda x: x[i], host_tree), metadata, r, history
+            )
+            cert = certified = None
+            if audit:
+                cert = audit_seed(directory, audit_options)
+                certified = certificate_certified(cert)
+                from naisnet_jax.verify.report import write_json  # the verifier is imported on use
+
+                write_json(cert, os.path.join(workdir, f"seed_{seed}", CERTIFICATE_FILE))
+            run = dataclasses.replace(
+                run,
+                checkpoint_dir=directory,
+                certified=certified,
+                certificate=cert,
+                per_step_loss=None if losses is None else losses[i],
+                per_step_train_loss=None if train_losses is None else train_losses[i],
+            )
+        runs.append(run)
+    return tuple(runs)
 
 
 def _export_seed(config, workdir, seed, tree, metadata, record, history) -> str:

@@ -36,6 +36,7 @@ from naisnet_jax.engine import METRICS_FILE as METRICS_FILE
 from naisnet_jax.engine import TrainingDiverged as TrainingDiverged
 from naisnet_jax.engine import WorkdirInUse as WorkdirInUse
 from naisnet_jax.parallel import DATA_AXIS as DATA_AXIS
+from naisnet_jax.parallel import batch_norm_axis as batch_norm_axis
 from naisnet_jax.parallel import check_batch_divides as check_batch_divides
 from naisnet_jax.parallel import make_mesh as make_mesh
 from naisnet_jax.parallel import replicate as replicate
@@ -99,8 +100,13 @@ def model_kwargs(config) -> dict:
     return models.model_spec(config)[1]
 
 
-def build_model(config, num_classes: int):
-    return models.get_model(config.model, num_classes=num_classes, **model_kwargs(config))
+def build_model(config, num_classes: int, *, batch_axis: str | None = None):
+    """``config``'s network; ``batch_axis``: the mapped axis its BatchNorm layers (if any) take
+    their training statistics across (:class:`naisnet_jax.models.BatchAxis`)."""
+    kwargs = model_kwargs(config)
+    if batch_axis is not None and "batch_axis" in models.accepted_fields(config.model):
+        kwargs["batch_axis"] = batch_axis
+    return models.get_model(config.model, num_classes=num_classes, **kwargs)
 
 
 # --------------------------------------------------------------------------- steps
@@ -135,7 +141,8 @@ def train_step(
     """One SGD step followed by the stability projection. Pure.
 
     ``axis_name``: inside ``jax.shard_map`` over a batch split on that mesh axis, BatchNorm
-    averages its statistics over the axis and the gradients and metrics are averaged over it
+    averages its statistics over the axis (a model built with ``batch_axis=axis_name``:
+    :func:`build_model`) and the gradients and metrics are averaged over it
     (equal shards: the global batch's mean loss), so every device applies the same update
     (:func:`data_parallel_step`). With ``sync_batch_norm=False`` each device normalises by its
     own rows' statistics instead (as TensorFlow's and PyTorch's data-parallel BatchNorm do by
@@ -154,8 +161,7 @@ def train_step(
         loss = jnp.mean(cross_entropy(logits, y))
         return loss, (logits, updates)
 
-    with models.batch_axis(axis_name if sync_batch_norm else None):
-        (loss, (logits, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    (loss, (logits, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     if axis_name is not None:
         grads = jax.lax.pmean(grads, axis_name)
     state = state.apply_gradients(grads=grads)
@@ -365,19 +371,26 @@ def _initializer(model, input_shape: tuple, eps: float, eta: float, relaxed: boo
     return init
 
 
+def _lowered_initializer(model, input_shape: tuple, eps: float, eta: float, relaxed: bool, platforms=None):
+    """:func:`_initializer` lowered (for ``platforms``, default this backend) with its random draws
+    as XLA's GPU threefry kernel (the same bits, a far smaller program: unrolled, threefry's rounds
+    for every parameter made the program ~85k lines).
+
+    JAX's ``jax_threefry_gpu_kernel_lowering`` option picks that form, and it is read by the
+    threefry primitive's lowering rule while the program is lowered (a custom call in place of the
+    rounds), not by XLA: no ``compiler_options`` of a compilation can ask for it. So it is set for
+    this one lowering, in this thread (JAX's scoped form of the option), never process-wide."""
+    from jax._src import config as jax_config  # the option's scoped form is not exported
+
+    fn = jax.jit(_initializer(model, input_shape, eps, eta, relaxed))
+    with jax_config.threefry_gpu_kernel_lowering(True):
+        return fn.trace(jax.random.PRNGKey(0)).lower(lowering_platforms=platforms)
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled_initializer(model, input_shape: tuple, eps: float, eta: float, relaxed: bool):
-    """:func:`_initializer` compiled ahead of time. Its random draws are lowered as XLA's GPU
-    threefry kernel (``jax_threefry_gpu_kernel_lowering``; the same bits, a far smaller program:
-    unrolled, threefry's rounds for every parameter made the program ~85k lines), set only while
-    this compiles, so nothing else in the process changes."""
-    fn = jax.jit(_initializer(model, input_shape, eps, eta, relaxed))
-    before = jax.config.jax_threefry_gpu_kernel_lowering
-    jax.config.update("jax_threefry_gpu_kernel_lowering", True)
-    try:
-        return fn.lower(jax.random.PRNGKey(0)).compile()
-    finally:
-        jax.config.update("jax_threefry_gpu_kernel_lowering", before)
+    """:func:`_initializer` compiled ahead of time, from :func:`_lowered_initializer`."""
+    return _lowered_initializer(model, input_shape, eps, eta, relaxed).compile()
 
 
 def initial_variables(config, model, input_shape) -> tuple[Any, Any]:
@@ -535,13 +548,14 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     if writer is not None:
         metric_writers.check_writer(writer)
     ds, steps_per_epoch = engine.load_training_data(config)
-    model = build_model(config, ds.num_classes)
+    mesh = make_mesh(config.get("num_devices"))
+    check_batch_divides(config, mesh)
+    axis = batch_norm_axis(mesh, config.get("sync_batch_norm", True))
+    model = build_model(config, ds.num_classes, batch_axis=axis)
     state = create_train_state(config, model, ds.train_images.shape[1:], steps_per_epoch)
     if count_projected_blocks(state.params) == 0 and config.model.startswith("naisnet"):
         raise ValueError(f"{config.model} has no NAIS block parameters to project; check naisnet_jax.models.")
 
-    mesh = make_mesh(config.get("num_devices"))
-    check_batch_divides(config, mesh)
     mean, std = input_stats(config, ds.train_images)
     train_data = replicate(data_lib.put_on_device(ds.train_images, ds.train_labels), mesh)
     test_data = replicate(data_lib.put_on_device(ds.test_images, ds.test_labels), mesh)

@@ -17,11 +17,10 @@ One module per engine, none importing another's kernels:
 
 Entry points: :func:`unroll_tied` (the stacked VJP of any linear operator),
 :func:`unroll_tied_conv` and :func:`unroll_tied_dense` (the fused paths, which fall back to the
-stacked VJP where their kernels do not run), and :func:`interpreted` (tests on a CPU: the
-kernels in Pallas' interpreter).
+stacked VJP where their kernels do not run; ``KernelPolicy(interpret=True)`` runs the kernels in
+Pallas' interpreter, the tests' path on a CPU).
 """
 
-from naisnet_jax.kernels.common import interpreted
 from naisnet_jax.kernels.conv import unroll_tied_conv
 from naisnet_jax.kernels.policy import KernelPolicy
 from naisnet_jax.kernels.stacked import conv_op, dense_op, on_side_stream, side_stream_conv, unroll_tied
@@ -31,7 +30,6 @@ __all__ = [
     "KernelPolicy",
     "conv_op",
     "dense_op",
-    "interpreted",
     "on_side_stream",
     "side_stream_conv",
     "unroll_tied",

@@ -8,8 +8,6 @@ on a CPU can stand in for a GPU by replacing them. Imported by every engine, imp
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import NamedTuple
 
 import jax
@@ -67,23 +65,7 @@ def gpu_kernels_available(x0: Array) -> bool:
     return device.platform == "gpu" and "cuda" in getattr(device.client, "platform_version", "").lower()
 
 
-# ----------------------------------------------------- the interpreter, and Pallas' Triton call
-
-
-_INTERPRET = contextvars.ContextVar("naisnet_fused_interpret", default=False)
-
-
-@contextlib.contextmanager
-def interpreted():
-    """Inside this context, blocks that would fall back run the kernels in the interpreter.
-
-    For tests on a CPU: a model with ``block_vjp="fused"`` then really goes through
-    the kernels (read when the model is traced)."""
-    token = _INTERPRET.set(True)
-    try:
-        yield
-    finally:
-        _INTERPRET.reset(token)
+# ------------------------------------------------------------------- Pallas' Triton call
 
 
 def pallas_triton(kernel, out_shape, programs: int, config, num_warps=None, num_stages=1):
@@ -107,18 +89,20 @@ def taps_of(kernel: Array) -> Array:
     return kernel.reshape(kh * kw, ci, co)
 
 
-def kernel_mode(name: str, interpret: bool | None, why: str | None, runs_here: bool) -> bool | None:
+def kernel_mode(
+    name: str, interpret: bool | None, why: str | None, runs_here: bool, *, strict: bool = True
+) -> bool | None:
     """How the entry point ``name`` runs a block: ``True`` in Pallas' interpreter, ``False`` as
-    GPU kernels, ``None`` not at all (fall back to the stacked VJP). ``interpret=None`` chooses:
-    the interpreter inside :func:`interpreted`, the GPU kernels where the block fits them
-    (``why is None``) and ``runs_here``; a forced choice on a block they do not take is refused,
-    naming ``why``."""
-    if interpret is None:
-        if why is None and _INTERPRET.get():
-            return True
-        return False if why is None and runs_here else None
+    GPU kernels, ``None`` not at all (fall back to the stacked VJP). ``interpret=None`` chooses
+    the GPU kernels where the block fits them (``why is None``) and ``runs_here``. A forced
+    choice (``True`` or ``False``) on a block they do not take is refused, naming ``why``; with
+    ``strict=False`` that block falls back instead (a policy's ``strict``)."""
     if why is not None:
+        if interpret is None or not strict:
+            return None
         raise ValueError(f"{name}: the fused kernels do not take this block: {why}.")
+    if interpret is None:
+        return False if runs_here else None
     return bool(interpret)
 
 

@@ -161,8 +161,8 @@ def unroll_tied_conv(
     default chooses by block and machine (:mod:`naisnet_jax.kernels.policy`): the GPU kernels on
     a CUDA GPU where the block fits them and they are the faster path (16 and 32 channels; 64
     with ReLU on a Hopper GPU), else the stacked VJP
-    (:func:`naisnet_jax.kernels.stacked.unroll_tied`, with ``scan_unroll``) or, inside
-    :func:`naisnet_jax.kernels.interpreted`, the Triton kernels in Pallas' interpreter. The
+    (:func:`naisnet_jax.kernels.stacked.unroll_tied`, with ``scan_unroll``); with
+    ``interpret=True``, the Triton kernels in Pallas' interpreter. The
     kernels' products run at JAX's default matmul precision where it allows TF32 (as XLA's
     convolutions); where it asks for more (``jax.default_matmul_precision("float32")``) the
     wgmma engine splits them in bfloat16 halves (about 16 significant bits).

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import jax
 
-from naisnet_jax.checks import check_int
+from naisnet_jax.checks import check_bool, check_int
 from naisnet_jax.kernels import common, tuning, wgmma_split, wgmma_tf32
 from naisnet_jax.kernels.common import Layout
 
@@ -51,9 +51,11 @@ class KernelPolicy:
     - ``engine``: ``None`` (by card), ``"triton"`` (any CUDA GPU) or ``"wgmma"`` (Hopper; a block
       it does not take is refused, naming why). Conv blocks only: a dense block has one engine.
     - ``interpret``: ``None`` runs the GPU kernels where they run and are the faster path, else
-      the stacked VJP (inside :func:`naisnet_jax.kernels.interpreted`, Pallas' interpreter);
-      ``True`` runs Pallas' interpreter on any backend and float dtype (the tests' path);
-      ``False`` forces the GPU kernels.
+      the stacked VJP; ``True`` runs Pallas' interpreter on any backend and float dtype (the
+      tests' path); ``False`` forces the GPU kernels.
+    - ``strict``: a block that the kernels ``interpret`` forces do not take is refused, naming
+      why (``True``), or runs the stacked VJP (``False``: a model whose blocks the kernels take
+      in part, e.g. a model's ``kernel_interpret`` option).
     - ``tile_rows``, ``num_warps``, ``unroll_tiles``, ``hoist_taps``: the Triton conv kernels'
       tiling (default: :mod:`naisnet_jax.kernels.tuning`; ``hoist_taps``: for at most 32
       channels); ``warpgroups``: a wgmma program's (with ``engine="wgmma"``; default: the most
@@ -63,6 +65,7 @@ class KernelPolicy:
 
     engine: str | None = None
     interpret: bool | None = None
+    strict: bool = True
     tile_rows: int | None = None
     num_warps: int | None = None
     unroll_tiles: bool = True
@@ -75,6 +78,7 @@ class KernelPolicy:
             raise ValueError(f"engine={self.engine!r} must be None, 'triton' or 'wgmma'.")
         if self.interpret not in (None, True, False):
             raise ValueError(f"interpret={self.interpret!r} must be None, True or False.")
+        check_bool("strict", self.strict)
         for name in ("tile_rows", "block_rows"):
             value = getattr(self, name)
             if value is not None:
@@ -209,7 +213,7 @@ def conv_plan(x0: Array, kernel: Array, activation: str, policy: KernelPolicy = 
     num_warps = policy.num_warps or default_warps
     tf32 = tf32_allowed()
     runs_here = common.gpu_kernels_available(x0) and x0.shape[-1] <= tuning.AUTO_MAX_CHANNELS
-    mode = common.kernel_mode("unroll_tied_conv", policy.interpret, why, runs_here)
+    mode = common.kernel_mode("unroll_tied_conv", policy.interpret, why, runs_here, strict=policy.strict)
     if mode is None:
         return None
     if mode and policy.engine == "wgmma":

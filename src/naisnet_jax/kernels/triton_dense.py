@@ -245,16 +245,17 @@ def unroll_tied_dense(
     ``drive`` broadcasts to ``x0`` (its gradient has its own shape). ``policy``
     (:class:`naisnet_jax.kernels.KernelPolicy`): by default the GPU kernels when the block fits
     them (:func:`kernel_supported`) on a CUDA GPU, else the stacked pure-JAX VJP
-    (:func:`naisnet_jax.kernels.stacked.unroll_tied`, with ``scan_unroll``) or, inside
-    :func:`naisnet_jax.kernels.interpreted`, the kernels in Pallas' interpreter; its
-    ``interpret``, ``block_rows`` and ``num_warps`` force or tune them. The products run at the
+    (:func:`naisnet_jax.kernels.stacked.unroll_tied`, with ``scan_unroll``); its ``interpret``
+    (``True``: the kernels in Pallas' interpreter), ``strict``, ``block_rows`` and ``num_warps``
+    force or tune them. The products run at the
     default precision (TF32 on an NVIDIA GPU, as XLA's; ``jax_default_matmul_precision`` set to
     ``"highest"`` makes them float32).
     """
     x0, drive, A, h = check_tied("unroll_tied_dense", x0, drive, A, steps, h, activation, scan_unroll)
     policy = check_policy(policy)
     why = kernel_supported(x0, A)
-    mode = kernel_mode("unroll_tied_dense", policy.interpret, why, common.gpu_kernels_available(x0))
+    runs_here = common.gpu_kernels_available(x0)
+    mode = kernel_mode("unroll_tied_dense", policy.interpret, why, runs_here, strict=policy.strict)
     if mode is None:
         return unroll_tied(dense_op, x0, drive, A, steps=steps, h=h, activation=activation, scan_unroll=scan_unroll)
     config = Config(mode, policy.block_rows or DENSE_ROWS, policy.num_warps or DENSE_WARPS)

@@ -80,7 +80,6 @@ from naisnet_jax.models.layers import (
     BN_EPSILON,
     BN_MOMENTUM,
     PARAM_DTYPE,
-    batch_axis,
     initial_state_x0,
 )
 from naisnet_jax.models.nais import NaisConvBlock, NaisDenseBlock, NaisNetConv, NaisNetFC
@@ -93,6 +92,7 @@ from naisnet_jax.models.options import (
     PERF_OPTIONS,
     REMAT,
     SPEED_OPTIONS,
+    BatchAxis,
     Classifier,
     ComputeDtype,
     ConvOptions,
@@ -111,6 +111,7 @@ from naisnet_jax.models.options import (
 from naisnet_jax.models.resnet import ResNetConv, ResNetConvBlock, ResNetFC
 
 __all__ = [
+    "BatchAxis",
     "BLOCK_VJP",
     "BN_EPSILON",
     "BN_MOMENTUM",
@@ -161,7 +162,6 @@ __all__ = [
     "StateUnusedWarning",
     "StepOptions",
     "accepted_fields",
-    "batch_axis",
     "get_model",
     "initial_state_x0",
     "model_spec",

@@ -5,10 +5,8 @@ statistics are averaged over).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -92,27 +90,14 @@ def conv_init(eps: float, eta: float) -> Callable:
     return init
 
 
-_BATCH_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("naisnet_batch_axis", default=None)
-
-
-@contextlib.contextmanager
-def batch_axis(name: str | None) -> Iterator[None]:
-    """Inside ``jax.shard_map`` over a batch split on the mesh axis ``name``: every BatchNorm
-    built by these models while the context is open averages its batch statistics over that
-    axis (``lax.pmean``), so a data-parallel step normalises by the global batch, exactly as
-    one device would. Read when a model is traced (applied), not when it is constructed."""
-    token = _BATCH_AXIS.set(name)
-    try:
-        yield
-    finally:
-        _BATCH_AXIS.reset(token)
-
-
-def batch_norm(train: bool, name: str, dtype=None, *, zero_scale: bool = False) -> nn.BatchNorm:
-    """The models' BatchNorm: batch statistics when ``train`` (over :func:`batch_axis`), scale 0 or 1."""
+def batch_norm(
+    train: bool, name: str, dtype=None, *, zero_scale: bool = False, axis_name: str | None = None
+) -> nn.BatchNorm:
+    """The models' BatchNorm: batch statistics when ``train`` (across the mapped axis
+    ``axis_name`` too, a model's ``batch_axis``), scale 0 or 1."""
     return nn.BatchNorm(
         use_running_average=not train,
-        axis_name=_BATCH_AXIS.get() if train else None,
+        axis_name=axis_name if train else None,
         momentum=BN_MOMENTUM,
         epsilon=BN_EPSILON,
         name=name,

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -58,128 +59,115 @@ Array = jax.Array
 # ------------------------------------------------------------------ unrolling
 
 
-def _unroll_block(
-    step,
-    x0,
-    *,
-    steps,
-    xs,
-    adaptive_tol,
-    max_steps,
-    train,
-    trajectory,
-    scan_unroll=1,
-    remat="none",
-    block_vjp="autodiff",
-    kernel_engine=None,
-    tied=None,
-    check_every=1,
-    compact=False,
-    stream_slots=None,
-    zero_start=False,
-):
-    """Fixed or adaptive unroll; returns ``(x_K, depth, states or None)``.
+class Tied(NamedTuple):
+    """A tied block's step in parts, ``x_{k+1} = x_k + h act(op(x_k, W) + drive)``, for its fast
+    paths and its adaptive unrolls; ``kind`` names ``op``: ``"dense"`` (``x @ W.T``) or ``"conv"``
+    (``conv(x, W)``, stride 1, SAME)."""
 
-    Adaptive: training uses the masked scan (differentiable), evaluation the
-    ``while_loop``; a requested trajectory always takes the masked scan, whose
-    values and depths are those of the ``while_loop``. ``tied = (op, drive, W,
-    h, activation)`` lets a tied block of fixed depth use :func:`unroll_tied`
-    (``block_vjp``); ``remat`` wraps the whole unroll (``"block"``) or each
-    step (``"step"``) in ``jax.checkpoint``. ``zero_start``: ``x0`` is zero (the paper's
-    ``x_0 = 0``), so a tied fast path starts at ``x_1`` (:func:`_from_first_step`).
-    """
-    batch = x0.shape[0]
-    if remat == "step":
+    kind: str
+    drive: Array
+    W: Array
+    h: float
+    activation: str
+
+    @property
+    def op(self) -> Callable[[Array, Array], Array]:
+        return conv_op if self.kind == "conv" else dense_op
+
+    def driven(self, x: Array, drive: Array) -> Array:
+        """One step with the drive ``drive`` (the adaptive unrolls move it along with the state)."""
+        return x + self.h * ACTIVATIONS[self.activation](self.op(x, self.W) + drive)
+
+
+def _unroll(block, step, x0, *, steps, xs, train, trajectory, tied: Tied):
+    """``block``'s unroll of ``step`` from ``x0``, as its options say; returns ``(x_K, depth,
+    states or None)``.
+
+    Fixed depth (``adaptive_tol=None``): :func:`_unroll_fixed`, the plain ``lax.scan`` or the tied
+    fast path ``block_vjp`` picks. Adaptive: :func:`_unroll_to_tolerance`. ``remat`` wraps the
+    whole unroll (``"block"``) or each step (``"step"``) in ``jax.checkpoint``."""
+    if block.remat == "step":
         step = jax.checkpoint(step, prevent_cse=False)  # inside a scan: no CSE to prevent
-    if adaptive_tol is None:
-        tied_run = None  # steps -> the tied fast path's unroll of that many steps, if one applies
-        if block_vjp != "autodiff" and not trajectory:
-            op, drive, W, h, activation = tied
-            if block_vjp == "fused" and op is conv_op:
-                tied_run = functools.partial(
-                    unroll_tied_conv,
-                    drive=drive,
-                    kernel=W,
-                    h=h,
-                    activation=activation,
-                    scan_unroll=scan_unroll,
-                    policy=KernelPolicy(engine=kernel_engine),
-                )
-            elif block_vjp == "fused" and op is dense_op:
-                tied_run = functools.partial(
-                    unroll_tied_dense, drive=drive, A=W, h=h, activation=activation, scan_unroll=scan_unroll
-                )
-            else:
-                tied_run = functools.partial(
-                    unroll_tied,
-                    op,
-                    drive=drive,
-                    W=W,
-                    h=h,
-                    activation=activation,
-                    residuals=BLOCK_VJP[block_vjp],
-                    scan_unroll=scan_unroll,
-                )
-        if tied_run is not None and zero_start:
-            run = _from_first_step(tied_run, drive, h, activation, steps)
-        elif tied_run is not None:
-            run = functools.partial(tied_run, steps=steps)
-        else:
-            run = functools.partial(unroll, step, steps=steps, trajectory=trajectory, xs=xs, scan_unroll=scan_unroll)
-        out = jax.checkpoint(run)(x0) if remat == "block" else run(x0)
-        x, states = out if trajectory else (out, None)
-        return x, jnp.full((batch,), steps, jnp.int32), states
+    if block.adaptive_tol is None:
+        return _unroll_fixed(block, step, x0, steps=steps, xs=xs, trajectory=trajectory, tied=tied)
+    return _unroll_to_tolerance(block, step, x0, train=train, trajectory=trajectory, tied=tied)
+
+
+def _checkpointed(block, run: Callable) -> Callable:
+    """``run`` in ``jax.checkpoint`` with ``remat="block"``, else ``run``."""
+    return jax.checkpoint(run) if block.remat == "block" else run
+
+
+def _kernel_policy(block, kind: str) -> KernelPolicy:
+    """The fused kernels' policy of a ``kind`` (``"dense"`` or ``"conv"``) block: the conv
+    blocks' ``kernel_engine``; with ``kernel_interpret``, Pallas' interpreter for the blocks
+    the kernels take and the stacked VJP for the others."""
+    engine = block.kernel_engine if kind == "conv" else None
+    if block.kernel_interpret:
+        return KernelPolicy(engine=engine, interpret=True, strict=False)
+    return KernelPolicy(engine=engine)
+
+
+def _fast_path(block, tied: Tied) -> Callable | None:
+    """``(x0, *, steps) -> x_K``: the tied fast path ``block.block_vjp`` picks (the fused kernels,
+    or the stacked VJP storing or recomputing its residuals); ``None`` for plain autodiff."""
+    if block.block_vjp == "autodiff":
+        return None
+    common = dict(drive=tied.drive, h=tied.h, activation=tied.activation, scan_unroll=block.scan_unroll)
+    if block.block_vjp == "fused" and tied.kind == "conv":
+        return functools.partial(unroll_tied_conv, kernel=tied.W, policy=_kernel_policy(block, "conv"), **common)
+    if block.block_vjp == "fused":
+        return functools.partial(unroll_tied_dense, A=tied.W, policy=_kernel_policy(block, "dense"), **common)
+    return functools.partial(unroll_tied, tied.op, W=tied.W, residuals=BLOCK_VJP[block.block_vjp], **common)
+
+
+def _unroll_fixed(block, step, x0, *, steps, xs, trajectory, tied: Tied):
+    """``steps`` steps: the tied fast path where one applies (no trajectory asked for), from
+    ``x_1`` when the block starts at ``x_0 = 0`` (:func:`_from_first_step`); else ``lax.scan``."""
+    fast = None if trajectory else _fast_path(block, tied)
+    if fast is None:
+        run = functools.partial(unroll, step, steps=steps, trajectory=trajectory, xs=xs, scan_unroll=block.scan_unroll)
+    elif block.initial_state == "zero":
+        run = _from_first_step(fast, tied.drive, tied.h, tied.activation, steps)
+    else:
+        run = functools.partial(fast, steps=steps)
+    out = _checkpointed(block, run)(x0)
+    x, states = out if trajectory else (out, None)
+    return x, jnp.full((x0.shape[0],), steps, jnp.int32), states
+
+
+def _unroll_to_tolerance(block, step, x0, *, train, trajectory, tied: Tied):
+    """Pattern-dependent depth: training uses the masked scan (differentiable), evaluation the
+    ``while_loop``; a requested trajectory always takes the masked scan, whose values and depths
+    are those of the ``while_loop``. ``check_every``, ``compact`` and ``stream_slots`` (a batch
+    larger than the slots) run the tied step with its drive moved along with each pattern."""
+    tol, max_steps = block.adaptive_tol, block.max_steps
     if train or trajectory:
         run = functools.partial(
             unroll_adaptive_bounded,
             step,
-            tol=adaptive_tol,
+            tol=tol,
             max_steps=max_steps,
             trajectory=trajectory,
-            scan_unroll=scan_unroll,
+            scan_unroll=block.scan_unroll,
         )
-        out = jax.checkpoint(run)(x0) if remat == "block" else run(x0)
+        out = _checkpointed(block, run)(x0)
         return out if trajectory else (*out, None)
-    streaming = stream_slots is not None and batch > stream_slots
-    if check_every == 1 and not compact and not streaming:
-        x, depth = unroll_adaptive(step, x0, tol=adaptive_tol, max_steps=max_steps)
+    streaming = block.stream_slots is not None and x0.shape[0] > block.stream_slots
+    if block.check_every == 1 and not block.compact and not streaming:
+        x, depth = unroll_adaptive(step, x0, tol=tol, max_steps=max_steps)
         return x, depth, None
-    op, drive, W, h, activation = tied  # the drive is per pattern: compaction and streaming move it along
-    act = ACTIVATIONS[activation]
 
-    def driven(x, d):
-        return x + h * act(op(x, W) + d)
+    def driven(x, d):  # a function of its own: the loops take the step as a static argument
+        return tied.driven(x, d)
 
-    drives = jnp.broadcast_to(drive, x0.shape)
-    common = dict(tol=adaptive_tol, max_steps=max_steps, check_every=check_every)
+    drives = jnp.broadcast_to(tied.drive, x0.shape)
+    common = dict(tol=tol, max_steps=max_steps, check_every=block.check_every)
     if streaming:
-        x, depth = unroll_adaptive_stream(driven, x0, drives, slots=stream_slots, **common)
+        x, depth = unroll_adaptive_stream(driven, x0, drives, slots=block.stream_slots, **common)
     else:
-        x, depth = unroll_adaptive(driven, x0, inputs=drives, compact=compact, **common)
+        x, depth = unroll_adaptive(driven, x0, inputs=drives, compact=block.compact, **common)
     return x, depth, None
-
-
-def _unroll(block, step, x0, *, steps, xs, train, trajectory, tied):
-    """:func:`_unroll_block` with ``block``'s depth, start and performance options."""
-    return _unroll_block(
-        step,
-        x0,
-        steps=steps,
-        xs=xs,
-        adaptive_tol=block.adaptive_tol,
-        max_steps=block.max_steps,
-        train=train,
-        trajectory=trajectory,
-        scan_unroll=block.scan_unroll,
-        remat=block.remat,
-        block_vjp=block.block_vjp,
-        kernel_engine=block.kernel_engine,
-        tied=tied,
-        check_every=block.check_every,
-        compact=block.compact,
-        stream_slots=block.stream_slots,
-        zero_start=block.initial_state == "zero",
-    )
 
 
 def _from_first_step(tied_run: Callable, drive, h: float, activation: str, steps: int) -> Callable:
@@ -255,7 +243,7 @@ class NaisDenseBlock(DenseOptions):
             xs=xs,
             train=train,
             trajectory=return_aux or probe.auditing(self),
-            tied=(dense_op, drive, A, self.h, self.activation),
+            tied=Tied("dense", drive, A, self.h, self.activation),
         )
         if probe.auditing(self):
             probe.sow_block(
@@ -336,7 +324,7 @@ class NaisConvBlock(ConvOptions):
         )(u)
         if self.normalize_drive:
             zero_scale = self.zero_init_drive and self.initial_state == "input"
-            drive = batch_norm(train, "drive_norm", self.dtype, zero_scale=zero_scale)(drive)
+            drive = batch_norm(train, "drive_norm", self.dtype, zero_scale=zero_scale, axis_name=self.batch_axis)(drive)
         batch, height, width = drive.shape[:3]
         dtype = compute_dtype(self.dtype) or jnp.result_type(drive, kernel)  # conv: equal dtypes
         drive, kernel = drive.astype(dtype), kernel.astype(dtype)
@@ -355,7 +343,7 @@ class NaisConvBlock(ConvOptions):
             xs=xs,
             train=train,
             trajectory=return_aux or probe.auditing(self),
-            tied=(conv_op, drive, kernel, self.h, self.activation),
+            tied=Tied("conv", drive, kernel, self.h, self.activation),
         )
         if probe.auditing(self):
             probe.sow_block(
@@ -435,7 +423,7 @@ class NaisNetConv(ConvOptions, DriveNorm, Classifier, Stages, kw_only=True):
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
         dtype = compute_dtype(self.dtype)
         x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype, name="stem")(x)
-        x = ACTIVATIONS[self.activation](batch_norm(train, "stem_bn", self.dtype)(x))
+        x = ACTIVATIONS[self.activation](batch_norm(train, "stem_bn", self.dtype, axis_name=self.batch_axis)(x))
         states, depths = [], []
         options = options_of(self, ConvOptions)
         for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):

@@ -39,7 +39,17 @@ BLOCK_VJP = {"autodiff": None, "stacked": "store", "stacked_recompute": "recompu
 KERNEL_ENGINES = (None, "triton", "wgmma")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Options that change speed or memory, never the maths (``dtype`` changes the rounding only).
-PERF_OPTIONS = ("scan_unroll", "remat", "block_vjp", "kernel_engine", "dtype", "check_every", "compact", "stream_slots")
+PERF_OPTIONS = (
+    "scan_unroll",
+    "remat",
+    "block_vjp",
+    "kernel_engine",
+    "kernel_interpret",
+    "dtype",
+    "check_every",
+    "compact",
+    "stream_slots",
+)
 #: The performance options that change neither the parameters nor the values computed (all but
 #: the compute ``dtype``): a run or a sweep may resume with others (e.g. on another machine).
 SPEED_OPTIONS = tuple(o for o in PERF_OPTIONS if o != "dtype")
@@ -97,6 +107,21 @@ class ComputeDtype(HyperParameters, kw_only=True):
             (None,) + COMPUTE_DTYPES,
             why="; None keeps the inputs' dtype, and parameters stay float32 whatever it is",
         )
+
+
+class BatchAxis(HyperParameters, kw_only=True):
+    """``batch_axis``: the name of the mapped axis the batch is split over (a ``jax.shard_map``
+    mesh axis, a ``jax.vmap`` ``axis_name``). Every BatchNorm of the model then takes its
+    training statistics over the whole batch, across that axis, as one device would; ``None``:
+    over the rows this program holds. Set by the program that maps the model (the trainer's
+    data-parallel step); it changes no parameter, and evaluation reads the running averages."""
+
+    batch_axis: str | None = None
+
+    @nn.nowrap
+    def _check_fields(self):
+        if self.batch_axis is not None and (not isinstance(self.batch_axis, str) or not self.batch_axis):
+            raise ValueError(f"batch_axis={self.batch_axis!r} must be None or the name of a mapped axis.")
 
 
 class KernelSize(HyperParameters, kw_only=True):
@@ -157,7 +182,9 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
       after at most ``max_steps`` steps (tied weights only).
     - performance (:data:`PERF_OPTIONS`, see the module docstring): ``scan_unroll``, ``remat``,
       ``block_vjp``, ``kernel_engine`` (with ``block_vjp="fused"``: the conv blocks' engine,
-      ``None`` by card, ``"triton"`` or ``"wgmma"``), ``check_every``, ``compact``,
+      ``None`` by card, ``"triton"`` or ``"wgmma"``), ``kernel_interpret`` (with
+      ``block_vjp="fused"``: the blocks the kernels take run them in Pallas' interpreter, on any
+      backend, the others the stacked VJP; for tests on a CPU), ``check_every``, ``compact``,
       ``stream_slots`` and ``dtype``.
     """
 
@@ -170,6 +197,7 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
     remat: str = "none"
     block_vjp: str = "autodiff"
     kernel_engine: str | None = None
+    kernel_interpret: bool = False
     check_every: int = 1
     compact: bool = False
     stream_slots: int | None = None
@@ -204,6 +232,13 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
             raise ValueError(
                 f"kernel_engine={self.kernel_engine!r} picks the fused kernels' engine; it needs "
                 f"block_vjp='fused', got {self.block_vjp!r}."
+            )
+        check_bool("kernel_interpret", self.kernel_interpret)
+        if self.kernel_interpret and (self.block_vjp != "fused" or self.kernel_engine == "wgmma"):
+            raise ValueError(
+                f"kernel_interpret=True runs the fused kernels in Pallas' interpreter; it needs "
+                f"block_vjp='fused' and an engine other than 'wgmma' (which the interpreter cannot "
+                f"run), got block_vjp={self.block_vjp!r}, kernel_engine={self.kernel_engine!r}."
             )
         if self.block_vjp == "autodiff":
             return
@@ -251,7 +286,7 @@ class DenseOptions(NaisOptions, kw_only=True):
 DRIVE_INITS = ("lecun", "he")
 
 
-class ConvOptions(KernelSize, NaisOptions, kw_only=True):
+class ConvOptions(KernelSize, BatchAxis, NaisOptions, kw_only=True):
     """Conv NAIS options: Algorithm 2's ``eta`` in ``(eps, 1)``; ``learn_delta`` (train the
     centre-tap shifts ``delta``, else ``delta = 0``); ``kernel_size``; ``drive_init``, the
     initial scale of the drive convolution ``D`` (:func:`naisnet_jax.models.layers.drive_init`);
@@ -328,7 +363,7 @@ class DriveNorm(HyperParameters, kw_only=True):
         return self.drive_norm == "every" or (stage_change and self.drive_norm == "transitions")
 
 
-class ResNetConvOptions(KernelSize, ComputeDtype, kw_only=True):
+class ResNetConvOptions(KernelSize, BatchAxis, ComputeDtype, kw_only=True):
     """Options of :class:`ResNetConvBlock`, which :class:`ResNetConv` hands to its blocks.
 
     ``zero_init_residual``: the BatchNorm scale of each block's branch starts at zero, so

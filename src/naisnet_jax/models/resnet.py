@@ -13,7 +13,7 @@ from naisnet_jax import probe
 from naisnet_jax.cell import ACTIVATIONS
 from naisnet_jax.checks import check_bool, check_int
 from naisnet_jax.models.layers import BN_EPSILON, PARAM_DTYPE, batch_norm, compute_dtype, fc_init
-from naisnet_jax.models.options import Classifier, ResNetConvOptions, Stages, StepOptions, options_of
+from naisnet_jax.models.options import BatchAxis, Classifier, ResNetConvOptions, Stages, StepOptions, options_of
 from naisnet_jax.parametrize import fc_state_matrix
 
 Array = jax.Array
@@ -22,7 +22,7 @@ Array = jax.Array
 # ------------------------------------------------------------ ResNet baselines
 
 
-class ResNetFC(StepOptions, Classifier, kw_only=True):
+class ResNetFC(StepOptions, BatchAxis, Classifier, kw_only=True):
     """The 30-layer fully connected ResNets of the paper's MNIST ablation.
 
     Layer ``k``: ``x_{k+1} = x_k + h act(BN_k(x_k W_k^T [+ u B_k^T] + b_k))``.
@@ -96,7 +96,7 @@ class ResNetFC(StepOptions, Classifier, kw_only=True):
             W_k, d_k = (W, drive) if self.shared else (W[k], drive[k])
             pre = x @ W_k.T + d_k
             if self.batch_norm:
-                pre = batch_norm(train, f"bn{k}")(pre)
+                pre = batch_norm(train, f"bn{k}", axis_name=self.batch_axis)(pre)
             x = x + self.h * act(pre)
             states.append(x)
         if probe.auditing(self):
@@ -168,10 +168,12 @@ class ResNetConvBlock(ResNetConvOptions):
         s, k, dtype = self.strides, self.kernel_size, compute_dtype(self.dtype)
         y = nn.Conv(self.features, (k, k), strides=(s, s), padding="SAME", use_bias=False, dtype=dtype, name="conv")(x)
         last = self.convs == 1
-        y = batch_norm(train, "bn", self.dtype, zero_scale=self.zero_init_residual and last)(y)
+        y = batch_norm(train, "bn", self.dtype, zero_scale=self.zero_init_residual and last, axis_name=self.batch_axis)(
+            y
+        )
         if not last:
             y = nn.Conv(self.features, (k, k), padding="SAME", use_bias=False, dtype=dtype, name="conv2")(nn.relu(y))
-            y = batch_norm(train, "bn2", self.dtype, zero_scale=self.zero_init_residual)(y)
+            y = batch_norm(train, "bn2", self.dtype, zero_scale=self.zero_init_residual, axis_name=self.batch_axis)(y)
         square = s == 1 and x.shape[-1] == self.features
         if probe.auditing(self) and last:
             probe.sow_block(
@@ -202,7 +204,7 @@ class ResNetConv(ResNetConvOptions, Classifier, Stages, kw_only=True):
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
         dtype = compute_dtype(self.dtype)
         x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype, name="stem")(x)
-        x = nn.relu(batch_norm(train, "stem_bn", self.dtype)(x))
+        x = nn.relu(batch_norm(train, "stem_bn", self.dtype, axis_name=self.batch_axis)(x))
         states, options = [], options_of(self, ResNetConvOptions)
         for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):
             for j in range(size):
