@@ -481,7 +481,7 @@ def run(
     config = configs[0][1]
     header = {
         "datasets": ", ".join(datasets) + (" (smoke: tiny models on digits)" if smoke else ""),
-        "training images": "all" if config.get("limit_train") is None else f"the first {config.limit_train}",
+        "training images": "all" if config.limit_train is None else f"the first {config.limit_train}",
         "seeds": f"{config.num_seeds} per model (config.seed + 0..{config.num_seeds - 1})",
         "schedule": (
             f"{config.num_epochs} epochs, SGD momentum {config.momentum}, batch {config.batch_size}, "

@@ -68,17 +68,17 @@ def load_training_data(config) -> tuple[data_lib.Dataset, int]:
     held-out end of the training set and the test set is never loaded into the run."""
     ds = data_lib.load_dataset(
         config.dataset,
-        data_dir=config.get("data_dir"),
-        limit_train=config.get("limit_train"),
-        limit_test=config.get("limit_test"),
-        validation=config.get("validation"),
+        data_dir=config.data_dir,
+        limit_train=config.limit_train,
+        limit_test=config.limit_test,
+        validation=config.validation,
     )
     n_train = ds.train_images.shape[0]
     for split, n in (("training", n_train), ("test", ds.test_images.shape[0])):
         if n == 0:
             raise ValueError(
                 f"config.dataset={config.dataset!r} has no {split} examples (data_dir="
-                f"{config.get('data_dir')!r}); check the data files."
+                f"{config.data_dir!r}); check the data files."
             )
     if config.batch_size > n_train:
         raise ValueError(f"config.batch_size={config.batch_size} exceeds the {n_train} training examples.")

@@ -50,6 +50,7 @@ import numpy as np
 
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import engine, metric_writers, models, train
+from naisnet_jax.configs import schema
 from naisnet_jax.projection import count_projected_blocks
 from naisnet_jax.seeds import SweepSetup as SweepSetup
 from naisnet_jax.seeds import check_seeds, default_seeds, prepare, seed_config, shard_seeds
@@ -60,18 +61,9 @@ from naisnet_jax.stability import max_radius_bound
 
 SWEEP_CHECKPOINT_DIR = "sweep_checkpoints"
 CERTIFICATE_FILE = "certificate.json"
-# What a resumed sweep must share with the checkpoint it resumes.
-_RESUME_FIELDS = (
-    "model",
-    "model_kwargs",
-    "seeds",
-    "dataset",
-    "validation",
-    "limit_train",
-    "limit_test",
-    "batch_size",
-    "standardize",
-)
+# What a resumed sweep must share with the checkpoint it resumes: the declared resume fields and
+# the seeds.
+_RESUME_FIELDS = (*schema.RESUME_FIELDS, "seeds")
 
 
 # --------------------------------------------------------------------------- results
@@ -166,25 +158,16 @@ def _normalised(value):
 
 
 def _resume_view(config, seeds) -> dict:
-    return _normalised(
-        {
-            "model": config.model,
-            "model_kwargs": train.model_kwargs(config),
-            "seeds": list(seeds),
-            "dataset": config.dataset,
-            "validation": config.get("validation"),
-            "limit_train": config.get("limit_train"),
-            "limit_test": config.get("limit_test"),
-            "batch_size": config.batch_size,
-            "standardize": config.get("standardize", True),
-        }
-    )
+    view = {name: config[name] for name in schema.RESUME_FIELDS}
+    return _normalised({**view, "model_kwargs": train.model_kwargs(config), "seeds": list(seeds)})
 
 
 def _check_same_sweep(meta: dict, config, seeds, directory) -> None:
     """Resuming another sweep would mix runs or fail as a shape mismatch; say what differs."""
     ours = _resume_view(config, seeds)
-    theirs = (meta.get("extra") or {}).get("sweep", {})
+    stored = (meta.get("extra") or {}).get("sweep", {})
+    # a field an older version did not store held its declared default then
+    theirs = {**_normalised(schema.complete(stored)), **stored} if stored else {}
 
     def same(k):  # speed options may differ: same parameters, same maths
         if k == "model_kwargs":
@@ -253,8 +236,8 @@ def train_sweep(
     Resuming a workdir that holds a sweep of another model, seeds or data raises ``ValueError``.
     """
     t_start = time.time()
-    seeds = check_seeds(default_seeds(config) if seeds is None else seeds)
     train.validate_config(config)
+    seeds = check_seeds(default_seeds(config) if seeds is None else seeds)
     os.makedirs(workdir, exist_ok=True)
     with engine.workdir_lock(workdir):
         mngr = ckpt.manager(os.path.join(workdir, SWEEP_CHECKPOINT_DIR), max_to_keep=config.keep_checkpoints)
@@ -265,9 +248,9 @@ def train_sweep(
         s = prepare(config, seeds)
         n_seeds = len(seeds)
         state, diverged_epoch = s.state, shard_seeds(jnp.zeros((n_seeds,), jnp.int32), s.mesh)
-        metadata = ckpt.CheckpointMetadata.from_config(config, s.ds, s.mean, s.std).replace(
-            extra={"sweep": _resume_view(config, seeds)}
-        )
+        metadata = ckpt.CheckpointMetadata.from_config(
+            config, s.ds, s.mean, s.std, model_kwargs=train.model_kwargs(config)
+        ).replace(extra={"sweep": _resume_view(config, seeds)})
         start_epoch = 1
         if mngr.latest_step() is not None:
             tree, epoch = engine.restore_latest(mngr, _sweep_tree(state, diverged_epoch))
