@@ -211,7 +211,7 @@ def _main(argv):
     except UsageError as e:
         _fail(e)
 
-    from experiments.configs import fashion_mnist_demo
+    from naisnet_jax.configs import fashion_mnist_demo
     from naisnet_jax import stability, train
 
     config = fashion_mnist_demo.get_config()

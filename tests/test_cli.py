@@ -24,8 +24,8 @@ from naisnet_jax import train_cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 COMMAND = pathlib.Path(sys.executable).parent / "naisnet-train"  # the installed entry point
-EXPERIMENT_CONFIGS = sorted((REPO / "experiments" / "configs").glob("[!_]*.py"))
-DIGITS_TINY = str(REPO / "experiments" / "configs" / "digits_tiny.py")
+SHIPPED_CONFIGS = sorted(train_cli.PACKAGED_CONFIGS.glob("[!_]*.py"))
+DIGITS_TINY = str(train_cli.PACKAGED_CONFIGS / "digits_tiny.py")
 TINY = [
     "--config.model_kwargs.features=8",
     "--config.model_kwargs.steps=3",
@@ -54,7 +54,9 @@ def outside_the_repo(tmp_path, monkeypatch):
 # ----------------------------------------------------------------- configs
 
 
-@pytest.mark.parametrize("path", EXPERIMENT_CONFIGS, ids=[p.stem for p in EXPERIMENT_CONFIGS])
+@pytest.mark.parametrize(
+    "path", [p for p in SHIPPED_CONFIGS if p.stem in train_cli.shipped_configs()], ids=lambda p: p.stem
+)
 def test_every_shipped_config_loads_from_any_directory(outside_the_repo, path):
     config = train_cli.load_config(str(path))
     assert config.model and config.dataset

@@ -34,7 +34,7 @@ class UsageError(Exception):
 
 def shipped_configs() -> list[str]:
     """Names of the configs inside the package (``--config=NAME`` loads one)."""
-    return sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.py") if not p.stem.startswith("_"))
+    return sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.py") if not p.stem.startswith("_") and p.stem != "schema")
 
 
 def resolve_config_path(spec: str) -> tuple[pathlib.Path, str | None]:

@@ -8,7 +8,7 @@ logits, and SGD at the paper's learning rate 0.1 ends at train loss in the hundr
 keeps the states and logits O(1). On ``dataset="digits"`` the same config reaches about
 0.96 test accuracy in a few seconds.
 
-Every other config (``experiments/configs/*.py``) imports this one with
+Every other config (beside this one in ``naisnet_jax/configs/``) imports this one with
 ``from naisnet_jax.configs import default`` and overrides only what differs, so configs
 load from any directory once the package is installed.
 """
