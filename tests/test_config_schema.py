@@ -16,7 +16,7 @@ from naisnet_jax.configs import default, schema
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # A value of the wrong kind for every declared type.
-BAD_BY_TYPE = {int: "many", float: "small", bool: 2, str: 3, list: "abc", dict: 3}
+BAD_BY_TYPE = {int: "many", float: "small", bool: 2, str: 3, tuple: "abc", dict: 3}
 
 
 def test_every_default_field_is_declared_and_every_declared_field_is_in_the_default():
@@ -91,3 +91,25 @@ def test_no_code_reads_a_config_field_with_its_own_default():
                 if pattern.search(line):
                     found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_a_single_run_resumes_only_with_the_same_declared_resume_fields(tmp_path):
+    import types
+
+    import numpy as np
+
+    from naisnet_jax import checkpoint as ckpt
+
+    config = default.get_config()
+    config.model, config.dataset = "naisnet_fc_tiny", "digits"
+    ds = types.SimpleNamespace(num_classes=3, train_images=np.zeros((4, 8, 8, 1), np.uint8))
+    meta = ckpt.CheckpointMetadata.from_config(
+        config, ds, np.array([0.2]), np.array([0.3]), model_kwargs=train.model_kwargs(config)
+    ).to_json()
+    train._check_same_run(meta, config, tmp_path)
+    older = dict(meta, config={k: v for k, v in meta["config"].items() if k not in ("standardize", "validation")})
+    train._check_same_run(older, config, tmp_path)  # fields an older version did not store: their defaults
+    config.batch_size = 64
+    with pytest.raises(ValueError, match=r"config\.batch_size: checkpoint 128, now 64") as info:
+        train._check_same_run(older, config, tmp_path)
+    assert "\n" not in str(info.value)

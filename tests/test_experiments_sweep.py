@@ -87,7 +87,7 @@ def test_scaled_schedule_keeps_the_papers_fractions():
     assert config.dataset == "mnist_pinned"
     config.dataset = "digits"  # validate the rest where the MNIST loader may not exist yet
     train.validate_config(config)
-    assert config.lr_boundaries_epochs == conv_paper.scaled_boundaries(config.num_epochs)
+    assert list(config.lr_boundaries_epochs) == conv_paper.scaled_boundaries(config.num_epochs)
 
 
 @pytest.mark.slow  # a conv sweep compiles for about a minute on two CPU cores

@@ -114,7 +114,7 @@ def _epochs(name, value, config):
         or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in bounds)
         or any(a >= b for a, b in zip(bounds, bounds[1:]))
     ):
-        raise ValueError(f"{name}={bounds!r} must be strictly increasing positive epoch numbers.")
+        raise ValueError(f"{name}={bounds!r} must be a list of strictly increasing positive epoch numbers.")
     return value
 
 
@@ -184,7 +184,7 @@ FIELDS: tuple[Field, ...] = (
     Field("learning_rate", float, 0.02, _number(0, math.inf, lo_open=True, hi_open=True), "SGD's learning rate"),
     Field("momentum", float, 0.9, _number(0, 1, hi_open=True), "SGD's momentum (0: none)"),
     Field("weight_decay", float, 0.0, _number(0, math.inf, hi_open=True), "decoupled weight decay"),
-    Field("lr_boundaries_epochs", list, [10, 15], _epochs, "multiply the learning rate by lr_decay_factor here"),
+    Field("lr_boundaries_epochs", tuple, (10, 15), _epochs, "multiply the learning rate by lr_decay_factor here"),
     Field("lr_decay_factor", float, 0.1, _number(0, 1, lo_open=True), "the learning rate's factor at each boundary"),
     Field("batch_size", int, 128, _int(), "training batch (split over the devices)", resume=True),
     Field("eval_batch_size", int, 1000, _int(), "evaluation batch"),
@@ -224,7 +224,7 @@ def _default_value(f: Field):
         return ml_collections.ConfigDict(dict(f.default))
     if f.default is None:
         return ml_collections.FieldReference(None, field_type=f.type)
-    return list(f.default) if f.type is list else f.default
+    return f.default
 
 
 def default_config():
