@@ -43,7 +43,7 @@ def cifar_config():
     would otherwise give a NAIS net the fused path on a GPU)."""
     importable()
     try:
-        from experiments.configs import cifar10_naisnet
+        from naisnet_jax.configs import cifar10_naisnet
     except ImportError as e:  # the device image has no ml_collections unless carried
         raise SystemExit(
             f"cannot import the experiment config ({e}); install ml_collections, e.g. carry "

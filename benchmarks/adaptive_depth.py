@@ -196,9 +196,9 @@ def trained(*, width, max_steps, batch, repeats, epochs):
     import jax.numpy as jnp
     import numpy as np
 
-    from experiments.configs import digits_tiny
     from naisnet_jax import data as data_lib
     from naisnet_jax import models, train
+    from naisnet_jax.configs import digits_tiny
 
     config = digits_tiny.get_config()
     config.model_kwargs.features = width

@@ -3,7 +3,7 @@
 Runs the trainer twice, each in a fresh process, on one compilation cache directory that starts
 empty: the first run compiles every program ("cold", a machine's first run), the second reads
 them ("cached", every later run). Each trains ``--epochs`` epochs of the CIFAR NAIS-Net10 config
-(``experiments/configs/cifar10_naisnet.py``, a constant learning rate, the trainer's defaults
+(``src/naisnet_jax/configs/cifar10_naisnet.py``, a constant learning rate, the trainer's defaults
 otherwise: the fast path on a GPU) on ``--dataset``. The table gives each run's first epoch, its
 steady epoch (the median of the later ones), the difference, and its first chunk of steps, whose
 time includes compiling the training program. Target: a cached first epoch at most
@@ -28,7 +28,7 @@ import _common  # noqa: E402
 
 #: the most a cached first epoch may cost over a steady one, in seconds
 TARGET_OVER_STEADY = 30.0
-CONFIG = os.path.join(_common.ROOT, "experiments", "configs", "cifar10_naisnet.py")
+CONFIG = os.path.join(_common.ROOT, "src", "naisnet_jax", "configs", "cifar10_naisnet.py")
 SMOKE = (  # with --config.dataset=digits
     "--config.model=naisnet_conv_tiny",
     "--config.limit_train=256",

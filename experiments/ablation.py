@@ -7,7 +7,7 @@
     python -m experiments.ablation --smoke --workdir=/tmp/ablation_smoke   # seconds, on a CPU
 
 Every model is one sweep (``naisnet_jax.sweep``): ``--seeds`` seeds trained side by side with
-the config ``experiments/configs/ablation_paper.py`` (SGD, momentum 0.9, learning rate 0.1,
+the config ``src/naisnet_jax/configs/ablation_paper.py`` (SGD, momentum 0.9, learning rate 0.1,
 150 epochs, standardised inputs, h = 1/30 unless ``--h`` or ``--hs``), then every seed exported, audited by
 the verifier (parameter level, models with a NAIS block: NAIS-Net and ResNet-SH-Stable), and its
 per-layer loss measured on the test set and on the training set. Writes to ``--workdir``:
@@ -86,7 +86,7 @@ def switches(label: str) -> dict:
 def make_config(model: str, *, dataset: str, seeds: int, epochs: int | None, h: float | None, smoke: bool):
     import ml_collections
 
-    from experiments.configs import ablation_paper
+    from naisnet_jax.configs import ablation_paper
 
     config = ablation_paper.get_config()
     config.model = model
@@ -627,7 +627,8 @@ def run(
         "epochs": config.num_epochs,
         "optimiser": f"SGD, momentum {config.momentum}, learning rate {config.learning_rate}, "
         f"batch {config.batch_size}",
-        "h": f"{config.h:.6g} for every model (the paper does not state h; see experiments/configs/ablation_paper.py)",
+        "h": f"{config.h:.6g} for every model (the paper does not state h; "
+        "see src/naisnet_jax/configs/ablation_paper.py)",
         "inputs": "pixels in [0, 1]"
         if not config.standardize
         else "standardised with the training set's channel statistics",

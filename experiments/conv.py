@@ -13,7 +13,7 @@ shipped. The ablation rows are the other start for both, ``x(0) = u`` (``naisnet
 and NAIS-Net10 with BatchNorm only where the stage changes or nowhere (drives at He scale, the start
 that keeps their spread); ``experiments/RESULTS.md`` says why. ``experiments/signal.py`` shows what
 each form does in its first steps. Each model is one sweep of
-``--seeds`` seeds (``naisnet_jax.sweep``) with the config ``experiments/configs/conv_paper.py``:
+``--seeds`` seeds (``naisnet_jax.sweep``) with the config ``src/naisnet_jax/configs/conv_paper.py``:
 the paper's CIFAR schedule compressed to ``--epochs`` epochs (see the config for why).
 Writes to ``--workdir``: ``results.json`` / ``results.md`` (test accuracy, train accuracy and
 generalisation gap, mean +- std over seeds, per dataset), ``accuracy_<dataset>.png`` (train and
@@ -95,7 +95,7 @@ def make_config(
 ):
     import ml_collections
 
-    from experiments.configs import conv_paper
+    from naisnet_jax.configs import conv_paper
 
     _, model, kwargs = VARIANTS[variant]
     if fast and model.startswith("naisnet"):
@@ -481,13 +481,13 @@ def run(
     config = configs[0][1]
     header = {
         "datasets": ", ".join(datasets) + (" (smoke: tiny models on digits)" if smoke else ""),
-        "training images": "all" if config.get("limit_train") is None else f"the first {config.limit_train}",
+        "training images": "all" if config.limit_train is None else f"the first {config.limit_train}",
         "seeds": f"{config.num_seeds} per model (config.seed + 0..{config.num_seeds - 1})",
         "schedule": (
             f"{config.num_epochs} epochs, SGD momentum {config.momentum}, batch {config.batch_size}, "
             f"learning rate {config.learning_rate} divided by 10 at epochs {list(config.lr_boundaries_epochs)} "
             f"(the paper's 450-epoch CIFAR schedule with its drops at the same fractions of the run; "
-            f"see experiments/configs/conv_paper.py), weight decay {config.weight_decay}, "
+            f"see src/naisnet_jax/configs/conv_paper.py), weight decay {config.weight_decay}, "
             + {False: "no augmentation", True: "4-pixel pad-and-crop and flip", "crop": "4-pixel pad-and-crop"}[
                 train.augmentation(config)
             ]

@@ -211,8 +211,8 @@ def _main(argv):
     except UsageError as e:
         _fail(e)
 
-    from experiments.configs import fashion_mnist_demo
     from naisnet_jax import stability, train
+    from naisnet_jax.configs import fashion_mnist_demo
 
     config = fashion_mnist_demo.get_config()
     if FLAGS.epochs is not None:

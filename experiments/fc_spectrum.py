@@ -5,7 +5,7 @@
     python -m experiments.fc_spectrum --drive_probe --hs=1 --steps=50 --workdir=runs/fc_spectrum
 
 Section 5.1's NAIS-Net (``naisnet_mnist``: one block, 128 tanh units, K = 30, ``A = -R^T R - eps I``)
-is trained with the ablation's optimisation (``experiments/configs/ablation_paper.py``: SGD 0.1,
+is trained with the ablation's optimisation (``src/naisnet_jax/configs/ablation_paper.py``: SGD 0.1,
 momentum 0.9, batch 128, inputs standardised by the training set's mean and std, seed 0) for
 ``--steps`` steps at every h. After the
 steps listed in :data:`CHECKPOINTS` it records the spectrum of ``R^T R`` (its Frobenius norm, which
@@ -46,7 +46,7 @@ SATURATED = 2.0  # |tanh pre-activation| above this: tanh' < 0.071
 
 
 def make_config(h: float, smoke: bool):
-    from experiments.configs import ablation_paper
+    from naisnet_jax.configs import ablation_paper
 
     config = ablation_paper.get_config()
     config.h = h

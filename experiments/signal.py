@@ -98,8 +98,7 @@ SCHEDULES = ("constant", "paper")
 def make_config(model: str, kwargs: dict, *, dataset: str, epochs: int, schedule: str, seed: int = 0):
     """The paper's CIFAR optimisation on ``dataset``: SGD 0.1, momentum 0.9, weight decay 2e-4,
     batch 128, ``h = 1``; ``schedule`` constant or the paper's drops scaled to ``epochs``."""
-    from experiments.configs import conv_paper
-    from naisnet_jax.configs import default
+    from naisnet_jax.configs import conv_paper, default
 
     config = default.get_config()
     config.model, config.dataset, config.seed = model, dataset, seed

@@ -471,7 +471,7 @@ def report(
         f"(mean validation accuracy over the last {SCORE_EPOCHS} epochs, a diverged seed scoring 0)",
         "final": f"{len(rows[0]['seeds'])} seeds (config.seed + 0..{len(rows[0]['seeds']) - 1}) x "
         f"{rows[0]['epochs']} epochs on the whole training set at the chosen rate, tested once",
-        "optimiser": "SGD, momentum 0.9, batch 128, no decay (experiments/configs/ablation_paper.py)",
+        "optimiser": "SGD, momentum 0.9, batch 128, no decay (src/naisnet_jax/configs/ablation_paper.py)",
         "saturated": f"share of tanh units with |pre-activation| > {SATURATION:g} over every layer and test image, "
         "mean over seeds",
         "literal rows": os.path.relpath(literal_path) if literal else "none",

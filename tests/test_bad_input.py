@@ -72,7 +72,7 @@ from naisnet_jax.configs import default
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY_ARGS = [
-    f"--config={REPO / 'experiments/configs/digits_tiny.py'}",
+    f"--config={REPO / 'src/naisnet_jax/configs/digits_tiny.py'}",
     "--config.model_kwargs.features=8",
     "--config.model_kwargs.steps=3",
     "--config.limit_train=256",

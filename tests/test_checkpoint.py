@@ -199,7 +199,8 @@ def test_metadata_from_config_builds_the_trained_model():
     config.eps, config.h = 0.05, 0.5
     config.model_kwargs.features = 5
     ds = types.SimpleNamespace(num_classes=3, train_images=np.zeros((4, 8, 8, 1), np.uint8))
-    meta = ckpt.CheckpointMetadata.from_config(config, ds, np.array([0.2]), np.array([0.3]))
+    kwargs = train.model_kwargs(config)
+    meta = ckpt.CheckpointMetadata.from_config(config, ds, np.array([0.2]), np.array([0.3]), model_kwargs=kwargs)
     assert meta.model_kwargs == {
         "features": 5,
         **({"max_steps": config.max_steps} if "max_steps" in meta.model_kwargs else {}),
@@ -210,9 +211,8 @@ def test_metadata_from_config_builds_the_trained_model():
 
 
 def test_training_and_the_checkpoint_share_one_model_spec():
-    """The trainers build the network from ``models.model_spec(config)`` and the checkpoint's
+    """The trainers build the network from ``train.model_spec(config)`` and the checkpoint's
     metadata rebuilds the same one: the two specs are equal, adaptive fields included."""
-    from naisnet_jax import models
     from naisnet_jax.configs import default
 
     config = default.get_config()
@@ -220,14 +220,15 @@ def test_training_and_the_checkpoint_share_one_model_spec():
     config.eps, config.h, config.adaptive_tol, config.max_steps = 0.05, 0.5, 1e-3, 7
     config.model_kwargs.steps = 3
     ds = types.SimpleNamespace(num_classes=3, train_images=np.zeros((4, 8, 8, 1), np.uint8))
-    meta = ckpt.CheckpointMetadata.from_config(config, ds, np.array([0.2]), np.array([0.3]))
-    name, kwargs = models.model_spec(config)
+    kwargs = train.model_kwargs(config)
+    meta = ckpt.CheckpointMetadata.from_config(config, ds, np.array([0.2]), np.array([0.3]), model_kwargs=kwargs)
+    name, kwargs = train.model_spec(config)
     assert meta.model_spec() == (name, kwargs)
     assert kwargs["adaptive_tol"] == 1e-3 and kwargs["max_steps"] == 7 and kwargs["h"] == 0.5
     assert set(meta.model_kwargs) == {"steps", "adaptive_tol", "max_steps"}  # eps, eta, h stored once
     config.model_kwargs.h = 0.25
     with pytest.raises(ValueError, match=r"sets \['h'\]; set config.h instead"):
-        models.model_spec(config)
+        train.model_spec(config)
 
 
 @pytest.mark.parametrize(

@@ -24,8 +24,8 @@ from naisnet_jax import train_cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 COMMAND = pathlib.Path(sys.executable).parent / "naisnet-train"  # the installed entry point
-EXPERIMENT_CONFIGS = sorted((REPO / "experiments" / "configs").glob("[!_]*.py"))
-DIGITS_TINY = str(REPO / "experiments" / "configs" / "digits_tiny.py")
+SHIPPED_CONFIGS = sorted(train_cli.PACKAGED_CONFIGS.glob("[!_]*.py"))
+DIGITS_TINY = str(train_cli.PACKAGED_CONFIGS / "digits_tiny.py")
 TINY = [
     "--config.model_kwargs.features=8",
     "--config.model_kwargs.steps=3",
@@ -54,7 +54,9 @@ def outside_the_repo(tmp_path, monkeypatch):
 # ----------------------------------------------------------------- configs
 
 
-@pytest.mark.parametrize("path", EXPERIMENT_CONFIGS, ids=[p.stem for p in EXPERIMENT_CONFIGS])
+@pytest.mark.parametrize(
+    "path", [p for p in SHIPPED_CONFIGS if p.stem in train_cli.shipped_configs()], ids=lambda p: p.stem
+)
 def test_every_shipped_config_loads_from_any_directory(outside_the_repo, path):
     config = train_cli.load_config(str(path))
     assert config.model and config.dataset
@@ -290,3 +292,45 @@ def test_print_config_shows_the_overridden_config_and_needs_no_workdir(capsys, t
     out = capsys.readouterr().out
     assert "features: 4" in out and "h: 0.5" in out
     assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------- through a process, from the declaration
+
+SUBPROCESS_BAD = {
+    # name: (arguments, words the one error line must hold)
+    "bad file": (["--config={tmp}/missing.py"], ["missing.py", "no such config"]),
+    "unknown field": (["--config=digits_tiny", "--config.weight_decy=0.1"], ["weight_decy", "weight_decay"]),
+    "bad type": (["--config=digits_tiny", "--config.batch_size=big"], ["config.batch_size=big", "an integer"]),
+    "bad value": (["--config=digits_tiny", "--config.momentum=1.5"], ["config.momentum=1.5", "[0, 1)"]),
+    "None where a value is needed": (["--config=digits_tiny", "--config.h=None"], ["config.h", "None"]),
+}
+
+
+@pytest.mark.parametrize("case", list(SUBPROCESS_BAD))
+def test_the_command_refuses_a_bad_override_in_one_line_with_exit_2(tmp_path, case):
+    """``python -m naisnet_jax.train_cli`` of this tree (the installed command may be another
+    checkout's): exit status 2, one ``error:`` line naming the field, nothing written."""
+    args, words = SUBPROCESS_BAD[case]
+    out = subprocess.run(
+        [sys.executable, "-m", "naisnet_jax.train_cli", f"--workdir={tmp_path / 'w'}"]
+        + [a.format(tmp=tmp_path) for a in args],
+        cwd=tmp_path,
+        env=dict(_env(), PYTHONPATH=str(REPO / "src")),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
+    for word in words:
+        assert word in out.stderr, (word, out.stderr)
+    assert not (tmp_path / "w").exists()
+
+
+def test_an_optional_field_takes_none_and_the_config_is_completed(tmp_path):
+    partial = tmp_path / "partial.py"
+    partial.write_text(
+        "import ml_collections\n"
+        "def get_config():\n    return ml_collections.ConfigDict({'model': 'naisnet_fc_tiny', 'dataset': 'digits'})\n"
+    )
+    _, config = train_cli.parse([f"--config={partial}", "--print_config", "--config.limit_train=None"])
+    assert config.limit_train is None and config.batch_size == 128 and config.h == 0.1  # declared defaults

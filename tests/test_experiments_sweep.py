@@ -77,7 +77,7 @@ def test_monotonicity_counts_rises_beyond_round_off():
 
 
 def test_scaled_schedule_keeps_the_papers_fractions():
-    from experiments.configs import conv_paper
+    from naisnet_jax.configs import conv_paper
 
     assert conv_paper.scaled_boundaries(450) == [150, 250, 350]
     assert conv_paper.scaled_boundaries(9) == [3, 5, 7]
@@ -87,7 +87,7 @@ def test_scaled_schedule_keeps_the_papers_fractions():
     assert config.dataset == "mnist_pinned"
     config.dataset = "digits"  # validate the rest where the MNIST loader may not exist yet
     train.validate_config(config)
-    assert config.lr_boundaries_epochs == conv_paper.scaled_boundaries(config.num_epochs)
+    assert list(config.lr_boundaries_epochs) == conv_paper.scaled_boundaries(config.num_epochs)
 
 
 @pytest.mark.slow  # a conv sweep compiles for about a minute on two CPU cores
@@ -282,7 +282,7 @@ def test_conv_chance_accuracy_is_the_commonest_test_class():
 
 @pytest.mark.parametrize("arg", ["cifar10,naisnet_cifar10", "cifar100,naisnet_cifar1", "cifar10,resnet_cifar"])
 def test_cifar_configs_keep_the_papers_schedule(arg):
-    from experiments.configs import cifar_paper
+    from naisnet_jax.configs import cifar_paper
 
     config = cifar_paper.get_config(arg)
     train.validate_config(config)
@@ -292,7 +292,7 @@ def test_cifar_configs_keep_the_papers_schedule(arg):
 
 
 def test_cifar_config_refuses_an_unknown_pair():
-    from experiments.configs import cifar_paper
+    from naisnet_jax.configs import cifar_paper
 
     with pytest.raises(ValueError, match="cifar_paper config argument 'svhn,resnet_cifar'"):
         cifar_paper.get_config("svhn,resnet_cifar")
@@ -308,8 +308,8 @@ def test_cifar_config_reads_tfds_files_in_the_real_layout(tmp_path, dataset, mod
     import jax.numpy as jnp
     from test_data import prepare_tiny_tfds
 
-    from experiments.configs import cifar_paper
     from naisnet_jax import data
+    from naisnet_jax.configs import cifar_paper
 
     rng = np.random.default_rng(3)
     splits = {
@@ -332,7 +332,7 @@ def test_cifar_config_reads_tfds_files_in_the_real_layout(tmp_path, dataset, mod
 
 
 def test_input_stats_standardize_or_unit_interval():
-    from experiments.configs import ablation_paper
+    from naisnet_jax.configs import ablation_paper
 
     images = np.random.default_rng(0).integers(0, 256, (20, 4, 4, 3), dtype=np.uint8)
     config = ablation_paper.get_config()

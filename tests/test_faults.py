@@ -41,7 +41,7 @@ TIMING_FIELDS = {"epoch_seconds", "epoch/epoch_seconds", "train/steps_per_second
 def _command(workdir, epochs):
     return [
         str(COMMAND),
-        f"--config={REPO / 'experiments/configs/digits_tiny.py'}",
+        f"--config={REPO / 'src/naisnet_jax/configs/digits_tiny.py'}",
         f"--workdir={workdir}",
         "--config.model_kwargs.features=8",
         "--config.model_kwargs.steps=3",

@@ -9,6 +9,7 @@ import pytest
 
 import naisnet_jax as nj
 from naisnet_jax import models as M
+from naisnet_jax import train
 from naisnet_jax.kernels import common
 from naisnet_jax.models import nais
 
@@ -552,7 +553,7 @@ def test_bad_adaptive_arguments_are_refused():
 
 
 def test_config_takes_the_fast_path_on_a_gpu(monkeypatch):
-    """``model_spec``: on a GPU a NAIS net whose config sets no speed option gets the fused path
+    """``train.model_spec``: on a GPU a NAIS net whose config sets no speed option gets the fused path
     (``fast_path="auto"``, the default); ``"plain"``, a config's own speed options, a form the
     fused path does not take, a ResNet or a CPU keep the model's defaults; a bad value is named."""
     from naisnet_jax.configs import default
@@ -564,7 +565,7 @@ def test_config_takes_the_fast_path_on_a_gpu(monkeypatch):
                 config.model_kwargs[key[3:]] = value
             else:
                 config[key] = value
-        return M.model_spec(config)
+        return train.model_spec(config)
 
     assert spec() == ("naisnet_mnist", {"eps": 0.01, "h": 0.1, "max_steps": 100})  # this CPU: plain
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys, tempfile
     import jax, numpy as np
-    from experiments.configs import digits_tiny
+    from naisnet_jax.configs import digits_tiny
     from naisnet_jax import train
 
     assert jax.device_count() == 2, jax.devices()
@@ -118,7 +118,7 @@ SIDE_STREAM_SCRIPT = textwrap.dedent(
     import json
     import jax, numpy as np
     from naisnet_jax.kernels import common
-    from experiments.configs import digits_tiny
+    from naisnet_jax.configs import digits_tiny
     from naisnet_jax import data as data_lib, train
 
     def run(side_stream):
@@ -173,7 +173,7 @@ SWEEP_SCRIPT = textwrap.dedent(
     """
     import json, re, tempfile
     import jax, numpy as np
-    from experiments.configs import digits_tiny
+    from naisnet_jax.configs import digits_tiny
     from naisnet_jax import sweep
 
     assert jax.device_count() == 2, jax.devices()
@@ -228,7 +228,7 @@ HOPPER_SCRIPT = textwrap.dedent(
     import json
     import jax, jax.numpy as jnp, numpy as np
     import ml_collections
-    from experiments.configs import digits_tiny
+    from naisnet_jax.configs import digits_tiny
     from naisnet_jax import train
     from naisnet_jax.kernels import common
 
@@ -266,7 +266,7 @@ PER_DEVICE_BN_SCRIPT = textwrap.dedent(
     """
     import json, re
     import jax, jax.numpy as jnp, numpy as np
-    from experiments.configs import digits_tiny
+    from naisnet_jax.configs import digits_tiny
     from naisnet_jax import data as data_lib, train
 
     config = digits_tiny.get_config()

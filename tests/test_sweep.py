@@ -34,7 +34,7 @@ NO_DATA = None  # set in the fixture: AuditOptions(data="none") (parameter-level
 
 def get_config(model="naisnet_mnist", **overrides):
     """digits_tiny, shrunk: 256 train / 100 test digits, batch 64 (4 steps an epoch)."""
-    config = importlib.import_module("experiments.configs.digits_tiny").get_config()
+    config = importlib.import_module("naisnet_jax.configs.digits_tiny").get_config()
     config.model = model
     config.limit_train = 256
     config.limit_test = 100

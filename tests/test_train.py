@@ -28,7 +28,7 @@ from naisnet_jax import train
 from naisnet_jax.projection import fc_delta
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # the configs import `experiments.configs.default`
+if str(REPO) not in sys.path:  # experiments import from the repository root
     sys.path.insert(0, str(REPO))
 
 RECORD_FIELDS = {
@@ -49,7 +49,7 @@ PROJECTION_RTOL = 1e-5  # float32 parameters: ||R^T R||_F may exceed delta by ro
 
 def get_config(name="digits_tiny", **overrides):
     """An experiment config, shrunk: 256 train / 100 test digits, an 8-unit block, 3 steps."""
-    config = importlib.import_module(f"experiments.configs.{name}").get_config()
+    config = importlib.import_module(f"naisnet_jax.configs.{name}").get_config()
     config.limit_train = 256
     config.limit_test = 100  # not a multiple of eval_batch_size: the last eval batch is padded
     config.batch_size = 64  # 4 steps per epoch
@@ -449,7 +449,7 @@ def _cli(workdir, *flags):
         sys.executable,
         "-m",
         "naisnet_jax.train_cli",
-        f"--config={REPO / 'experiments/configs/digits_tiny.py'}",
+        f"--config={REPO / 'src/naisnet_jax/configs/digits_tiny.py'}",
         f"--workdir={workdir}",
         "--config.model_kwargs.features=8",
         "--config.model_kwargs.steps=3",

@@ -39,6 +39,7 @@ import numpy as np
 
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax.checks import check_finite, check_int, check_number, check_positive
+from naisnet_jax.configs import schema
 from naisnet_jax.probe import AUDIT_COLLECTION, BlockProbe
 
 from . import _baseline, _conv, _dense
@@ -536,7 +537,7 @@ def _inputs(meta: ckpt.CheckpointMetadata, options: AuditOptions) -> tuple[np.nd
             f"the checkpoint's dataset {name!r} is unknown (valid: {', '.join(data_lib.DATASET_NAMES)}); "
             f"pass --data=random or --data=none"
         )
-    data_dir = options.data_dir or meta.config.get("data_dir")
+    data_dir = options.data_dir or schema.complete(meta.config)["data_dir"]
     ds = data_lib.load_dataset(name, data_dir=data_dir, limit_test=options.samples)
     if options.data is not None and tuple(ds.test_images.shape[1:]) != shape:
         raise AuditDataError(

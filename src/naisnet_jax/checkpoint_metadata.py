@@ -144,18 +144,17 @@ class CheckpointMetadata:
     # ------------------------------------------------------------ constructors
 
     @classmethod
-    def from_config(cls, config, dataset, mean, std, *, epoch: int | None = None) -> CheckpointMetadata:
+    def from_config(
+        cls, config, dataset, mean, std, *, model_kwargs: Mapping[str, Any], epoch: int | None = None
+    ) -> CheckpointMetadata:
         """The metadata of a run of ``config`` on ``dataset`` (an object with ``num_classes``
-        and ``train_images``) normalised with per-channel ``mean`` and ``std``.
+        and ``train_images``) normalised with per-channel ``mean`` and ``std``, whose network
+        takes ``model_kwargs`` (the trainer's :func:`naisnet_jax.train.model_spec`).
 
-        ``model_kwargs`` are :func:`naisnet_jax.models.model_spec`'s less ``eps``, ``eta`` and
-        ``h``, which (with ``relaxed``) are stored once, as top-level fields. The one entry point
-        for the trainer and the sweep engine.
+        ``model_kwargs`` are stored less ``eps``, ``eta`` and ``h``, which (with ``relaxed``) are
+        stored once, as top-level fields. The one entry point for the trainer and the sweep engine.
         """
-        from naisnet_jax import models
-
-        _, spec = models.model_spec(config) if config.model in models.MODELS else (None, config.model_kwargs)
-        kwargs = {k: v for k, v in _json_ready(spec).items() if k not in _STORED_ONCE}
+        kwargs = {k: v for k, v in _json_ready(model_kwargs).items() if k not in _STORED_ONCE}
         return cls(
             model=config.model,
             model_kwargs=kwargs,

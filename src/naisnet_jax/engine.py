@@ -34,6 +34,7 @@ import numpy as np
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
 from naisnet_jax import metric_writers, models
+from naisnet_jax.configs import schema
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = ckpt.RUN_CHECKPOINT_DIR
@@ -43,7 +44,7 @@ LOCK_FILE = ".trainer.lock"
 #: ``seeds``, the run's seeds (``[config.seed]`` for one run).
 #: What a resumed run may change, and is told in one line that it did (the optimiser's settings).
 NOTICE_FIELDS = ("learning_rate", "lr_boundaries_epochs", "momentum", "weight_decay", "batch_size", "augment")
-RESUME_FIELDS = ("model", "model_kwargs", "dataset", "validation", "limit_train", "limit_test", "standardize", "seeds")
+RESUME_FIELDS = (*schema.RESUME_FIELDS, "seeds")
 
 
 class TrainingDiverged(RuntimeError):
@@ -80,38 +81,26 @@ def workdir_lock(workdir: str) -> Iterator[None]:
 def resume_view(config, model_kwargs: dict, seeds) -> dict:
     """The values of :data:`RESUME_FIELDS` for ``config`` (``model_kwargs``: the model's
     keyword arguments as built; ``seeds``: the run's seeds), as JSON would read them back."""
-    view = {
-        "model": config.model,
-        "model_kwargs": model_kwargs,
-        "dataset": config.dataset,
-        "validation": config.get("validation"),
-        "limit_train": config.get("limit_train"),
-        "limit_test": config.get("limit_test"),
-        "standardize": config.get("standardize", True),
-        "seeds": [int(s) for s in seeds],
-    }
+    view = {k: config[k] for k in schema.RESUME_FIELDS}
+    view.update(model_kwargs=model_kwargs, seeds=[int(s) for s in seeds])
     return json.loads(json.dumps(view))
 
 
 def checkpoint_view(meta: dict) -> dict:
     """:func:`resume_view` of the run that wrote a checkpoint, from its stored metadata: the model
-    as the metadata rebuilds it, the dataset, the data fields of its config, and its seeds
-    (``extra["seeds"]``; ``[config.seed]`` where a checkpoint does not list them)."""
+    as the metadata rebuilds it, the dataset, the other resume fields of its stored config (a
+    field an older version did not store at its declared default), and its seeds
+    (``extra["seeds"]``; ``[seed]`` where a checkpoint does not list them)."""
     try:
         model, kwargs = ckpt.CheckpointMetadata.from_json(meta).model_spec()
     except ckpt.CheckpointError:
         model, kwargs = meta.get("model"), meta.get("model_kwargs")
-    config = meta.get("config") or {}
-    view = {
-        "model": model,
-        "model_kwargs": kwargs,
-        "dataset": meta.get("dataset"),
-        "validation": config.get("validation"),
-        "limit_train": config.get("limit_train"),
-        "limit_test": config.get("limit_test"),
-        "standardize": config.get("standardize", True),
-        "seeds": (meta.get("extra") or {}).get("seeds", [config.get("seed")]),
-    }
+    stored = schema.complete(meta.get("config") or {})
+    view = {k: stored[k] for k in schema.RESUME_FIELDS}
+    extra = meta.get("extra") or {}
+    view.update(
+        model=model, model_kwargs=kwargs, dataset=meta.get("dataset"), seeds=extra.get("seeds", [stored["seed"]])
+    )
     return json.loads(json.dumps(view))
 
 
@@ -210,7 +199,7 @@ class RunDirectory:
         if self.config is None:
             return
         theirs = self._checked.get("config") or {}
-        ours = json.loads(json.dumps({k: self.config.get(k) for k in NOTICE_FIELDS}))
+        ours = json.loads(json.dumps({k: self.config[k] for k in NOTICE_FIELDS}))
         changed = [
             f"{k} {ours[k]!r} (the checkpoint's: {theirs[k]!r})"
             for k in NOTICE_FIELDS
@@ -382,17 +371,17 @@ def load_training_data(config) -> tuple[data_lib.Dataset, int]:
     held-out end of the training set and the test set is never loaded into the run."""
     ds = data_lib.load_dataset(
         config.dataset,
-        data_dir=config.get("data_dir"),
-        limit_train=config.get("limit_train"),
-        limit_test=config.get("limit_test"),
-        validation=config.get("validation"),
+        data_dir=config.data_dir,
+        limit_train=config.limit_train,
+        limit_test=config.limit_test,
+        validation=config.validation,
     )
     n_train = ds.train_images.shape[0]
     for split, n in (("training", n_train), ("test", ds.test_images.shape[0])):
         if n == 0:
             raise ValueError(
                 f"config.dataset={config.dataset!r} has no {split} examples (data_dir="
-                f"{config.get('data_dir')!r}); check the data files."
+                f"{config.data_dir!r}); check the data files."
             )
     if config.batch_size > n_train:
         raise ValueError(f"config.batch_size={config.batch_size} exceeds the {n_train} training examples.")

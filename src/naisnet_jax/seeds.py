@@ -24,9 +24,9 @@ from naisnet_jax.projection import count_projected_blocks
 
 
 def default_seeds(config) -> tuple[int, ...]:
-    """``config.seed + range(config.num_seeds)``."""
-    num = check_int("config.num_seeds", config.get("num_seeds", 1))
-    return tuple(int(config.seed) + i for i in range(num))
+    """``config.seed + range(config.num_seeds)`` (``config`` validated first)."""
+    config = train.validate_config(config)
+    return tuple(int(config.seed) + i for i in range(config.num_seeds))
 
 
 def check_seeds(seeds: Sequence[int]) -> tuple[int, ...]:
@@ -128,7 +128,7 @@ def seed_mesh(config, num_seeds: int) -> Mesh:
     """A 1-D mesh for the seed axis: the most of this host's devices (at most
     ``config.num_devices``, default all) that divide ``num_seeds`` evenly."""
     devices = jax.local_devices()
-    limit = config.get("num_devices")
+    limit = config.num_devices
     if limit is not None:
         check_int("config.num_devices", limit, 1, len(devices))
         devices = devices[:limit]

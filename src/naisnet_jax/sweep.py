@@ -262,8 +262,8 @@ def train_sweep(
     by default this call's own). Resuming another sweep's workdir raises ``ValueError``.
     """
     t_start = time.time()
-    seeds = check_seeds(default_seeds(config) if seeds is None else seeds)
     train.validate_config(config)
+    seeds = check_seeds(default_seeds(config) if seeds is None else seeds)
     os.makedirs(workdir, exist_ok=True)
     view = engine.resume_view(config, train.model_kwargs(config), seeds)
     with engine.RunDirectory(
@@ -271,7 +271,9 @@ def train_sweep(
     ) as run:
         run.check()  # refuse another sweep's checkpoints before loading data or compiling
         s = prepare(config, seeds, programs=programs)
-        metadata = ckpt.CheckpointMetadata.from_config(config, s.ds, s.mean, s.std)
+        metadata = ckpt.CheckpointMetadata.from_config(
+            config, s.ds, s.mean, s.std, model_kwargs=train.model_kwargs(config)
+        )
         state, diverged_epoch, start_epoch = _start(run, s, config, verbose)
 
         end_epoch = engine.last_epoch(config, start_epoch, stop_after_epochs)

@@ -29,8 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
 from naisnet_jax import engine, metric_writers, models
-from naisnet_jax.cell import check_step_size
-from naisnet_jax.checks import check_bool, check_choice, check_int, check_number, check_positive
+from naisnet_jax.configs import schema
 from naisnet_jax.engine import CHECKPOINT_DIR as CHECKPOINT_DIR
 from naisnet_jax.engine import METRICS_FILE as METRICS_FILE
 from naisnet_jax.engine import TrainingDiverged as TrainingDiverged
@@ -41,8 +40,7 @@ from naisnet_jax.parallel import check_batch_divides as check_batch_divides
 from naisnet_jax.parallel import make_mesh as make_mesh
 from naisnet_jax.parallel import replicate as replicate
 from naisnet_jax.parallel import shard_batch, shard_map
-from naisnet_jax.parametrize import check_eps
-from naisnet_jax.projection import check_eta, count_projected_blocks, project_params, stability_projection
+from naisnet_jax.projection import count_projected_blocks, project_params, stability_projection
 from naisnet_jax.stability import max_radius_bound
 
 
@@ -53,51 +51,42 @@ class TrainState(train_state.TrainState):
 # --------------------------------------------------------------------------- config
 
 
-def validate_config(config) -> None:
-    """Refuse invalid configs before anything is loaded or compiled, naming the field."""
+def validate_config(config):
+    """Refuse invalid configs before anything is loaded or compiled, naming the field; the fields
+    a config lacks are added at their declared defaults (:func:`naisnet_jax.configs.schema.validate`).
+    Returns ``config``."""
+    return schema.validate(config)
 
-    def number(field, lo, hi, **open_ends):
-        check_number(f"config.{field}", config[field], lo, hi, **open_ends)
 
-    check_choice("config.model", config.model, sorted(models.MODELS))
-    check_choice("config.dataset", config.dataset, data_lib.DATASET_NAMES)
-    check_choice("config.fast_path", config.get("fast_path", "auto"), models.FAST_PATHS)
-    for field in (
-        "batch_size",
-        "eval_batch_size",
-        "num_epochs",
-        "checkpoint_every_epochs",
-        "keep_checkpoints",
-        "steps_per_chunk",
-        "max_steps",
-    ):
-        check_int(f"config.{field}", config[field])
-    number("learning_rate", 0, math.inf, lo_open=True, hi_open=True)
-    number("momentum", 0, 1, hi_open=True)
-    number("weight_decay", 0, math.inf, hi_open=True)
-    number("lr_decay_factor", 0, 1, lo_open=True)
-    check_step_size(config.h, "config.h")
-    check_eps(config.eps, "config.eps")
-    check_eta(config.eta, config.eps, "config.eta")
-    bounds = list(config.lr_boundaries_epochs)
-    if any(not isinstance(b, int) or b < 1 for b in bounds) or any(a >= b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"config.lr_boundaries_epochs={bounds!r} must be strictly increasing positive epoch numbers.")
-    for field in ("relaxed", "augment", "progress"):
-        check_bool(f"config.{field}", config[field])
-    check_bool("config.augment_flip", config.get("augment_flip", True))
-    check_bool("config.standardize", config.get("standardize", True))
-    check_bool("config.sync_batch_norm", config.get("sync_batch_norm", True))
-    for field in ("limit_train", "limit_test", "validation", "num_devices", "num_seeds"):
-        if config.get(field) is not None:
-            check_int(f"config.{field}", config[field])
-    if config.adaptive_tol is not None:
-        check_positive("config.adaptive_tol", config.adaptive_tol)
-    check_int("config.seed", config.seed, 0, 2**32 - 1)
+#: Backends on which ``config.fast_path="auto"`` asks the registry for the fused block path
+#: (:data:`naisnet_jax.models.GPU_FAST_PATH`).
+FAST_PATH_BACKENDS = ("gpu",)
+
+
+def model_spec(config) -> tuple[str, dict]:
+    """``(name, keyword arguments)`` of ``config``'s network: ``config.model_kwargs`` plus the
+    declared model fields (:data:`naisnet_jax.configs.schema.MODEL_FIELDS`) the model takes, and on
+    a GPU the fast path unless ``config.fast_path = "plain"``
+    (:func:`naisnet_jax.models.model_spec`). The one place a config becomes a model: the trainers
+    build it from this, and a checkpoint stores it. Refuses ``model_kwargs`` that repeat a
+    top-level field or that the model does not take, naming them."""
+    kwargs = dict(config.model_kwargs)
+    shadowed = sorted(set(kwargs) & set(schema.MODEL_FIELDS))
+    if shadowed:  # one source of truth: the projection and the checkpoint use config's
+        raise ValueError(
+            f"config.model_kwargs sets {shadowed}; set config.{shadowed[0]} instead (the projection "
+            f"and the checkpoint metadata read the top-level fields)."
+        )
+    accepted = models.accepted_fields(config.model)
+    kwargs.update({k: config[k] for k in schema.MODEL_FIELDS if k in accepted and config[k] is not None})
+    fast = schema.check_field("fast_path", config.fast_path, config) == "auto"
+    fast = fast and jax.default_backend() in FAST_PATH_BACKENDS
+    return models.model_spec(config.model, kwargs, fast_path=fast, where="config.model_kwargs")
 
 
 def model_kwargs(config) -> dict:
-    """Keyword arguments for ``models.get_model``: :func:`naisnet_jax.models.model_spec`'s."""
-    return models.model_spec(config)[1]
+    """Keyword arguments for ``models.get_model``: :func:`model_spec`'s."""
+    return model_spec(config)[1]
 
 
 def build_model(config, num_classes: int, *, batch_axis: str | None = None):
@@ -233,7 +222,7 @@ def augmentation(config) -> bool | str:
     (pad and crop only: a mirrored digit is another digit or none)."""
     if not config.augment:
         return False
-    return True if config.get("augment_flip", True) else "crop"
+    return True if config.augment_flip else "crop"
 
 
 def step_keys(epoch_key: jax.Array, first_step, count: int) -> jax.Array:
@@ -426,7 +415,7 @@ def create_train_state(config, model, input_shape, steps_per_epoch: int) -> Trai
 def input_stats(config, train_images) -> tuple[np.ndarray, np.ndarray]:
     """Per-channel ``(mean, std)`` of the input normalisation ``(x / 255 - mean) / std``: the
     training set's statistics, or ``(0, 1)`` (pixels in [0, 1]) with ``config.standardize=False``."""
-    if config.get("standardize", True):
+    if config.standardize:
         return data_lib.channel_stats(train_images)
     channels = train_images.shape[-1]
     return np.zeros(channels), np.ones(channels)
@@ -548,9 +537,9 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     if writer is not None:
         metric_writers.check_writer(writer)
     ds, steps_per_epoch = engine.load_training_data(config)
-    mesh = make_mesh(config.get("num_devices"))
+    mesh = make_mesh(config.num_devices)
     check_batch_divides(config, mesh)
-    axis = batch_norm_axis(mesh, config.get("sync_batch_norm", True))
+    axis = batch_norm_axis(mesh, config.sync_batch_norm)
     model = build_model(config, ds.num_classes, batch_axis=axis)
     state = create_train_state(config, model, ds.train_images.shape[1:], steps_per_epoch)
     if count_projected_blocks(state.params) == 0 and config.model.startswith("naisnet"):
@@ -587,7 +576,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
             steps_per_epoch=steps_per_epoch,
             train_data=train_data,
             test_data=test_data,
-            train_chunk=make_train_chunk(mean, std, augment, mesh, sync_batch_norm=config.get("sync_batch_norm", True)),
+            train_chunk=make_train_chunk(mean, std, augment, mesh, sync_batch_norm=config.sync_batch_norm),
             evaluate=make_evaluate(mean, std, config.eval_batch_size, mesh),
             growth=engine.LossGrowth(math.log(ds.num_classes)),
         )
@@ -599,7 +588,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
             start_epoch=start_epoch,
             end_epoch=end_epoch,
             config=config,
-            metadata=ckpt.CheckpointMetadata.from_config(config, ds, mean, std),
+            metadata=ckpt.CheckpointMetadata.from_config(config, ds, mean, std, model_kwargs=model_kwargs(config)),
             progress=progress,
         )
         last = run.records[-1] if run.records else {}

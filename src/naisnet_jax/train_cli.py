@@ -1,31 +1,37 @@
 """``naisnet-train --config=FILE_OR_NAME --workdir=DIR [--config.FIELD=VALUE ...]``.
 
-Parses the command line only; the work is :func:`naisnet_jax.train.train_and_evaluate`.
-Every bad command line (missing or broken config file, unknown field, value of the
-wrong type or out of range, missing dataset, ...) ends with one line
-``error: ...`` on stderr and exit status 2, before anything is written.
+Parses the command line only; the work is :func:`naisnet_jax.train.train_and_evaluate`. The
+config file and its ``--config.a.b=v`` overrides go through ``ml_collections.config_flags``
+(``DEFINE_config_file``, on a flag set of this call's own); the fields, their types and help come
+from the declaration (:mod:`naisnet_jax.configs.schema`). Every bad command line (missing or
+broken config file, unknown field, value of the wrong type or out of range, missing dataset, ...)
+ends with one line ``error: ...`` on stderr and exit status 2, before anything is written.
 """
 
 from __future__ import annotations
 
-import argparse
-import ast
-import difflib
-import importlib.machinery
-import importlib.util
-import inspect
 import os
 import pathlib
+import re
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
-from typing import Any
 
 EXIT_USAGE = 2  # bad command line, config, data or checkpoint: nothing was written
 EXIT_DIVERGED = 1  # training diverged; the last good checkpoint is kept
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT): the checkpoints are intact, the same command resumes
 PACKAGED_CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
-_TRUE, _FALSE = ("true", "t", "yes", "y", "1"), ("false", "f", "no", "n", "0")
+_NOT_CONFIGS = ("schema",)  # modules of the configs folder that are not get_config() files
+# What an override of each declared type expects, for the error line.
+_EXPECTED = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    tuple: "a list such as [10, 20]",
+    dict: "a group of fields",
+}
 
 
 class UsageError(Exception):
@@ -34,7 +40,9 @@ class UsageError(Exception):
 
 def shipped_configs() -> list[str]:
     """Names of the configs inside the package (``--config=NAME`` loads one)."""
-    return sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.py") if not p.stem.startswith("_"))
+    return sorted(
+        p.stem for p in PACKAGED_CONFIGS.glob("*.py") if not p.stem.startswith("_") and p.stem not in _NOT_CONFIGS
+    )
 
 
 def resolve_config_path(spec: str) -> tuple[pathlib.Path, str | None]:
@@ -45,7 +53,7 @@ def resolve_config_path(spec: str) -> tuple[pathlib.Path, str | None]:
     candidate = pathlib.Path(path).expanduser()
     if candidate.is_file():
         return candidate, (arg if sep else None)
-    if os.sep not in path and not path.endswith(".py") and (PACKAGED_CONFIGS / f"{path}.py").is_file():
+    if os.sep not in path and path in shipped_configs():
         return PACKAGED_CONFIGS / f"{path}.py", (arg if sep else None)
     if candidate.is_dir():
         raise UsageError(f"--config={path} is a directory; expected a config file (a .py with get_config()).")
@@ -55,196 +63,203 @@ def resolve_config_path(spec: str) -> tuple[pathlib.Path, str | None]:
     )
 
 
-def load_config(spec: str):
-    """Import a ``get_config()`` file from any directory and call it (with ``ARG`` if given)."""
-    import ml_collections
+def _flags(argv: Sequence[str]):
+    """This call's own absl flag set, with the config file flag reading overrides from ``argv``."""
+    from absl import flags
+    from ml_collections import config_flags
 
-    path, arg = resolve_config_path(spec)
-    module_name = f"naisnet_config_{abs(hash(str(path.resolve())))}"
-    try:
-        loader = importlib.machinery.SourceFileLoader(module_name, str(path))  # any file name
-        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(module_name, loader))
-        loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - whatever the file does wrong, say so in one line
-        raise UsageError(f"--config={path}: the file cannot be loaded ({type(e).__name__}: {e}).") from e
-    get_config = getattr(module, "get_config", None)
-    if not callable(get_config):
-        raise UsageError(f"--config={path} defines no get_config() function.")
-    try:
-        takes_arg = bool(inspect.signature(get_config).parameters)
-        if arg is not None and not takes_arg:
-            raise UsageError(f"--config={path}:{arg}: this config's get_config() takes no argument.")
-        config = get_config(arg) if takes_arg and arg is not None else get_config()
-    except UsageError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise UsageError(f"--config={path}: get_config() failed ({type(e).__name__}: {e}).") from e
-    if not isinstance(config, ml_collections.ConfigDict):
-        raise UsageError(f"--config={path}: get_config() returned {type(config).__name__}, not a ConfigDict.")
-    return config
-
-
-def _parse_value(field: str, raw: str, expected: type | None) -> Any:
-    """The override string ``raw`` as a value of the ``expected`` type (any literal if None)."""
-    if raw.lower() == "none":
-        return None
-    if expected is bool:
-        if raw.lower() in _TRUE:
-            return True
-        if raw.lower() in _FALSE:
-            return False
-        raise UsageError(f"--config.{field}={raw}: expected true or false.")
-    if expected is str:
-        return raw
-    if expected is int:
-        try:
-            return int(raw)
-        except ValueError:
-            raise UsageError(f"--config.{field}={raw}: expected an integer.") from None
-    if expected is float:
-        try:
-            return float(raw)
-        except ValueError:
-            raise UsageError(f"--config.{field}={raw}: expected a number.") from None
-    if expected is None and raw.lower() in ("true", "false"):  # an untyped field: as booleans are
-        return raw.lower() == "true"
-    try:
-        value = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        if expected in (list, tuple):
-            raise UsageError(f"--config.{field}={raw}: expected a list such as [10, 20].") from None
-        return raw  # a bare word: a string (e.g. --config.model_kwargs.activation=relu)
-    if expected in (list, tuple):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = [value]
-        if not isinstance(value, (list, tuple)):
-            raise UsageError(f"--config.{field}={raw}: expected a list such as [10, 20].")
-        return expected(value)
-    return value
+    fv = flags.FlagValues()
+    config = config_flags.DEFINE_config_file(
+        "config",
+        None,
+        "a get_config() file (from any directory), or a shipped config name such as 'default'",
+        flag_values=fv,
+        lock_config=False,
+        accept_new_attributes=True,  # model_kwargs takes any keyword of the model; fields are checked below
+        sys_argv=list(argv),
+    )
+    flags.DEFINE_string(
+        "workdir",
+        None,
+        "checkpoints, metrics.jsonl and scalars.jsonl; resumed if it holds checkpoints (required unless "
+        "--print_config)",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "tensorboard",
+        False,
+        "also write TensorBoard event files to DIR/tensorboard (needs the [tensorboard] extra)",
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "compilation_cache",
+        None,
+        "JAX's persistent compilation cache: a resumed or repeated run does not compile again "
+        "(default: $NAISNET_JAX_CACHE or ~/.cache/naisnet_jax/jax_cache; 'none' turns it off)",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool("print_config", False, "print the final config and exit", flag_values=fv)
+    return fv, config
 
 
-def apply_override(config, dotted: str, raw: str) -> None:
-    """``config.<dotted> = raw`` parsed to the field's type. Fields must exist, except
-    inside ``model_kwargs`` (the model's keyword arguments, checked by the trainer)."""
-    import ml_collections
-
-    *parents, leaf = dotted.split(".")
-    node, walked = config, []
-    for name in parents:
-        walked.append(name)
-        if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
-            raise UsageError(_unknown(".".join(walked), node, name))
-        node = node[name]
-    open_group = walked == ["model_kwargs"]
-    if leaf not in node:
-        if not open_group:
-            raise UsageError(_unknown(dotted, node, leaf))
-        expected = None
-    else:
-        expected = node.get_type(leaf)
-        if expected is ml_collections.ConfigDict or isinstance(node[leaf], ml_collections.ConfigDict):
-            raise UsageError(
-                f"--config.{dotted} is a group of fields; set them one by one (--config.{dotted}.NAME=VALUE)."
-            )
-        if open_group and node[leaf] is not None:
-            expected = type(node[leaf])
-    value = _parse_value(dotted, raw, expected)
-    try:
-        if open_group and leaf not in node:
-            node[leaf] = value
-        elif value is None and node[leaf] is not None and expected is not None:
-            raise TypeError(f"field {dotted} cannot be None")
-        else:
-            node[leaf] = value
-    except (TypeError, ValueError, AttributeError) as e:
-        raise UsageError(f"--config.{dotted}={raw}: {e}.") from None
+_FLAG_NAMES = ("config", "workdir", "tensorboard", "compilation_cache", "print_config")
 
 
-def _unknown(dotted: str, node, name: str) -> str:
-    close = difflib.get_close_matches(name, list(node.keys()), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; fields here: {', '.join(sorted(node.keys()))}."
-    return f"--config.{dotted}: no such config field{hint}"
+def _help() -> str:
+    from naisnet_jax.configs import schema
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse prints usage + two lines)
-        raise UsageError(f"{message} (see naisnet-train --help)")
-
-
-def _parser() -> argparse.ArgumentParser:
-    epilog = (
+    fv, _ = _flags(["naisnet-train"])
+    flag_lines = "\n".join(f"  --{fv[name].name}  {fv[name].help}" for name in _FLAG_NAMES)
+    fields = "\n".join(
+        f"  --config.{f.name}{'.NAME=VALUE' if f.type is dict else '=' + f.type.__name__.upper()}  {f.help} "
+        f"(default {f.default!r})"
+        for f in schema.FIELDS
+    )
+    return (
+        "usage: naisnet-train --config=FILE_OR_NAME[:ARG] --workdir=DIR [--config.FIELD=VALUE ...]\n\n"
+        "Train a NAIS-Net (or a ResNet baseline) from a config; resumes from the workdir's latest checkpoint.\n\n"
+        f"{flag_lines}\n\n"
         "Override any config field with --config.FIELD=VALUE (nested: --config.model_kwargs.features=64; "
         "model_kwargs accepts any keyword argument of the model). Values are parsed to the field's type: "
-        "numbers, true/false, None, lists such as [30, 60]. "
-        f"Shipped configs (--config=NAME): {', '.join(shipped_configs())}. "
+        "numbers, true/false, None (where a field may be unset), lists such as [30, 60]. Fields:\n"
+        f"{fields}\n\n"
+        f"Shipped configs (--config=NAME): {', '.join(shipped_configs())}.\n"
         "Exit status: 0 trained, 1 training diverged (the last good checkpoint is kept), "
         "2 bad command line, config, data or checkpoint, or a workdir in use (nothing written), "
         "130 interrupted (Ctrl-C; the same command resumes)."
     )
-    p = _Parser(
-        prog="naisnet-train",
-        description="Train a NAIS-Net (or a ResNet baseline) from a config; resumes from the workdir's "
-        "latest checkpoint.",
-        epilog=epilog,
-        allow_abbrev=False,
-    )
-    p.add_argument(
-        "--config",
-        required=True,
-        metavar="FILE_OR_NAME[:ARG]",
-        help="a get_config() file (from any directory), or a shipped config name such as 'default'",
-    )
-    p.add_argument(
-        "--workdir",
-        metavar="DIR",
-        help="checkpoints, metrics.jsonl and scalars.jsonl; resumed if it holds checkpoints "
-        "(required unless --print_config)",
-    )
-    p.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="also write TensorBoard event files to DIR/tensorboard (needs the [tensorboard] extra)",
-    )
-    p.add_argument(
-        "--compilation_cache",
-        metavar="DIR",
-        default=None,
-        help="JAX's persistent compilation cache: a resumed or repeated run does not compile again "
-        "(default: $NAISNET_JAX_CACHE or ~/.cache/naisnet_jax/jax_cache; 'none' turns it off)",
-    )
-    p.add_argument("--print_config", action="store_true", help="print the final config and exit")
-    return p
 
 
-def _split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """Separate ``--config.a.b=v`` / ``--config.a.b v`` from the other arguments."""
-    rest, overrides, i = [], [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--config."):
-            key, sep, raw = arg[len("--config.") :].partition("=")
-            if not sep:
-                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise UsageError(f"--config.{key} needs a value (--config.{key}=VALUE).")
-                raw, i = argv[i + 1], i + 1
-            if not key or any(not part for part in key.split(".")):
-                raise UsageError(f"{arg}: malformed field name.")
-            overrides.append((key, raw))
+def _check_override_names(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """Refuse overrides of undeclared fields, of a field below a plain value, and of a whole group;
+    returns the ``--config.FIELD=None`` overrides (``(field, raw)``), which the flag parsers of
+    typed fields cannot read and which are applied after the file is loaded."""
+    from naisnet_jax.configs import schema
+
+    nones = []
+    for i, arg in enumerate(argv):
+        match = re.match(r"^--?config\.([^=]*)(=(.*))?$", arg)
+        if not match:
+            continue
+        dotted, raw = match.group(1), match.group(3)
+        parts = dotted.split(".")
+        if not all(parts):
+            raise UsageError(f"{arg}: malformed field name.")
+        top = schema.BY_NAME.get(parts[0])
+        if top is None:
+            raise UsageError(
+                "--" + schema.unknown_field_message(dotted if len(parts) == 1 else parts[0], schema.BY_NAME)
+            )
+        if top.type is dict and len(parts) == 1:
+            raise UsageError(
+                f"--config.{dotted} is a group of fields; set them one by one (--config.{dotted}.NAME=VALUE)."
+            )
+        if top.type is not dict and len(parts) > 1:
+            raise UsageError(f"--config.{dotted}: config.{parts[0]} is a {top.type.__name__}, not a group of fields.")
+        if raw is None and (i + 1 >= len(argv) or argv[i + 1].startswith("-")):
+            raise UsageError(f"--config.{dotted} needs a value (--config.{dotted}=VALUE).")
+        if len(parts) == 1 and raw is not None and raw.lower() == "none":
+            nones.append((dotted, raw))
+    return nones
+
+
+def _flag_error(e: Exception, config_spec: str) -> UsageError:
+    """One line for what absl or the config file raised while parsing."""
+    from absl import flags
+
+    from naisnet_jax.configs import schema
+
+    if isinstance(e, flags.UnrecognizedFlagError):
+        return UsageError(f"unknown flag --{e.flagname} (see naisnet-train --help)")
+    text = str(e)
+    match = re.match(r"^flag --config\.([\w.]+)=(.*?): ", text)
+    if isinstance(e, flags.IllegalFlagValueError) and match:
+        dotted, raw = match.groups()
+        top = schema.BY_NAME.get(dotted.split(".")[0])
+        if top is not None and "." not in dotted:
+            kind = tuple if top.type in (list, tuple) else top.type
+            return UsageError(f"--config.{dotted}={raw}: expected {_EXPECTED.get(kind, kind.__name__)}.")
+    if isinstance(e, flags.Error):
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if "Error whilst parsing config file" in text and lines:  # get_config() raised; its last line
+            return UsageError(f"--config={config_spec}: get_config() failed ({lines[-1]}).")
+        return UsageError(f"{' '.join(lines)} (see naisnet-train --help)")
+    if isinstance(e, AttributeError) and "get_config" in text:
+        return UsageError(f"--config={config_spec} defines no get_config() function.")
+    return UsageError(f"--config={config_spec}: the file cannot be loaded ({type(e).__name__}: {text}).")
+
+
+def parse_config(argv: Sequence[str], *, validate: bool = True):
+    """``(flags, config)`` of a command line (``argv`` without the program name): the config file
+    loaded by ``ml_collections.config_flags``, its overrides applied and (``validate``) the config
+    checked and completed against the declaration; raises :class:`UsageError` for anything wrong."""
+    import ml_collections
+
+    from naisnet_jax.configs import schema
+
+    argv = list(argv)
+    spec = None
+    for i, arg in enumerate(argv):  # a shipped name becomes its file (config_flags reads paths)
+        if arg == "--config" and i + 1 < len(argv):
+            spec, at = argv[i + 1], i + 1
+        elif arg.startswith("--config="):
+            spec, at = arg[len("--config=") :], i
         else:
-            rest.append(arg)
-        i += 1
-    return rest, overrides
+            continue
+        path, arg_ = resolve_config_path(spec)
+        resolved = str(path) + ("" if arg_ is None else f":{arg_}")
+        argv[at] = resolved if at == i + 1 else f"--config={resolved}"
+    nones = _check_override_names(argv)
+    argv = [a for a in argv if not any(a == f"--config.{d}={raw}" for d, raw in nones)]
+    fv, holder = _flags(["naisnet-train", *argv])
+    module = "config_config"  # config_flags's module name for the file: a fresh one per load
+    sys.modules.pop(module, None)
+    try:
+        with warnings.catch_warnings():  # config_flags loads the file with load_module()
+            warnings.simplefilter("ignore", DeprecationWarning)
+            rest = fv(["naisnet-train", *argv])
+            config = holder.value
+    except Exception as e:  # noqa: BLE001 - whatever the file or a value does wrong, in one line
+        raise _flag_error(e, spec) from None
+    finally:
+        sys.modules.pop(module, None)
+    if rest[1:]:
+        raise UsageError(f"unexpected arguments {rest[1:]} (see naisnet-train --help)")
+    if spec is None:
+        raise UsageError("the following arguments are required: --config (see naisnet-train --help)")
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise UsageError(f"--config={spec}: get_config() returned {type(config).__name__}, not a ConfigDict.")
+    for dotted, value in fv["config"].override_values.items():  # model keywords: TRUE as typed fields read it
+        if isinstance(value, str) and value.lower() in ("true", "false") and dotted.count(".") == 1:
+            group, name = dotted.split(".")
+            with config[group].ignore_type():
+                config[group][name] = value.lower() == "true"
+    for dotted, raw in nones:
+        if not schema.BY_NAME[dotted].optional:
+            raise UsageError(
+                f"--config.{dotted}={raw}: config.{dotted} cannot be None ({schema.BY_NAME[dotted].help})."
+            )
+        with config.unlocked():
+            config[dotted] = None
+    if validate:
+        try:
+            schema.validate(config)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    return fv, config
+
+
+def load_config(spec: str):
+    """The config of ``--config=spec`` (a file from any directory or a shipped name, ``:ARG``
+    passed to its ``get_config``), as the file makes it (the trainer validates it)."""
+    return parse_config([f"--config={spec}"], validate=False)[1]
 
 
 def parse(argv: Sequence[str]):
     """Command line -> ``(args, config)``; raises :class:`UsageError` for anything wrong."""
-    rest, overrides = _split_overrides(list(argv))
-    args = _parser().parse_args(rest)
+    args, config = parse_config(argv)
     if args.workdir is None and not args.print_config:
         raise UsageError("the following arguments are required: --workdir (see naisnet-train --help)")
-    config = load_config(args.config)
-    for dotted, raw in overrides:
-        apply_override(config, dotted, raw)
     if args.workdir is None:
         return args, config
     if not args.workdir.strip():
@@ -287,6 +302,9 @@ def _leave_on_ctrl_c(workdir: str):
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help", "--helpfull") for a in argv):
+        print(_help())
+        sys.exit(0)
     try:
         args, config = parse(argv)
     except UsageError as e:

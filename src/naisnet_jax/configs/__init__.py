@@ -1,1 +1,2 @@
-"""Configs shipped with the package; every experiment config starts from ``default.get_config()``."""
+"""Configs shipped with the package, one ``get_config()`` per experiment, each starting from
+``default.get_config()``; :mod:`.schema` declares every field once."""

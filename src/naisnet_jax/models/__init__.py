@@ -73,9 +73,7 @@ import functools
 from collections.abc import Callable
 
 import flax.linen as nn
-import jax
 
-from naisnet_jax.checks import check_choice
 from naisnet_jax.models.layers import (
     BN_EPSILON,
     BN_MOMENTUM,
@@ -115,7 +113,6 @@ __all__ = [
     "BLOCK_VJP",
     "BN_EPSILON",
     "BN_MOMENTUM",
-    "CONFIG_FIELDS",
     "COMPUTE_DTYPES",
     "DRIVE_INITS",
     "DRIVE_NORMS",
@@ -229,12 +226,6 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-#: Config fields a model takes from the config's top level, where its class has them (never from
-#: ``config.model_kwargs``): the stability parameters, one source for the model, the projection
-#: and the checkpoint, and the adaptive unroll's.
-CONFIG_FIELDS = ("eps", "eta", "h", "adaptive_tol", "max_steps")
-
-
 def accepted_fields(name: str) -> frozenset[str]:
     """The keyword arguments model ``name`` takes (its class's fields)."""
     if name not in MODELS:
@@ -242,50 +233,29 @@ def accepted_fields(name: str) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(MODELS[name].func)) - {"parent", "name"}
 
 
-#: ``config.fast_path``: ``"auto"`` gives a NAIS net trained on a GPU :data:`GPU_FAST_PATH` where its
-#: config sets none of those options (nor ``remat``, ``untied`` or an adaptive depth, which the
-#: fused path does not take); ``"plain"`` keeps the modules' defaults everywhere.
-FAST_PATHS = ("auto", "plain")
 #: The speed options of a NAIS net on a GPU by default (same values and gradients as the plain
 #: step: ``tests/test_perf.py``); on a CPU or TPU ``"fused"`` runs the stacked VJP.
 GPU_FAST_PATH = {"block_vjp": "fused", "scan_unroll": 10}
 
 
-def _fast_path(config, accepted: frozenset, kwargs: dict) -> dict:
-    """``kwargs`` with :data:`GPU_FAST_PATH` where ``config.fast_path`` asks for it and it applies."""
-    choice = check_choice("config.fast_path", config.get("fast_path", "auto"), FAST_PATHS)
-    if choice == "plain" or jax.default_backend() != "gpu" or not set(GPU_FAST_PATH) <= accepted:
-        return kwargs
-    if set(kwargs) & {*GPU_FAST_PATH, "remat", "untied", "adaptive_tol"}:  # adaptive_tol: from config's top level
-        return kwargs  # the config chose its speed options, or a form the fused path does not take
-    return {**kwargs, **GPU_FAST_PATH}
-
-
-def model_spec(config) -> tuple[str, dict]:
-    """``(name, keyword arguments)`` of ``config``'s network: ``config.model_kwargs`` plus the
-    top-level :data:`CONFIG_FIELDS` the model takes, and on a GPU the fast path
-    (:data:`GPU_FAST_PATH`, unless ``config.fast_path = "plain"`` or the config sets its own speed
-    options). The one place a config becomes a model: the trainers build it from this, and a
-    checkpoint stores it (:meth:`naisnet_jax.checkpoint.CheckpointMetadata.from_config`). Refuses
-    ``model_kwargs`` that repeat a top-level field or that the model does not take, naming them."""
-    accepted = accepted_fields(config.model)
-    kwargs = dict(config.model_kwargs)
-    shadowed = sorted(set(kwargs) & set(CONFIG_FIELDS))
-    if shadowed:  # one source of truth: the projection and the checkpoint use config's
-        raise ValueError(
-            f"config.model_kwargs sets {shadowed}; set config.{shadowed[0]} instead (the projection "
-            f"and the checkpoint metadata read the top-level fields)."
-        )
-    for field in CONFIG_FIELDS:
-        if field in accepted and config.get(field) is not None:
-            kwargs[field] = config[field]
+def model_spec(name: str, kwargs, *, fast_path: bool = False, where: str = "kwargs") -> tuple[str, dict]:
+    """``(name, keyword arguments)`` of a network, checked: ``kwargs`` must be keyword arguments
+    model ``name`` takes (``ValueError`` naming the others, ``where`` says whose they are). With
+    ``fast_path`` (the caller's choice for its machine: the trainer asks for it on a GPU), a NAIS
+    net gets :data:`GPU_FAST_PATH` unless ``kwargs`` sets its own speed options, or ``remat``,
+    ``untied`` or ``adaptive_tol``, forms the fused path does not take."""
+    accepted = accepted_fields(name)
+    kwargs = dict(kwargs)
     unknown = set(kwargs) - accepted
     if unknown:
         raise ValueError(
-            f"config.model_kwargs has fields {sorted(unknown)} that {config.model} does not take; "
-            f"it takes {sorted(accepted)}."
+            f"{where} has fields {sorted(unknown)} that {name} does not take; it takes {sorted(accepted)}."
         )
-    return config.model, _fast_path(config, accepted, kwargs)
+    if not fast_path or not set(GPU_FAST_PATH) <= accepted:
+        return name, kwargs
+    if set(kwargs) & {*GPU_FAST_PATH, "remat", "untied", "adaptive_tol"}:
+        return name, kwargs  # speed options of its own, or a form the fused path does not take
+    return name, {**kwargs, **GPU_FAST_PATH}
 
 
 def get_model(name: str, **overrides) -> nn.Module:

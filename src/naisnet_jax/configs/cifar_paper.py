@@ -2,7 +2,7 @@
 epochs 150, 250 and 350, SGD with momentum 0.9, batch 128, 4-pixel pad-and-crop and flip
 augmentation, weight decay 2e-4, 5 runs (the paper averages 5).
 
-``get_config("cifar100,naisnet_cifar1")`` (or ``--config=experiments/configs/cifar_paper.py:cifar100,naisnet_cifar1``)
+``get_config("cifar100,naisnet_cifar1")`` (or ``--config=cifar_paper:cifar100,naisnet_cifar1``)
 picks the dataset (``cifar10`` | ``cifar100``, TFDS, prepared offline under ``config.data_dir``)
 and the model (``naisnet_cifar1`` | ``naisnet_cifar10`` | ``resnet_cifar``); the default is
 CIFAR-10 with NAIS-Net10. Train all seeds at once with ``naisnet_jax.sweep.train_sweep``.
