@@ -520,6 +520,8 @@ def test_26_a_learning_rate_that_makes_training_diverge(workdir):
     before = snapshot(checkpoints)
     code, err = run_train(TINY_ARGS + [f"--workdir={workdir}", "--config.learning_rate=1e37"])
     assert code == 1
+    notice, _, err = err.partition("\n")  # the resume says what it changes first
+    assert notice == f"notice: resuming {workdir} with learning_rate 1e+37 (the checkpoint's: 0.1)."
     assert_one_line(err, "error: ", "learning_rate", "epoch 2")
     assert snapshot(checkpoints) == before  # the last good checkpoint, untouched
     assert [json.loads(line)["epoch"] for line in (workdir / train.METRICS_FILE).read_text().splitlines()] == [1]

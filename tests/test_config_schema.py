@@ -109,11 +109,11 @@ def test_a_single_run_resumes_only_with_the_same_declared_resume_fields(tmp_path
     ).to_json()
     meta.update(format_version=ckpt.FORMAT_VERSION)
     run = engine.RunDirectory(str(tmp_path), engine.resume_view(config, train.model_kwargs(config), [config.seed]))
-    run._check(meta)
+    run.refuse(meta)
     older = dict(meta, config={k: v for k, v in meta["config"].items() if k not in ("standardize", "validation")})
-    run._check(older)  # fields an older version did not store: their defaults
+    run.refuse(older)  # fields an older version did not store: their defaults
     config.standardize = False
     run = engine.RunDirectory(str(tmp_path), engine.resume_view(config, train.model_kwargs(config), [config.seed]))
     with pytest.raises(ValueError, match=r"differs from this one \(standardize: checkpoint True, now False\)") as info:
-        run._check(older)
+        run.refuse(older)
     assert "\n" not in str(info.value)

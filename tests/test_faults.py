@@ -359,3 +359,51 @@ def test_the_demo_refuses_a_workdir_a_trainer_holds(tmp_path):
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
+
+
+SWEEP_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_sweep import get_config
+from naisnet_jax import sweep
+sweep.train_sweep(get_config(num_epochs=5), sys.argv[1], seeds=(0, 1), audit=False, per_step_loss=False)
+"""
+
+
+def test_a_sweep_killed_mid_run_resumes_as_the_uninterrupted_sweep(tmp_path):
+    """A sweep killed by SIGKILL once two epochs are logged (inside the third epoch's program or
+    the second's checkpoint) and run again ends with the uninterrupted sweep's records and
+    parameters, seed by seed."""
+    script = SWEEP_SCRIPT.format(tests=str(REPO / "tests"))
+    env = _env(tmp_path / "jax_cache")
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+
+    def run(workdir):
+        return subprocess.Popen(
+            [sys.executable, "-c", script, str(workdir)],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    proc = run(killed)
+    logged = lambda: len(mw.read_jsonl(killed / train.METRICS_FILE)) >= 4  # noqa: E731  (2 epochs x 2 seeds)
+    assert _kill_when(proc, logged, deadline_s=240), "the sweep ended before it could be killed"
+    outs = {}
+    for workdir in (killed, clean):
+        proc = run(workdir)
+        outs[workdir], err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    assert "Resuming the sweep" in outs[killed] and "Resuming" not in outs[clean]
+    records = [
+        [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in mw.read_jsonl(d / train.METRICS_FILE)]
+        for d in (killed, clean)
+    ]
+    assert records[0] == records[1] and len(records[0]) == 10
+    for seed in (0, 1):
+        state_k, meta_k = ckpt.load(str(killed / f"seed_{seed}" / train.CHECKPOINT_DIR))
+        state_c, meta_c = ckpt.load(str(clean / f"seed_{seed}" / train.CHECKPOINT_DIR))
+        assert meta_k["digest"] == meta_c["digest"]
+        jax.tree.map(np.testing.assert_array_equal, state_k, state_c)

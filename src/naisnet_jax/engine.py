@@ -110,7 +110,7 @@ class RunDirectory:
     Entering takes the workdir's lock (:func:`workdir_lock`) and opens the checkpoint manager over
     ``<workdir>/<checkpoints>``; leaving closes both. ``view`` (:func:`resume_view`) is what the
     run is; it is stored with every checkpoint (``metadata.extra["resume"]``) and a resume checks
-    it against the checkpoint's: :meth:`check` before any data is loaded, :meth:`resume` for the
+    it against the checkpoint's: :meth:`refuse_another_run` before any data is loaded, :meth:`resume` for the
     step it restores. The metrics log ``<workdir>/metrics.jsonl`` holds one record per epoch (and
     seed); :meth:`commit` appends an epoch's records, synced, then saves the checkpoint.
     """
@@ -144,7 +144,7 @@ class RunDirectory:
         finally:
             self._lock.__exit__(*exc)
 
-    def _check(self, meta: dict) -> None:
+    def refuse(self, meta: dict) -> None:
         """Refuse ``meta``'s checkpoint as a start for this run, in one line that says why."""
         self._checked = meta
         if meta.get("format_version") != ckpt.FORMAT_VERSION:
@@ -167,7 +167,7 @@ class RunDirectory:
                 f"use another workdir, or the checkpoint's settings, to resume."
             )
 
-    def check(self) -> None:
+    def refuse_another_run(self) -> None:
         """Refuse at once, before data is loaded or programs compiled, when the newest
         checkpoint is another run's (a damaged newest step is left to :meth:`resume`)."""
         if self.mngr.latest_step() is None:
@@ -176,7 +176,7 @@ class RunDirectory:
             meta = ckpt.read_metadata(self.mngr)
         except ckpt.CheckpointError:
             return
-        self._check(meta)
+        self.refuse(meta)
 
     def resume(self, target: dict) -> tuple[dict, int] | None:
         """The newest intact checkpoint of this run as ``target``'s tree and the epoch it ends
@@ -187,7 +187,7 @@ class RunDirectory:
         tree, epoch = restore_latest(
             self.mngr,
             target,
-            check=self._check,
+            check=self.refuse,
             incompatible=": use another workdir, or the checkpoint's config, to resume.",
         )
         self._rewind(epoch)
@@ -285,7 +285,7 @@ class EpochProgram(Protocol):
         """Train ``epoch``; the new state and the epoch's records (:func:`epoch_record`, one per
         run). A single run that diverges stops here (:meth:`RunDirectory.stop_diverged`)."""
 
-    def checkpoint_tree(self, state) -> dict:
+    def saved_tree(self, state) -> dict:
         """What the checkpoint of ``state`` holds."""
 
     def summary(self, epoch: int, records: list[dict]) -> str:
@@ -310,7 +310,7 @@ def run_epochs(
     for epoch in range(start_epoch, end_epoch + 1):
         state, records = program.train_epoch(state, epoch, progress)
         due = epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs
-        tree = program.checkpoint_tree(state) if due else None
+        tree = program.saved_tree(state) if due else None
         run.commit(epoch, epoch * program.steps_per_epoch, records, tree, metadata)
         progress.write(program.summary(epoch, records))
     progress.close()

@@ -185,7 +185,7 @@ class SeedEpochs:
     def progress_units(self, epochs: int) -> int:
         return epochs
 
-    def checkpoint_tree(self, state) -> dict:
+    def saved_tree(self, state) -> dict:
         return _sweep_tree(*state)
 
     def summary(self, epoch: int, records: list[dict]) -> str:
@@ -269,7 +269,7 @@ def train_sweep(
     with engine.RunDirectory(
         workdir, view, checkpoints=SWEEP_CHECKPOINT_DIR, keep=config.keep_checkpoints, config=config
     ) as run:
-        run.check()  # refuse another sweep's checkpoints before loading data or compiling
+        run.refuse_another_run()  # refuse another sweep's checkpoints before loading data or compiling
         s = prepare(config, seeds, programs=programs)
         metadata = ckpt.CheckpointMetadata.from_config(
             config, s.ds, s.mean, s.std, model_kwargs=train.model_kwargs(config)

@@ -444,7 +444,7 @@ class DataParallelEpochs:
     def progress_units(self, epochs: int) -> int:
         return epochs * self.steps_per_epoch
 
-    def checkpoint_tree(self, state) -> dict:
+    def saved_tree(self, state) -> dict:
         return engine.checkpoint_tree(state)
 
     def summary(self, epoch: int, records: list[dict]) -> str:
