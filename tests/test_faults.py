@@ -258,9 +258,10 @@ def test_workdir_lock_in_process(tmp_path):
         pass
 
 
-def test_ctrl_c_ends_in_one_line_and_resumes(tmp_path):
-    """SIGINT during training: one ``error:`` line, exit 130, no traceback; the same command then
-    resumes from the last checkpoint and finishes."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_an_interrupt_ends_in_one_line_and_resumes(tmp_path, signum):
+    """SIGINT (Ctrl-C) or SIGTERM during training: one ``error:`` line naming it, exit 130 or 143,
+    no traceback; the same command then resumes from the last checkpoint and finishes."""
     workdir, env = tmp_path / "run", _env(tmp_path / "cache")
     with open(tmp_path / "log", "w") as log:
         proc = subprocess.Popen(
@@ -269,11 +270,12 @@ def test_ctrl_c_ends_in_one_line_and_resumes(tmp_path):
         deadline = time.time() + 300
         while time.time() < deadline and not _committed(workdir / train.CHECKPOINT_DIR):
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
+    assert proc.returncode == 128 + signum, err[-2000:]
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: interrupted"), err[-2000:]  # one line
+    name = signal.Signals(signum).name
+    assert len(lines) == 1 and lines[0].startswith(f"error: interrupted ({name}); the checkpoints"), err[-2000:]
     final = subprocess.run(_command(workdir, 40), env=env, capture_output=True, text=True, cwd=tmp_path)
     assert final.returncode == 0, final.stderr[-2000:]
     assert _resumed_at(final.stdout) is not None

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 EXIT_USAGE = 2  # bad command line, config, data or checkpoint: nothing was written
 EXIT_DIVERGED = 1  # training diverged; the last good checkpoint is kept
-EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT): the checkpoints are intact, the same command resumes
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT; SIGTERM: 143): the checkpoints are intact, the same command resumes
 PACKAGED_CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
 _NOT_CONFIGS = ("schema",)  # modules of the configs folder that are not get_config() files
 # What an override of each declared type expects, for the error line.
@@ -126,7 +126,7 @@ def _help() -> str:
         f"Shipped configs (--config=NAME): {', '.join(shipped_configs())}.\n"
         "Exit status: 0 trained, 1 training diverged (the last good checkpoint is kept), "
         "2 bad command line, config, data or checkpoint, or a workdir in use (nothing written), "
-        "130 interrupted (Ctrl-C; the same command resumes)."
+        "130 / 143 interrupted by Ctrl-C / SIGTERM (the same command resumes)."
     )
 
 
@@ -278,26 +278,31 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _leave_on_ctrl_c(workdir: str):
-    """Ctrl-C ends the run as a kill would, with one line and exit status 130: a checkpoint write
-    in flight is abandoned whole (resuming skips it, as after SIGKILL), the workdir's lock goes
-    with the process, and no Python exception runs through Orbax's threads to print their
-    tracebacks. Returns the handler it replaced (``None`` outside the main thread)."""
+def _leave_on_ctrl_c(workdir: str) -> dict:
+    """Ctrl-C (SIGINT) and SIGTERM (a batch system's stop, ``kill``) end the run as a kill would,
+    with one line and exit status 128 + the signal's number (130, 143): a checkpoint write in
+    flight is abandoned whole (resuming skips it, as after SIGKILL), the workdir's lock goes with
+    the process, and no Python exception runs through Orbax's threads to print their tracebacks.
+    Returns the handlers it replaced (none outside the main thread)."""
 
     def leave(signum, frame):
+        name = signal.Signals(signum).name
         print(
-            f"error: interrupted; the checkpoints in {workdir} are intact, and the same command resumes "
-            "from the last one.",
+            f"error: interrupted ({name}); the checkpoints in {workdir} are intact, and the same command "
+            "resumes from the last one.",
             file=sys.stderr,
             flush=True,
         )
         sys.stdout.flush()
-        os._exit(EXIT_INTERRUPTED)
+        os._exit(128 + signum)
 
+    previous = {}
     try:
-        return signal.signal(signal.SIGINT, leave)
-    except ValueError:  # not the main thread: leave Ctrl-C as it is
-        return None
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, leave)
+    except ValueError:  # not the main thread: leave the signals as they are
+        pass
+    return previous
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -337,8 +342,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     print(f"test accuracy {result['test_accuracy']:.4f} after epoch {result['epoch']}")
 
 
