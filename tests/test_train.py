@@ -764,3 +764,25 @@ def test_a_checkpoint_write_that_fails_later_ends_at_once(tmp_path):
     assert time.time() - start < 60
     _, meta = ckpt.load(str(moved))
     assert meta["epoch"] == 1
+
+
+def test_a_metrics_log_that_cannot_be_written_ends_in_one_line(tmp_path, monkeypatch):
+    """A full disk under the metrics log at epoch 2: one line naming the log, the epoch and the
+    cause; epoch 1's checkpoint is intact."""
+    import errno
+
+    from naisnet_jax import engine
+    from naisnet_jax import metric_writers as mw
+
+    write = mw.JsonlWriter.write_record
+
+    def full_at_epoch_2(self, record):
+        if record.get("epoch") == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, record)
+
+    monkeypatch.setattr(mw.JsonlWriter, "write_record", full_at_epoch_2)
+    with pytest.raises(engine.RunWriteError, match=r"metrics\.jsonl \(epoch 2\): No space left on device; the checkpo"):
+        train.train_and_evaluate(get_config(num_epochs=2), str(tmp_path))
+    _, meta = ckpt.load(str(tmp_path / train.CHECKPOINT_DIR))
+    assert meta["epoch"] == 1

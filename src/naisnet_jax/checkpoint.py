@@ -196,9 +196,11 @@ def save(mngr, step: int, state: Any, metadata: CheckpointMetadata) -> None:
             force=True,
         )
         mngr.wait_until_finished()
-    except OSError as e:  # a full disk, say: the steps saved before are intact
+    except Exception as e:  # noqa: BLE001 - a full disk, say (an OSError, or TensorStore's ValueError)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else short_reason(e)
         raise CheckpointWriteError(
-            f"cannot write checkpoints to {mngr.directory} (step {int(step)}): {e.strerror or e}."
+            f"cannot write checkpoints to {mngr.directory} (step {int(step)}): {reason}; the steps saved before "
+            f"are intact."
         ) from None
 
 

@@ -51,6 +51,10 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 
+class RunWriteError(ValueError):
+    """A run's metrics log that cannot be written (a full disk, say); what was saved before is intact."""
+
+
 class WorkdirInUse(RuntimeError):
     """Another trainer holds the workdir's lock."""
 
@@ -141,6 +145,9 @@ class RunDirectory:
     def __exit__(self, *exc) -> None:
         try:
             self.mngr.close()
+        except Exception:  # noqa: BLE001 - a failed save re-raised by Orbax: the error already said it
+            if exc[0] is None:
+                raise
         finally:
             self._lock.__exit__(*exc)
 
@@ -258,8 +265,14 @@ class RunDirectory:
         try:
             for record in records:
                 log.write_record(record)
-        finally:
             log.close()
+        except OSError as e:  # a full disk, say: the checkpoints saved before are intact
+            with contextlib.suppress(OSError):
+                log.close()
+            raise RunWriteError(
+                f"cannot write the metrics log {self.metrics_path} (epoch {epoch}): {e.strerror or e}; "
+                f"the checkpoints in {self.checkpoint_dir} are intact, and the same command resumes from the last one."
+            ) from None
         self.records.extend(records)
         if tree is not None:
             meta = metadata.replace(epoch=epoch, extra={**dict(metadata.extra), "seeds": self.view["seeds"]})
