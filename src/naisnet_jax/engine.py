@@ -39,11 +39,11 @@ from naisnet_jax.configs import schema
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = ckpt.RUN_CHECKPOINT_DIR
 LOCK_FILE = ".trainer.lock"
+#: What a resumed run may change, and is told in one line that it did (the optimiser's settings).
+NOTICE_FIELDS = ("learning_rate", "lr_boundaries_epochs", "momentum", "weight_decay", "batch_size", "augment")
 #: What a resumed run must share with the checkpoint it resumes (``model_kwargs`` up to the
 #: speed options, :data:`naisnet_jax.models.SPEED_OPTIONS`: same parameters, same maths), and
 #: ``seeds``, the run's seeds (``[config.seed]`` for one run).
-#: What a resumed run may change, and is told in one line that it did (the optimiser's settings).
-NOTICE_FIELDS = ("learning_rate", "lr_boundaries_epochs", "momentum", "weight_decay", "batch_size", "augment")
 RESUME_FIELDS = (*schema.RESUME_FIELDS, "seeds")
 
 
@@ -113,10 +113,11 @@ class RunDirectory:
 
     Entering takes the workdir's lock (:func:`workdir_lock`) and opens the checkpoint manager over
     ``<workdir>/<checkpoints>``; leaving closes both. ``view`` (:func:`resume_view`) is what the
-    run is; it is stored with every checkpoint (``metadata.extra["resume"]``) and a resume checks
-    it against the checkpoint's: :meth:`refuse_another_run` before any data is loaded, :meth:`resume` for the
-    step it restores. The metrics log ``<workdir>/metrics.jsonl`` holds one record per epoch (and
-    seed); :meth:`commit` appends an epoch's records, synced, then saves the checkpoint.
+    run is; a resume checks it against the checkpoint's (:func:`checkpoint_view`, with the run's
+    seeds stored as ``metadata.extra["seeds"]``): :meth:`refuse_another_run` before any data is
+    loaded, :meth:`resume` for the step it restores. The metrics log ``<workdir>/metrics.jsonl``
+    holds one record per epoch (and seed); :meth:`commit` appends an epoch's records, synced, then
+    saves the checkpoint.
     """
 
     def __init__(
@@ -246,8 +247,7 @@ class RunDirectory:
             self.records = []
             return
         self.records = [r for r in records if int(r["epoch"]) <= epoch]
-        if len(self.records) != len(records) or not _ends_whole(self.metrics_path):
-            metric_writers.write_jsonl(self.metrics_path, self.records)
+        metric_writers.JsonlWriter(self.metrics_path).truncate_after(epoch, key="epoch")
 
     def commit(self, epoch: int, step: int, records: list[dict], tree: dict | None, metadata) -> None:
         """Append ``records`` (epoch ``epoch``'s) to the log, synced, then, with a ``tree``, save
@@ -354,18 +354,6 @@ def epoch_record(
         if k in test:
             record[k] = float(test[k])
     return record
-
-
-def _ends_whole(path: str) -> bool:
-    """Whether ``path`` is missing, empty or ends its last line."""
-    if not os.path.exists(path):
-        return True
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        if f.tell() == 0:
-            return True
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
 
 
 def _free_name(path: str) -> str:

@@ -107,9 +107,9 @@ class JsonlWriter:
         if self.fsync:
             os.fsync(f.fileno())
 
-    def truncate_after(self, step: int) -> None:
-        """Drop the records after ``step`` (written before a crash that a resumed run
-        repeats) and a last line cut short; rewrites the file atomically, and only
+    def truncate_after(self, step: int, *, key: str = "step") -> None:
+        """Drop the records whose ``key`` is after ``step`` (written before a crash that a
+        resumed run repeats) and a last line cut short; rewrites the file atomically, and only
         when there is something to drop."""
         self.close()
         if not os.path.exists(self.path):
@@ -117,7 +117,7 @@ class JsonlWriter:
         with open(self.path) as f:
             text = f.read()
         records = read_jsonl(self.path)
-        keep = [r for r in records if int(r.get("step", 0)) <= step]
+        keep = [r for r in records if int(r.get(key, 0)) <= step]
         if len(keep) == len(records) and (not text or text.endswith("\n")):
             return
         write_jsonl(self.path, keep)
