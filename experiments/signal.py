@@ -95,9 +95,12 @@ SMOKE_MODELS = {
 SCHEDULES = ("constant", "paper")
 
 
-def make_config(model: str, kwargs: dict, *, dataset: str, epochs: int, schedule: str, seed: int = 0):
+def make_config(
+    model: str, kwargs: dict, *, dataset: str, epochs: int, schedule: str, seed: int = 0, warmup_steps: int = 0
+):
     """The paper's CIFAR optimisation on ``dataset``: SGD 0.1, momentum 0.9, weight decay 2e-4,
-    batch 128, ``h = 1``; ``schedule`` constant or the paper's drops scaled to ``epochs``."""
+    batch 128, ``h = 1``; ``schedule`` constant or the paper's drops scaled to ``epochs``;
+    ``warmup_steps`` first steps at 0.01 (He et al.'s warm-up of ResNet-110)."""
     from naisnet_jax.configs import conv_paper, default
 
     config = default.get_config()
@@ -106,6 +109,7 @@ def make_config(model: str, kwargs: dict, *, dataset: str, epochs: int, schedule
     config.h, config.learning_rate, config.momentum, config.weight_decay = 1.0, 0.1, 0.9, 2e-4
     config.batch_size, config.eval_batch_size, config.num_epochs = 128, 1000, epochs
     config.lr_boundaries_epochs = conv_paper.scaled_boundaries(epochs) if schedule == "paper" else []
+    config.lr_warmup_steps, config.lr_warmup_factor = warmup_steps, 0.1
     config.augment, config.standardize = False, True
     return config
 
@@ -115,7 +119,7 @@ def _block_names(params) -> list[str]:
     return sorted(names, key=lambda s: tuple(int(p) for p in s.replace("stage", "").split("_block")))
 
 
-def _diagnostic_step(state, config, blocks):
+def _diagnostic_step(state, config, blocks, steps_per_epoch):
     """``(state, x, y) -> (state, record)``: :func:`naisnet_jax.train.train_step` and the
     measurements of the module docstring, taken on the same batch before the step."""
     import flax.linen as nn
@@ -125,7 +129,7 @@ def _diagnostic_step(state, config, blocks):
     from naisnet_jax import models, train
     from naisnet_jax.projection import project_params
 
-    lr, wd = config.learning_rate, config.weight_decay
+    schedule, wd = train.learning_rate_schedule(config, steps_per_epoch), config.weight_decay
     drive = "input" if "input" in state.params[blocks[0]] else "conv"  # ResNet blocks: "conv"
 
     def loss_fn(params, x, y):
@@ -163,6 +167,7 @@ def _diagnostic_step(state, config, blocks):
         }
         if "state_kernel" in p[blocks[0]]:
             rec["g_state"] = jnp.stack([norm(g[b]["state_kernel"]) for b in blocks])
+            lr = schedule(state.step)
             cand = jax.tree.map(lambda w, d: w - lr * (d + wd * w), p, g)
             proj = project_params(cand, eps=config.eps, eta=config.eta)
             rec["projection_undoes"] = jnp.stack(
@@ -185,7 +190,17 @@ def _diagnostic_step(state, config, blocks):
     return step
 
 
-def measure(variant: str, *, workdir: str, dataset: str, steps: int, epochs: int, schedule: str, smoke: bool) -> dict:
+def measure(
+    variant: str,
+    *,
+    workdir: str,
+    dataset: str,
+    steps: int,
+    epochs: int,
+    schedule: str,
+    smoke: bool,
+    warmup_steps: int = 0,
+) -> dict:
     """Trains one variant as the module docstring says; returns (and writes) its record."""
     import jax
 
@@ -196,7 +211,7 @@ def measure(variant: str, *, workdir: str, dataset: str, steps: int, epochs: int
     if smoke:
         model, tiny = SMOKE_MODELS[model]
         kwargs = {**tiny, **kwargs}
-    config = make_config(model, kwargs, dataset=dataset, epochs=epochs, schedule=schedule)
+    config = make_config(model, kwargs, dataset=dataset, epochs=epochs, schedule=schedule, warmup_steps=warmup_steps)
     train.validate_config(config)
     start = time.time()
     ds = data_lib.load_dataset(dataset)
@@ -205,7 +220,7 @@ def measure(variant: str, *, workdir: str, dataset: str, steps: int, epochs: int
     steps_per_epoch = len(ds.train_images) // config.batch_size
     state = train.create_train_state(config, net, ds.image_shape, steps_per_epoch)
     blocks = _block_names(state.params)
-    step = _diagnostic_step(state, config, blocks)
+    step = _diagnostic_step(state, config, blocks, steps_per_epoch)
     train_data = data_lib.put_on_device(ds.train_images, ds.train_labels)
     test_data = data_lib.put_on_device(ds.test_images, ds.test_labels)
     key = jax.random.PRNGKey(config.seed)
@@ -260,6 +275,7 @@ def measure(variant: str, *, workdir: str, dataset: str, steps: int, epochs: int
         "dataset": dataset,
         "schedule": schedule,
         "lr_boundaries_epochs": list(config.lr_boundaries_epochs),
+        "lr_warmup_steps": warmup_steps,
         "epochs": epochs,
         "blocks": blocks,
         "steps": records,
@@ -392,6 +408,7 @@ def report(workdir: str) -> list[dict]:
         raise ValueError(f"no variant results in {workdir!r}; run the experiment first.")
     rows = [summary_row(r) for r in records]
     header = {k: sorted({str(r[k]) for r in records}) for k in ("dataset", "schedule", "epochs", "device", "script")}
+    header["lr_warmup_steps"] = sorted({str(r.get("lr_warmup_steps", 0)) for r in records})
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump({"header": header, "rows": rows}, f, indent=1)
     pct = lambda v: "-" if v is None else f"{100 * v:.2f}"  # noqa: E731
@@ -531,6 +548,7 @@ def _main(argv):
                 epochs=F.epochs,
                 schedule=F.schedule,
                 smoke=F.smoke,
+                warmup_steps=F.warmup_steps,
             )
     report(F.workdir)
 
@@ -547,6 +565,7 @@ def _define_flags() -> None:
     flags.DEFINE_integer("steps", 100, "Steps measured one at a time.", lower_bound=1)
     flags.DEFINE_integer("epochs", 2, "Epochs in all (the measured steps are the first of them).", lower_bound=1)
     flags.DEFINE_enum("schedule", "constant", SCHEDULES, "Learning rate: 0.1 throughout, or the paper's drops.")
+    flags.DEFINE_integer("warmup_steps", 0, "First steps at learning rate 0.01 (He et al.'s warm-up).", lower_bound=0)
     flags.DEFINE_bool("smoke", False, "Tiny nets on digits: seconds on a CPU.")
     flags.DEFINE_bool("report", False, "Only merge the records in --workdir into the table and figure.")
 

@@ -189,6 +189,8 @@ OUT_OF_RANGE = {
     "weight_decay": -1e-4,
     "lr_boundaries_epochs": [5, 5],
     "lr_decay_factor": 1.5,
+    "lr_warmup_steps": -1,
+    "lr_warmup_factor": 0.0,
     "batch_size": 0,
     "eval_batch_size": -1,
     "num_epochs": 0,

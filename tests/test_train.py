@@ -170,6 +170,27 @@ def finished_run(tmp_path_factory):
 # ----------------------------------------------------------------- 1. end to end
 
 
+@pytest.mark.parametrize("warmup", [0, 3, 10, 12])
+def test_learning_rate_schedule_matches_a_python_loop(warmup):
+    """The warm-up's steps run at learning_rate * lr_warmup_factor, then the drops apply as
+    without it (a warm-up longer than the first drop is scaled on top of the decayed rate)."""
+    from naisnet_jax.configs import default
+
+    config = default.get_config()
+    config.learning_rate, config.lr_decay_factor, config.lr_boundaries_epochs = 0.1, 0.1, [2, 3]
+    config.lr_warmup_steps, config.lr_warmup_factor = warmup, 0.25
+    schedule = train.learning_rate_schedule(config, steps_per_epoch=5)
+    for step in range(20):
+        expected = 0.1
+        for boundary in (10, 15):
+            if step >= boundary:
+                expected *= 0.1
+        if step < warmup:
+            expected *= 0.25
+        assert float(schedule(step)) == pytest.approx(expected, rel=1e-6), step
+        assert float(schedule(np.int32(step))) == pytest.approx(expected, rel=1e-6), step
+
+
 def test_metrics_records_every_documented_field(finished_run):
     config, workdir, result = finished_run
     records = read_metrics(workdir)

@@ -103,11 +103,17 @@ def build_model(config, num_classes: int, *, batch_axis: str | None = None):
 
 def learning_rate_schedule(config, steps_per_epoch: int) -> optax.Schedule:
     """Piecewise constant: ``learning_rate``, divided by 10 (``lr_decay_factor``) at
-    each epoch of ``lr_boundaries_epochs``."""
-    return optax.piecewise_constant_schedule(
+    each epoch of ``lr_boundaries_epochs``; the first ``lr_warmup_steps`` steps (if any) run at
+    ``learning_rate * lr_warmup_factor`` (a constant warm-up, as He et al. trained ResNet-110:
+    0.01 for about 400 steps, then 0.1)."""
+    decayed = optax.piecewise_constant_schedule(
         config.learning_rate,
         {int(e) * steps_per_epoch: config.lr_decay_factor for e in config.lr_boundaries_epochs},
     )
+    warmup, factor = int(config.lr_warmup_steps), config.lr_warmup_factor
+    if warmup == 0:
+        return decayed
+    return lambda count: jnp.where(count < warmup, factor, 1.0) * decayed(count)
 
 
 def make_optimizer(config, steps_per_epoch: int) -> optax.GradientTransformation:
