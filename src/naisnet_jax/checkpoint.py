@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from naisnet_jax import distributed
 from naisnet_jax.checkpoint_metadata import METADATA_VERSION as METADATA_VERSION
 from naisnet_jax.checkpoint_metadata import CheckpointError, CheckpointMetadata
 
@@ -185,7 +186,7 @@ def save(mngr, step: int, state: Any, metadata: CheckpointMetadata) -> None:
             f"metadata must be a CheckpointMetadata (e.g. CheckpointMetadata.from_config(config, dataset, mean, "
             f"std)); got {type(metadata).__name__}"
         )
-    state = jax.device_get(state)
+    state = distributed.gather(state)  # whole on every process; Orbax writes it from the primary
     meta = metadata.replace(step=int(step), digest=tree_digest(state)).to_json()
     meta.update(format=FORMAT, format_version=FORMAT_VERSION)
     check_writable(str(mngr.directory), f" (step {int(step)})")

@@ -33,7 +33,7 @@ import numpy as np
 
 from naisnet_jax import checkpoint as ckpt
 from naisnet_jax import data as data_lib
-from naisnet_jax import metric_writers, models
+from naisnet_jax import distributed, metric_writers, models
 from naisnet_jax.configs import schema
 
 METRICS_FILE = "metrics.jsonl"
@@ -131,17 +131,36 @@ class RunDirectory:
         self.records: list[dict] = []  # the log's records, as this run holds them
         self.mngr = None
         self._lock = None
+        self.primary = distributed.is_primary()  # writes the log and prints; every process saves
 
     def __enter__(self) -> RunDirectory:
-        self._lock = workdir_lock(self.workdir)
-        self._lock.__enter__()
+        # the primary process holds the lock and checks the directory; every process learns
+        # whether it could, and every process opens the manager (Orbax saves from all of them)
+        error = None
+        if self.primary:
+            try:
+                self._lock = workdir_lock(self.workdir)
+                self._lock.__enter__()
+                ckpt.check_writable(self.checkpoint_dir)  # before any training: Orbax would hang on it
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the others know
+                self._release()
+                error = e
+        status = distributed.agree(0 if error is None else 2)
+        if error is not None:
+            raise error
+        if status:
+            raise distributed.PeerFailed(status)
         try:
-            ckpt.check_writable(self.checkpoint_dir)  # before any training: Orbax would hang on it
             self.mngr = ckpt.manager(self.checkpoint_dir, max_to_keep=self.keep)
         except BaseException:
-            self._lock.__exit__(None, None, None)
+            self._release()
             raise
         return self
+
+    def _release(self, *exc) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.__exit__(*(exc or (None, None, None)))
 
     def __exit__(self, *exc) -> None:
         try:
@@ -150,7 +169,12 @@ class RunDirectory:
             if exc[0] is None:
                 raise
         finally:
-            self._lock.__exit__(*exc)
+            self._release(*exc)
+
+    def say(self, line: str, *, error: bool = False) -> None:
+        """Print ``line`` (to stderr with ``error``) from the primary process only."""
+        if self.primary:
+            print(line, file=sys.stderr if error else sys.stdout, flush=True)
 
     def refuse(self, meta: dict) -> None:
         """Refuse ``meta``'s checkpoint as a start for this run, in one line that says why."""
@@ -197,6 +221,7 @@ class RunDirectory:
             target,
             check=self.refuse,
             incompatible=": use another workdir, or the checkpoint's config, to resume.",
+            primary=self.primary,
         )
         self._rewind(epoch)
         self._notice_changes()
@@ -214,23 +239,31 @@ class RunDirectory:
             if k in theirs and theirs[k] != ours[k]
         ]
         if changed:
-            print(f"notice: resuming {self.workdir} with {', '.join(changed)}.", file=sys.stderr, flush=True)
+            self.say(f"notice: resuming {self.workdir} with {', '.join(changed)}.", error=True)
 
     def complete(self, start_epoch: int, num_epochs: int) -> bool:
         """Whether the run has nothing left to train, said in one line when so."""
         if start_epoch <= num_epochs:
             return False
-        print(
+        self.say(
             f"{self.workdir} holds a complete run of {start_epoch - 1} epochs (config.num_epochs={num_epochs}): "
-            f"nothing left to train; raise config.num_epochs to train on.",
-            flush=True,
+            f"nothing left to train; raise config.num_epochs to train on."
         )
         return True
 
     def _rewind(self, epoch: int) -> None:
         """Keep the log's records of epochs ``<= epoch`` (drop those a crash left after the
         checkpoint, and a last line cut short); on a fresh start (``epoch == 0``) an old log is
-        kept beside the new one, renamed, and said in one line."""
+        kept beside the new one, renamed, and said in one line. The primary process writes the
+        log; the others read its records once it has."""
+        if not self.primary:
+            distributed.agree(0)
+            self.records = [r for r in read_metrics(self.metrics_path) if 0 < int(r["epoch"]) <= epoch]
+            return
+        self._rewind_log(epoch)
+        distributed.agree(0)
+
+    def _rewind_log(self, epoch: int) -> None:
         records = read_metrics(self.metrics_path)
         if epoch == 0:
             if records:
@@ -252,7 +285,16 @@ class RunDirectory:
     def commit(self, epoch: int, step: int, records: list[dict], tree: dict | None, metadata) -> None:
         """Append ``records`` (epoch ``epoch``'s) to the log, synced, then, with a ``tree``, save
         it as the checkpoint of ``step``. A log deleted during the run is written anew from the
-        records the run holds, with a notice."""
+        records the run holds, with a notice. Every process saves; the primary alone writes the log."""
+        if self.primary:
+            self._append(epoch, records)
+        else:
+            self.records.extend(records)
+        if tree is not None:
+            meta = metadata.replace(epoch=epoch, extra={**dict(metadata.extra), "seeds": self.view["seeds"]})
+            ckpt.save(self.mngr, step, tree, meta)
+
+    def _append(self, epoch: int, records: list[dict]) -> None:
         if self.records and not os.path.exists(self.metrics_path):
             print(
                 f"notice: {self.metrics_path} was deleted during the run; written anew from the "
@@ -274,9 +316,6 @@ class RunDirectory:
                 f"the checkpoints in {self.checkpoint_dir} are intact, and the same command resumes from the last one."
             ) from None
         self.records.extend(records)
-        if tree is not None:
-            meta = metadata.replace(epoch=epoch, extra={**dict(metadata.extra), "seeds": self.view["seeds"]})
-            ckpt.save(self.mngr, step, tree, meta)
 
     def stop_diverged(self, what: str):
         """:func:`stop_diverged` on this run's checkpoints."""
@@ -409,7 +448,7 @@ def restore_into(state, tree: dict):
     )
 
 
-def restore_latest(mngr, target: dict, *, check=None, incompatible: str = "") -> tuple[dict, int]:
+def restore_latest(mngr, target: dict, *, check=None, incompatible: str = "", primary: bool = True) -> tuple[dict, int]:
     """The newest intact checkpoint of ``mngr`` as ``target``'s structure, and the epoch it ends.
 
     ``check(metadata)`` runs on each step's stored metadata before its arrays are read (raising
@@ -419,14 +458,20 @@ def restore_latest(mngr, target: dict, *, check=None, incompatible: str = "") ->
     dtypes (the step counter is saved as int32 but counts in int64 under x64), so a program
     compiled for the fresh state runs on them. Intact arrays that do not fit ``target`` (another
     optimiser, say) raise ``ValueError`` ending with ``incompatible``; a directory without an
-    intact step raises :class:`naisnet_jax.checkpoint.NoIntactCheckpoint`."""
+    intact step raises :class:`naisnet_jax.checkpoint.NoIntactCheckpoint`. Of several processes
+    (every one restores), the ``primary`` one sets the damaged steps aside and says so."""
     try:
         tree, meta, damaged = ckpt.restore_newest(mngr, target=target, check=check)
     except ckpt.CheckpointMismatch as e:
         raise ValueError(f"{e}{incompatible}") from None
-    kept = ckpt.set_aside(mngr, [d.step for d in damaged])
-    for d, path in zip(damaged, kept):
-        print(f"{ckpt.damaged_warning(d, int(meta['step']))} (set aside as {path})", file=sys.stderr, flush=True)
+    if damaged:
+        distributed.agree(0)  # every process has read the steps before the primary renames them
+        kept = ckpt.set_aside(mngr, [d.step for d in damaged]) if primary else []
+        for d, path in zip(damaged, kept):
+            print(f"{ckpt.damaged_warning(d, int(meta['step']))} (set aside as {path})", file=sys.stderr, flush=True)
+        distributed.agree(0)
+        if not primary:
+            mngr.reload()
     tree = jax.tree.map(lambda x, like: jnp.asarray(np.asarray(x), like.dtype), tree, target)
     return tree, int(meta["epoch"])
 

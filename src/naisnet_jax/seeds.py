@@ -125,15 +125,27 @@ def stack_states(states: Sequence[train.TrainState]) -> train.TrainState:
 
 
 def seed_mesh(config, num_seeds: int) -> Mesh:
-    """A 1-D mesh for the seed axis: the most of this host's devices (at most
-    ``config.num_devices``, default all) that divide ``num_seeds`` evenly."""
-    devices = jax.local_devices()
+    """A 1-D mesh for the seed axis: the most devices (at most ``config.num_devices``, default
+    all) that divide ``num_seeds`` evenly. Over several processes, every process gives the same
+    number of its own devices (so each trains its share of the seeds), which needs ``num_seeds``
+    to be a multiple of the number of processes."""
+    processes = jax.process_count()
+    devices = jax.devices()
     limit = config.num_devices
     if limit is not None:
         check_int("config.num_devices", limit, 1, len(devices))
-        devices = devices[:limit]
-    count = max(k for k in range(1, len(devices) + 1) if num_seeds % k == 0)
-    return Mesh(np.asarray(devices[:count]), (train.DATA_AXIS,))
+    else:
+        limit = len(devices)
+    if num_seeds % processes:
+        raise ValueError(
+            f"{num_seeds} seeds cannot be split evenly over {processes} processes: give a multiple of {processes}."
+        )
+    count = max(k for k in range(processes, limit + 1, processes) if num_seeds % k == 0) if limit >= processes else 0
+    if count == 0:
+        raise ValueError(f"config.num_devices={limit} gives fewer devices than the {processes} processes.")
+    per_process = count // processes
+    chosen = [d for p in range(processes) for d in [d for d in devices if d.process_index == p][:per_process]]
+    return Mesh(np.asarray(chosen), (train.DATA_AXIS,))
 
 
 def shard_seeds(tree, mesh: Mesh):

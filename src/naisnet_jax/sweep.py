@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from naisnet_jax import checkpoint as ckpt
-from naisnet_jax import engine, metric_writers, train
+from naisnet_jax import distributed, engine, metric_writers, train
 from naisnet_jax.projection import count_projected_blocks
 from naisnet_jax.seeds import ProgramCache, check_seeds, default_seeds, prepare, seed_config, shard_seeds
 from naisnet_jax.seeds import SweepSetup as SweepSetup
@@ -203,7 +203,9 @@ class SeedEpochs:
             *state, s.base_keys, s.train_data, s.test_data, jnp.asarray(epoch, jnp.int32)
         )
         params = state.params if self.has_nais else None
-        train_m, test_m, div, steps, host_params = jax.device_get((train_m, test_m, diverged_epoch, state.step, params))
+        train_m, test_m, div, steps, host_params = distributed.gather(
+            (train_m, test_m, diverged_epoch, state.step, params)
+        )
         seconds = time.time() - t0
         records = []
         for i, seed in enumerate(self.seeds):
@@ -278,7 +280,9 @@ def train_sweep(
 
         end_epoch = engine.last_epoch(config, start_epoch, stop_after_epochs)
         program = SeedEpochs(config=config, setup=s, seeds=seeds, has_nais=count_projected_blocks(state.params) > 0)
-        progress = engine.progress(end_epoch - start_epoch + 1, bool(config.progress), unit="epoch", quiet=not verbose)
+        progress = engine.progress(
+            end_epoch - start_epoch + 1, bool(config.progress), unit="epoch", quiet=not (verbose and run.primary)
+        )
         state, diverged_epoch = engine.run_epochs(
             run,
             program,
@@ -323,7 +327,7 @@ def _start(run: engine.RunDirectory, s: SweepSetup, config, verbose: bool):
     state = state.replace(step=jnp.asarray(state.step, s.state.step.dtype))  # saved as int32
     state, diverged_epoch = shard_seeds((state, tree["diverged_epoch"]), s.mesh)
     if verbose and not run.complete(epoch + 1, config.num_epochs):
-        print(f"Resuming the sweep in {run.checkpoint_dir} at epoch {epoch + 1}.", flush=True)
+        run.say(f"Resuming the sweep in {run.checkpoint_dir} at epoch {epoch + 1}.")
     return state, diverged_epoch, epoch + 1
 
 
@@ -340,9 +344,9 @@ def _seed_results(
     if finished:
         losses = train_losses = None
         if per_step_loss and _has_step_logits(s.model, state, s.ds.image_shape):
-            losses = np.asarray(s.programs.per_step_loss(state, s.test_data))
-            train_losses = np.asarray(s.programs.per_step_loss(state, s.train_data))
-        host_tree = jax.device_get(engine.checkpoint_tree(state))
+            losses = distributed.gather(s.programs.per_step_loss(state, s.test_data))
+            train_losses = distributed.gather(s.programs.per_step_loss(state, s.train_data))
+        host_tree = distributed.gather(engine.checkpoint_tree(state))
     for i, seed in enumerate(seeds):
         r = last.get(seed)
         if r is None:  # nothing trained yet
@@ -370,7 +374,8 @@ def _seed_results(
                 certified = certificate_certified(cert)
                 from naisnet_jax.verify.report import write_json  # the verifier is imported on use
 
-                write_json(cert, os.path.join(workdir, f"seed_{seed}", CERTIFICATE_FILE))
+                if distributed.is_primary():
+                    write_json(cert, os.path.join(workdir, f"seed_{seed}", CERTIFICATE_FILE))
             run = dataclasses.replace(
                 run,
                 checkpoint_dir=directory,
@@ -397,7 +402,8 @@ def _export_seed(config, workdir, seed, tree, metadata, record, history) -> str:
             ckpt.save(mngr, step, tree, meta)
     finally:
         mngr.close()
-    metric_writers.write_jsonl(os.path.join(run_dir, train.METRICS_FILE), _seed_records(history, seed))
+    if distributed.is_primary():  # every process saved the checkpoint (Orbax's protocol); one writes the log
+        metric_writers.write_jsonl(os.path.join(run_dir, train.METRICS_FILE), _seed_records(history, seed))
     return directory
 
 

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -487,7 +486,7 @@ class DataParallelEpochs:
                 self.run.stop_diverged(f"training loss became {m['loss']} at epoch {epoch} (step {int(state.step)})")
             warning = self.growth.watch(float(m["loss"]))
             if warning:
-                print(warning, file=sys.stderr, flush=True)
+                self.run.say(warning, error=True)
             for k in sums:
                 sums[k] += float(m[k]) * count
             seen += count
@@ -560,7 +559,9 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     view = engine.resume_view(config, model_kwargs(config), [config.seed])
     with engine.RunDirectory(workdir, view, keep=config.keep_checkpoints, config=config) as run:
         own_writer = writer is None
-        if own_writer:
+        if not run.primary:  # the primary process writes the scalars
+            writer = metric_writers.MultiWriter([])
+        elif own_writer:
             writer = metric_writers.default_writer(workdir)
         start_epoch = 1
         resumed = run.resume(engine.checkpoint_tree(state))
@@ -568,7 +569,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
             state = engine.restore_into(state, resumed[0])
             start_epoch = resumed[1] + 1
             if not run.complete(start_epoch, config.num_epochs):
-                print(f"Resuming from {run.checkpoint_dir} at epoch {start_epoch} (step {int(state.step)}).")
+                run.say(f"Resuming from {run.checkpoint_dir} at epoch {start_epoch} (step {int(state.step)}).")
         # the scalars of steps after the checkpoint (written before a crash), or all of them
         engine.rewind(writer, int(state.step) if start_epoch > 1 else -1)
 
@@ -586,7 +587,9 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
             evaluate=make_evaluate(mean, std, config.eval_batch_size, mesh),
             growth=engine.LossGrowth(math.log(ds.num_classes)),
         )
-        progress = engine.progress(program.progress_units(end_epoch - start_epoch + 1), bool(config.progress))
+        progress = engine.progress(
+            program.progress_units(end_epoch - start_epoch + 1), bool(config.progress), quiet=not run.primary
+        )
         state = engine.run_epochs(
             run,
             program,

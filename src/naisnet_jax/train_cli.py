@@ -99,10 +99,30 @@ def _flags(argv: Sequence[str]):
         flag_values=fv,
     )
     flags.DEFINE_bool("print_config", False, "print the final config and exit", flag_values=fv)
+    flags.DEFINE_string(
+        "coordinator_address",
+        None,
+        "several processes: host:port of process 0 (with --num_processes and --process_id; without them "
+        "JAX detects a SLURM, Open MPI or TPU pod launch)",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer("num_processes", None, "several processes: how many take part", flag_values=fv)
+    flags.DEFINE_integer(
+        "process_id", None, "several processes: this one's index, 0 .. num_processes - 1", flag_values=fv
+    )
     return fv, config
 
 
-_FLAG_NAMES = ("config", "workdir", "tensorboard", "compilation_cache", "print_config")
+_FLAG_NAMES = (
+    "config",
+    "workdir",
+    "tensorboard",
+    "compilation_cache",
+    "print_config",
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+)
 
 
 def _help() -> str:
@@ -126,7 +146,11 @@ def _help() -> str:
         f"Shipped configs (--config=NAME): {', '.join(shipped_configs())}.\n"
         "Exit status: 0 trained, 1 training diverged (the last good checkpoint is kept), "
         "2 bad command line, config, data or checkpoint, or a workdir in use (nothing written), "
-        "130 / 143 interrupted by Ctrl-C / SIGTERM (the same command resumes)."
+        "130 / 143 interrupted by Ctrl-C / SIGTERM (the same command resumes).\n\n"
+        "Several processes (one per host or per accelerator): run the same command in each, with "
+        "--coordinator_address, --num_processes and --process_id, or under srun / mpirun / a TPU pod without "
+        "them. Process 0 prints, writes the metrics and holds the workdir; every process saves the checkpoints. "
+        "A lost process ends the others within a minute (exit 1); the same command resumes."
     )
 
 
@@ -310,41 +334,75 @@ def main(argv: Sequence[str] | None = None) -> None:
     if any(a in ("-h", "--help", "--helpfull") for a in argv):
         print(_help())
         sys.exit(0)
+    from naisnet_jax import distributed
+
     try:
         args, config = parse(argv)
-    except UsageError as e:
+        cluster = distributed.Cluster(args.coordinator_address, args.num_processes, args.process_id).check()
+    except (UsageError, ValueError) as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     if args.print_config:
         print(config)
         return
+    if distributed.needs_supervisor(cluster):  # this process watches; a child joins the run
+        command = [sys.executable, "-m", "naisnet_jax.train_cli", *argv]
+        sys.exit(distributed.supervise(command, cluster, workdir=args.workdir))
 
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # absl logs from INFO by default
-    from naisnet_jax import compile_cache, train
+    from naisnet_jax import compile_cache
     from naisnet_jax.checkpoint import quiet_orbax_logging
-    from naisnet_jax.metric_writers import default_writer
 
     quiet_orbax_logging()  # Orbax's log lines (every save, its own bookkeeping files) are not the user's
+    several = distributed.initialize(cluster)
+    if several and not distributed.is_primary():
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the primary process prints the run
     compile_cache.enable(args.compilation_cache)
+    status, line, result = _train(config, args)
+    if status:
+        _leave(status, line, several)
+    print(f"test accuracy {result['test_accuracy']:.4f} after epoch {result['epoch']}")
+
+
+def _train(config, args) -> tuple[int, str | None, dict | None]:
+    """Train; ``(exit status, error line, result)``."""
+    from naisnet_jax import distributed, train
+    from naisnet_jax.metric_writers import default_writer
+
     previous = _leave_on_ctrl_c(args.workdir)
     try:
-        writer = default_writer(args.workdir, tensorboard=args.tensorboard)
-        result = train.train_and_evaluate(config, args.workdir, writer=writer)
+        writer = default_writer(args.workdir, tensorboard=args.tensorboard) if distributed.is_primary() else None
+        return 0, None, train.train_and_evaluate(config, args.workdir, writer=writer)
     except train.TrainingDiverged as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        sys.exit(EXIT_DIVERGED)
+        return EXIT_DIVERGED, f"error: {_one_line(e)}", None
     except (ValueError, FileNotFoundError, NotADirectoryError, ImportError, train.WorkdirInUse) as e:
         # ValueError: config values, data files, checkpoints (CheckpointError);
         # FileNotFoundError: a missing dataset; ImportError: a missing optional extra;
         # WorkdirInUse: another trainer holds the workdir.
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        return EXIT_USAGE, f"error: {_one_line(e)}", None
+    except distributed.PeerFailed as e:  # the primary process said why
+        return e.status, None, None
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    print(f"test accuracy {result['test_accuracy']:.4f} after epoch {result['epoch']}")
+
+
+def _leave(status: int, line: str | None, several: bool) -> None:
+    """Exit with ``status`` after ``line``; of several processes, a process other than the
+    primary names itself, and every process leaves at once (JAX's orderly shutdown would wait
+    for the others, which may be waiting for this one)."""
+    import jax
+
+    if line is not None:
+        if several and jax.process_index() != 0:
+            line = f"error: process {jax.process_index()} of {jax.process_count()}: {line.removeprefix('error: ')}"
+        print(line, file=sys.stderr, flush=True)
+    if several:
+        sys.stdout.flush()
+        os._exit(status)
+    sys.exit(status)
 
 
 if __name__ == "__main__":
