@@ -16,9 +16,11 @@ about a process start.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -409,3 +411,64 @@ def test_a_sweep_killed_mid_run_resumes_as_the_uninterrupted_sweep(tmp_path):
         state_c, meta_c = ckpt.load(str(clean / f"seed_{seed}" / train.CHECKPOINT_DIR))
         assert meta_k["digest"] == meta_c["digest"]
         jax.tree.map(np.testing.assert_array_equal, state_k, state_c)
+
+
+@contextlib.contextmanager
+def _small_disk(where: pathlib.Path, size: str):
+    """A tmpfs of ``size`` mounted at ``where`` (the test is skipped where mounting is not
+    permitted), unmounted afterwards."""
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root and mount(8)")
+    where.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+FULL_DISK_LINE = {
+    "checkpoint": r"error: cannot write checkpoints to \S+ \(step (\d+)\): .*; the steps saved before are intact\.",
+    "log": (
+        r"error: cannot write (the metrics log )?\S+\.jsonl \(epoch \d+\): No space left on device; "
+        r"the checkpoints in \S+ are intact, and the same command resumes from the last one\."
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "what, size, epochs, extra",
+    [
+        ("checkpoint", "150k", 40, []),  # fails writing the third checkpoint (step 24)
+        ("log", "200k", 600, ["--config.checkpoint_every_epochs=100"]),  # a log, near epoch 130: before step 1600
+    ],
+    ids=["checkpoint", "log"],
+)
+def test_a_full_disk_ends_in_one_line(tmp_path, what, size, epochs, extra):
+    """A disk that fills during training: exit 2 and one ``error:`` line naming the write that
+    failed, with no traceback after it (Orbax's writers of the failed step settle before the
+    process ends: no ``Event loop is closed``); the checkpoint saved before still loads whole."""
+    with _small_disk(tmp_path / "disk", size) as disk:
+        workdir = disk / "run"
+        done = subprocess.run(
+            [*_command(workdir, epochs), *extra],
+            env=_env(tmp_path / "cache"),
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=50,
+        )
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert "Traceback" not in done.stderr and "Event loop is closed" not in done.stderr, done.stderr[-3000:]
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1, done.stderr[-3000:]
+        m = re.fullmatch(FULL_DISK_LINE[what], lines[0])
+        assert m, lines[0]
+        checkpoints = workdir / train.CHECKPOINT_DIR
+        assert _committed(checkpoints), "no checkpoint was saved before the disk filled"
+        _, meta = ckpt.load(str(checkpoints))  # digest checked
+        assert meta["step"] == _committed(checkpoints)[-1]
+        if what == "checkpoint":
+            assert meta["step"] < int(m.group(1))

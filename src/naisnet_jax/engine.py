@@ -52,7 +52,8 @@ class TrainingDiverged(RuntimeError):
 
 
 class RunWriteError(ValueError):
-    """A run's metrics log that cannot be written (a full disk, say); what was saved before is intact."""
+    """A run's metrics log or scalars log that cannot be written (a full disk, say); what was saved before
+    is intact."""
 
 
 class WorkdirInUse(RuntimeError):
@@ -360,7 +361,13 @@ def run_epochs(
     ``config.num_epochs``) its checkpoint, keyed by the step reached, go to ``run``
     (:meth:`RunDirectory.commit`). Returns the final state."""
     for epoch in range(start_epoch, end_epoch + 1):
-        state, records = program.train_epoch(state, epoch, progress)
+        try:
+            state, records = program.train_epoch(state, epoch, progress)
+        except metric_writers.LogWriteError as e:  # the scalars log, on a full disk say
+            raise RunWriteError(
+                f"cannot write {e.filename} (epoch {epoch}): {e.strerror or e}; the checkpoints in "
+                f"{run.checkpoint_dir} are intact, and the same command resumes from the last one."
+            ) from None
         due = epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs
         tree = program.saved_tree(state) if due else None
         run.commit(epoch, epoch * program.steps_per_epoch, records, tree, metadata)

@@ -16,6 +16,7 @@ open their files on the first write, so a run refused at start writes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -26,6 +27,10 @@ from naisnet_jax.checks import check_real
 
 SCALARS_FILE = "scalars.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+
+
+class LogWriteError(OSError):
+    """A log file that cannot be written (a full disk, say); ``filename`` names it."""
 
 
 @runtime_checkable
@@ -101,11 +106,20 @@ class JsonlWriter:
     def write_record(self, record: Mapping[str, Any]) -> None:
         """Append ``record`` as is (it must be strict JSON)."""
         line = json.dumps(dict(record), allow_nan=False) + "\n"
-        f = self._open()
-        f.write(line)
-        f.flush()
-        if self.fsync:
-            os.fsync(f.fileno())
+        try:
+            f = self._open()
+            f.write(line)
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        except OSError as e:
+            # the file is closed at once, its unwritten line dropped: left open, it would fail
+            # again when it is collected, printing a traceback after the run's error line
+            if self._file is not None:
+                with contextlib.suppress(OSError):
+                    self._file.close()
+                self._file = None
+            raise LogWriteError(e.errno, e.strerror, self.path) from None
 
     def truncate_after(self, step: int, *, key: str = "step") -> None:
         """Drop the records whose ``key`` is after ``step`` (written before a crash that a
