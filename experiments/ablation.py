@@ -36,8 +36,10 @@ from experiments import sweep_report
 from experiments.sweep_report import (
     as_array,
     curve,
+    define_cluster_flags,
     define_compilation_cache_flag,
     enable_compilation_cache,
+    join_cluster,
     pm,
     read_summary,
     script_version,
@@ -45,6 +47,7 @@ from experiments.sweep_report import (
     trained_on,
     write_summary,
 )
+from naisnet_jax import distributed
 
 # Paper label -> MODELS name; the switches are read off the label.
 LABELS = {
@@ -418,6 +421,8 @@ def time_models(labels, make, steps: int, workdir: str) -> None:
             flush=True,
         )
     total = sum(t["projected_seconds"] for t in rows)
+    if not distributed.is_primary():
+        return
     with open(os.path.join(workdir, "timing.json"), "w") as f:
         json.dump({"rows": rows, "projected_total_seconds": total}, f, indent=1)
     print(
@@ -547,7 +552,7 @@ def run_over_h(*, workdir: str, hs, **kwargs) -> dict[float, list[dict]]:
     earlier (another process, one per GPU) is read back, so a last call with every h only reports."""
     hs = [parse_h(h) for h in hs]
     by_h = {h: run(workdir=h_dir(workdir, h), h=h, **kwargs) for h in hs}
-    if kwargs.get("time_steps"):
+    if kwargs.get("time_steps") or not distributed.is_primary():
         return by_h
     rows = [r for h in hs for r in by_h[h]]
     header = {
@@ -637,6 +642,8 @@ def run(
         "training wall time per model (when trained)": ", ".join(f"{r['label']} {r['seconds']:.0f}s" for r in rows),
         "paper": "MNIST test accuracy, mean of 10 runs" if paper else "the paper reports no Fashion-MNIST numbers",
     }
+    if not distributed.is_primary():  # of several processes, the primary one writes the report
+        return rows
     write_outputs(rows, workdir, header=header, paper=paper)
     plot(rows, workdir)
     print()
@@ -654,6 +661,7 @@ FLAGS = flags.FLAGS
 def _define_flags() -> None:
     """Flags are defined only when the script runs, so tests can import both experiments."""
     define_compilation_cache_flag()
+    define_cluster_flags()
     flags.DEFINE_string("workdir", "runs/ablation", "Where every sweep and the results go.")
     flags.DEFINE_string("dataset", "mnist_pinned", "mnist_pinned or fashion_mnist_idx (any naisnet_jax dataset).")
     flags.DEFINE_integer("seeds", 10, "Seeds per model, trained side by side.")
@@ -674,6 +682,10 @@ def _define_flags() -> None:
 def _main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    try:
+        join_cluster(FLAGS, FLAGS.workdir)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
     enable_compilation_cache(FLAGS.compilation_cache, FLAGS.workdir)
     common = dict(
         dataset=FLAGS.dataset,

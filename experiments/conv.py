@@ -37,8 +37,10 @@ from experiments import sweep_report
 from experiments.sweep_report import (
     as_array,
     curve,
+    define_cluster_flags,
     define_compilation_cache_flag,
     enable_compilation_cache,
+    join_cluster,
     pm,
     read_summary,
     script_version,
@@ -424,7 +426,7 @@ def run(
 ) -> list[dict]:
     from naisnet_jax.verify import AuditOptions
 
-    from naisnet_jax import sweep, train
+    from naisnet_jax import distributed, sweep, train
 
     variants = list(variants or VARIANTS)
     unknown = set(variants) - set(VARIANTS)
@@ -452,6 +454,8 @@ def run(
                 flush=True,
             )
         total = len(datasets) * sum(t["projected_seconds"] for t in rows)
+        if not distributed.is_primary():
+            return rows
         with open(os.path.join(workdir, "timing.json"), "w") as f:
             json.dump({"rows": rows, "datasets": list(datasets), "projected_total_seconds": total}, f, indent=1)
         print(
@@ -478,6 +482,8 @@ def run(
     else:
         rows = [run_variant(v, config, workdir, options) for v, config in configs]
     wall = time.time() - t0
+    if not distributed.is_primary():  # of several processes, the primary one writes the report
+        return rows
     config = configs[0][1]
     header = {
         "datasets": ", ".join(datasets) + (" (smoke: tiny models on digits)" if smoke else ""),
@@ -554,6 +560,7 @@ FLAGS = flags.FLAGS
 def _define_flags() -> None:
     """Flags are defined only when the script runs, so tests can import both experiments."""
     define_compilation_cache_flag()
+    define_cluster_flags()
     flags.DEFINE_string("workdir", "runs/conv", "Where every sweep and the results go.")
     flags.DEFINE_list("datasets", ["mnist_pinned", "fashion_mnist_idx"], "Datasets, each a full comparison.")
     flags.DEFINE_integer("seeds", 4, "Seeds per model, split over the host's GPUs (side by side on each).")
@@ -572,6 +579,10 @@ def _define_flags() -> None:
 def _main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    try:
+        join_cluster(FLAGS, FLAGS.workdir)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
     enable_compilation_cache(FLAGS.compilation_cache, FLAGS.workdir)
     try:
         run(

@@ -10,9 +10,9 @@ of the sums). One device is the same code with a mesh of one. The dataset is
 replicated, not sharded: the sets that fit on one device (MNIST, CIFAR: at most
 150 MB as uint8) then need no communication to shuffle over the whole set each
 epoch, and a sharded set would have to exchange rows for every batch.
-Several hosts: call ``jax.distributed.initialize()`` first on every host and run
-the same program; ``jax.devices()`` then lists every host's devices and each host
-puts its (identical) copy of the data on its own devices.
+Several processes (:mod:`naisnet_jax.distributed`): every process runs the same
+program; ``jax.devices()`` then lists every process's devices and each process puts
+its (identical) copy of the data on its own devices.
 """
 
 from __future__ import annotations

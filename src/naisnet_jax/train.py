@@ -523,6 +523,14 @@ class DataParallelEpochs:
         return state, [record]
 
 
+def _scalars_writer(run: engine.RunDirectory, writer, workdir: str):
+    """Where the scalars go: ``writer``, else ``workdir``'s own log; nowhere on a process other
+    than the primary one, which writes them."""
+    if not run.primary:
+        return metric_writers.MultiWriter([])
+    return metric_writers.default_writer(workdir) if writer is None else writer
+
+
 def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: int | None = None) -> dict:
     """Train ``config`` in ``workdir``, resuming from its latest checkpoint.
 
@@ -559,10 +567,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     view = engine.resume_view(config, model_kwargs(config), [config.seed])
     with engine.RunDirectory(workdir, view, keep=config.keep_checkpoints, config=config) as run:
         own_writer = writer is None
-        if not run.primary:  # the primary process writes the scalars
-            writer = metric_writers.MultiWriter([])
-        elif own_writer:
-            writer = metric_writers.default_writer(workdir)
+        writer = _scalars_writer(run, writer, workdir)
         start_epoch = 1
         resumed = run.resume(engine.checkpoint_tree(state))
         if resumed is not None:
