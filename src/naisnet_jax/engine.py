@@ -39,8 +39,8 @@ from naisnet_jax.configs import schema
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = ckpt.RUN_CHECKPOINT_DIR
 LOCK_FILE = ".trainer.lock"
-#: What a resumed run may change, and is told in one line that it did (the optimiser's settings).
-NOTICE_FIELDS = ("learning_rate", "lr_boundaries_epochs", "momentum", "weight_decay", "batch_size", "augment")
+#: What a resumed run may change, and is told in one line that it did (the declaration's ``notice`` fields).
+NOTICE_FIELDS = schema.NOTICE_FIELDS
 #: What a resumed run must share with the checkpoint it resumes (``model_kwargs`` up to the
 #: speed options, :data:`naisnet_jax.models.SPEED_OPTIONS`: same parameters, same maths), and
 #: ``seeds``, the run's seeds (``[config.seed]`` for one run).

@@ -29,6 +29,7 @@ FAST_PATHS = ("auto", "plain")
 class Field:
     """One config field: ``check(name, value, config)`` raises ``ValueError`` naming ``name``;
     ``optional`` fields may be ``None``; ``resume`` fields must match a checkpoint's to resume it;
+    a changed ``notice`` field is said in one line when a run resumes (it changes how training goes on);
     ``model`` fields are passed to the model where its class takes them (never through
     ``model_kwargs``: one value for the model, the projection and the checkpoint)."""
 
@@ -39,6 +40,7 @@ class Field:
     help: str
     optional: bool = False
     resume: bool = False
+    notice: bool = False
     model: bool = False
 
 
@@ -170,7 +172,7 @@ FIELDS: tuple[Field, ...] = (
         optional=True,
         resume=True,
     ),
-    Field("augment", bool, False, _bool, "pad, crop and (augment_flip) mirror the training images"),
+    Field("augment", bool, False, _bool, "pad, crop and (augment_flip) mirror the training images", notice=True),
     Field("augment_flip", bool, True, _bool, "with augment: also mirror left-right (False: pad and crop only)"),
     Field(
         "standardize",
@@ -181,20 +183,49 @@ FIELDS: tuple[Field, ...] = (
         resume=True,
     ),
     # optimisation (SGD with momentum 0.9, as the paper; its learning rate 0.1 diverges here)
-    Field("learning_rate", float, 0.02, _number(0, math.inf, lo_open=True, hi_open=True), "SGD's learning rate"),
-    Field("momentum", float, 0.9, _number(0, 1, hi_open=True), "SGD's momentum (0: none)"),
-    Field("weight_decay", float, 0.0, _number(0, math.inf, hi_open=True), "decoupled weight decay"),
-    Field("lr_boundaries_epochs", tuple, (10, 15), _epochs, "multiply the learning rate by lr_decay_factor here"),
-    Field("lr_decay_factor", float, 0.1, _number(0, 1, lo_open=True), "the learning rate's factor at each boundary"),
+    Field(
+        "learning_rate",
+        float,
+        0.02,
+        _number(0, math.inf, lo_open=True, hi_open=True),
+        "SGD's learning rate",
+        notice=True,
+    ),
+    Field("momentum", float, 0.9, _number(0, 1, hi_open=True), "SGD's momentum (0: none)", notice=True),
+    Field("weight_decay", float, 0.0, _number(0, math.inf, hi_open=True), "decoupled weight decay", notice=True),
+    Field(
+        "lr_boundaries_epochs",
+        tuple,
+        (10, 15),
+        _epochs,
+        "multiply the learning rate by lr_decay_factor here",
+        notice=True,
+    ),
+    Field(
+        "lr_decay_factor",
+        float,
+        0.1,
+        _number(0, 1, lo_open=True),
+        "the learning rate's factor at each boundary",
+        notice=True,
+    ),
     Field(
         "lr_warmup_steps",
         int,
         0,
         _int(0),
         "train the first n steps at learning_rate * lr_warmup_factor (He et al.'s ResNet-110 warm-up)",
+        notice=True,
     ),
-    Field("lr_warmup_factor", float, 0.1, _number(0, 1, lo_open=True), "the learning rate's factor while warming up"),
-    Field("batch_size", int, 128, _int(), "training batch (split over the devices)"),
+    Field(
+        "lr_warmup_factor",
+        float,
+        0.1,
+        _number(0, 1, lo_open=True),
+        "the learning rate's factor while warming up",
+        notice=True,
+    ),
+    Field("batch_size", int, 128, _int(), "training batch (split over the devices)", notice=True),
     Field("eval_batch_size", int, 1000, _int(), "evaluation batch"),
     Field("num_epochs", int, 20, _int(), "epochs to train"),
     Field("seed", int, 0, _int(0, 2**32 - 1), "initial parameters PRNGKey(seed); batches PRNGKey(seed + 1)"),
@@ -218,6 +249,8 @@ FIELDS: tuple[Field, ...] = (
 BY_NAME: dict[str, Field] = {f.name: f for f in FIELDS}
 #: What a resumed run (single or sweep) must share with the checkpoint it resumes.
 RESUME_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.resume)
+#: What a resumed run may change, and is told in one line that it did (the optimisation's settings).
+NOTICE_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.notice)
 #: The top-level fields a model takes where its class has them.
 MODEL_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.model)
 
