@@ -149,6 +149,78 @@ def test_restore_with_a_target_keeps_the_structure(tmp_path, no_pickle):
     assert meta["epoch"] == 3
 
 
+def mixed_tree():
+    """A training tree with a numpy scalar and a Python int beside the arrays."""
+    return {**sample_tree(), "scale": np.float32(2.5), "count": 3}
+
+
+def orbax_standard_manager(directory):
+    """A manager as Orbax makes one by default for our two items: its standard handler for
+    ``state``, and Orbax's global type handlers."""
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(str(directory), item_names=("state", "metadata"))
+
+
+def test_orbax_global_type_handlers_are_untouched(tmp_path):
+    """Saving and restoring through this module leaves Orbax's process-wide registry as Orbax
+    made it: the settled writers live only in the managers' own registries."""
+    import orbax.checkpoint as ocp
+
+    handlers = ocp.type_handlers
+    write_checkpoint(tmp_path, mixed_tree())
+    ckpt.load(str(tmp_path))
+    assert type(handlers.get_type_handler(np.ndarray)) is handlers.NumpyHandler
+    for ty in (int, float, bytes, np.number):
+        assert type(handlers.get_type_handler(ty)) is handlers.ScalarHandler
+    own = ckpt.type_handler_registry()
+    assert own is not ckpt.type_handler_registry()  # a new registry each time, owned by its manager
+    assert isinstance(own.get(np.ndarray), handlers.NumpyHandler)
+    assert own.get(np.ndarray).typestr() == "np.ndarray" and own.get(np.float32).typestr() == "scalar"
+    assert own.get(jax.Array) is handlers.get_type_handler(jax.Array)  # Orbax's own, for other types
+
+
+def test_a_checkpoint_of_orbax_standard_handler_loads(tmp_path, no_pickle):
+    """A checkpoint written as this module wrote them with Orbax's standard handler and global
+    registry (``StandardSave``) loads, digest checked."""
+    import orbax.checkpoint as ocp
+
+    tree = jax.device_get(mixed_tree())  # numpy, as save() hands it to Orbax
+    meta = metadata().replace(step=7, digest=ckpt.tree_digest(tree)).to_json()
+    meta.update(format=ckpt.FORMAT, format_version=ckpt.FORMAT_VERSION)
+    mngr = orbax_standard_manager(tmp_path)
+    mngr.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave(tree), metadata=ocp.args.JsonSave(meta)))
+    mngr.wait_until_finished()
+    mngr.close()
+    state, loaded = ckpt.load(str(tmp_path))
+    assert_trees_equal(state, tree, structure=False)
+    assert loaded == meta
+
+
+def test_a_checkpoint_of_this_module_loads_with_orbax_standard_handler(tmp_path):
+    """The other way: Orbax's standard handler over its global registry reads what
+    :func:`checkpoint.save` writes, and both write the same tree metadata (value types
+    included: a numpy scalar is a 0-d ``np.ndarray``, a Python int a ``scalar``)."""
+    import orbax.checkpoint as ocp
+
+    tree = mixed_tree()
+    write_checkpoint(tmp_path / "ours", tree)
+    mngr = orbax_standard_manager(tmp_path / "ours")
+    restored = mngr.restore(
+        7, args=ocp.args.Composite(state=ocp.args.StandardRestore(), metadata=ocp.args.JsonRestore())
+    )
+    mngr.close()
+    assert_trees_equal(restored["state"], tree, structure=False)
+    assert restored["metadata"]["digest"] == ckpt.tree_digest(tree)
+
+    mngr = orbax_standard_manager(tmp_path / "standard")
+    mngr.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave(jax.device_get(tree))))  # as save() does
+    mngr.wait_until_finished()
+    mngr.close()
+    layouts = [json.loads((tmp_path / d / "7" / "state" / "_METADATA").read_text()) for d in ("ours", "standard")]
+    assert layouts[0] == layouts[1]
+
+
 def test_load_a_step_directory_and_pick_steps(tmp_path):
     mngr = ckpt.manager(str(tmp_path), max_to_keep=2)
     for step in (1, 2, 3):

@@ -4,7 +4,8 @@ A checkpoint directory is an Orbax ``CheckpointManager`` directory: one
 sub-directory per saved step, each with two items:
 
 * ``state``: the array tree (``params``, ``batch_stats``, ``opt_state``, ...),
-  written by Orbax's standard (tensorstore/OCDBT) handler — no pickle;
+  written by Orbax's PyTree (tensorstore/OCDBT) handler in the layout of its standard handler,
+  with a type-handler registry of this module's own (:func:`type_handler_registry`) — no pickle;
 * ``metadata``: JSON saying what the checkpoint holds, written from one
   validated :class:`CheckpointMetadata` (model name and keyword arguments,
   eps / eta / h stored once, dataset and its normalisation, the training
@@ -135,41 +136,45 @@ def quiet_orbax_logging() -> None:
 def _ocp():
     import orbax.checkpoint as ocp  # heavy import, only where checkpoints are used
 
-    _settle_failed_writes(ocp)
     return ocp
 
 
-def _settle_failed_writes(ocp) -> None:
-    """Make Orbax's writers of numpy arrays and scalars (what :func:`save` hands it) wait for every
-    array's write before a failed one's error is raised.
+def type_handler_registry():
+    """A new Orbax ``TypeHandlerRegistry`` of our own, for the arrays of :func:`save`: numpy arrays
+    and scalars written by Orbax's ``NumpyHandler`` and ``ScalarHandler`` made to settle their
+    failed writes (:class:`_SettledWrites`), and every other type Orbax supports by the handler
+    Orbax's own registry holds for it (read, never changed). The handlers' ``typestr`` are Orbax's
+    (``np.ndarray``, ``scalar``), so what is written, and how it is read, is Orbax's format.
+
+    The settling overrides Orbax's private ``NumpyHandler._background_serialize`` (Orbax has no
+    public hook into how a handler awaits its writes); an Orbax without that method gets plain
+    ``NumpyHandler`` / ``ScalarHandler`` here, and a full disk may then print Orbax's tracebacks
+    after the error line."""
+    handlers = _ocp().type_handlers
+    numpy_cls, scalar_cls = handlers.NumpyHandler, handlers.ScalarHandler
+    if hasattr(numpy_cls, "_background_serialize"):
+        numpy_cls, scalar_cls = (
+            type(f"Settled{cls.__name__}", (_SettledWrites, cls), {"__module__": __name__})
+            for cls in (numpy_cls, scalar_cls)
+        )
+    ours = {np.ndarray: numpy_cls(), **dict.fromkeys((int, float, bytes, np.number), scalar_cls())}
+    return handlers.create_type_handler_registry(
+        *((ty, ours[ty] if ty in ours else handlers.get_type_handler(ty)) for ty in handlers.supported_types())
+    )
+
+
+class _SettledWrites:
+    """Mixin for Orbax's ``NumpyHandler`` and ``ScalarHandler``: every array of a step is written
+    as before, through Orbax's own code, but a failed write's error is raised only once all of
+    them have finished.
 
     Orbax writes a step's arrays at once (``asyncio.gather``) in an event loop of its own, and
     closes that loop as soon as one write fails (a full disk): the writes still in flight in
     TensorStore then finish into the closed loop, and each prints a ``RuntimeError: Event loop is
     closed`` traceback (with ``Future exception was never retrieved`` for the failures nobody
-    awaited), after the run's one error line. Here every array is written as before, through
-    Orbax's own code, but the gather waits for all of them: the loop closes with nothing in flight,
-    and the first error is raised as Orbax raised it. What is written, and its metadata
-    (``np.ndarray`` / ``scalar``), is unchanged. Registered once, in Orbax's registry of type
-    handlers, for the types Orbax's own handlers have; an Orbax without this method keeps its own."""
-    handlers = ocp.type_handlers
-    numpy_cls, scalar_cls = handlers.NumpyHandler, handlers.ScalarHandler
-    if isinstance(handlers.get_type_handler(np.ndarray), _SettledWrites):
-        return
-    if not hasattr(numpy_cls, "_background_serialize"):
-        return
-    settled = {
-        cls: type(f"Settled{cls.__name__}", (_SettledWrites, cls), {"__module__": __name__})
-        for cls in (numpy_cls, scalar_cls)
-    }
-    for ty in (np.ndarray, int, float, bytes, np.number):
-        current = handlers.get_type_handler(ty)
-        if type(current) in settled:  # Orbax's own handler, not one the user registered
-            handlers.register_type_handler(ty, settled[type(current)](), override=True)
-
-
-class _SettledWrites:
-    """Mixin for Orbax's ``NumpyHandler``: see :func:`_settle_failed_writes`."""
+    awaited), after the run's one error line. Waiting for all of them, the loop closes with nothing
+    in flight, and the first error is raised as Orbax raised it. Used only in the registry of
+    :func:`type_handler_registry`, never in Orbax's global one."""
 
     async def _background_serialize(self, values, infos, args=None):
         import asyncio
@@ -213,10 +218,23 @@ def tree_digest(tree: Any) -> str:
 
 
 def manager(directory: str, *, max_to_keep: int = 3, create: bool = True):
-    """An Orbax ``CheckpointManager`` over ``directory`` with our two items."""
+    """An Orbax ``CheckpointManager`` over ``directory`` with our two items: ``state`` by Orbax's
+    ``PyTreeCheckpointHandler`` over this manager's own :func:`type_handler_registry` registry (save and
+    restore it with ``PyTreeSave`` / ``PyTreeRestore``), ``metadata`` by Orbax's
+    ``JsonCheckpointHandler``. Orbax's global registries are not changed. A step's Orbax bookkeeping
+    (``_CHECKPOINT_METADATA``) names the PyTree handler for ``state`` where checkpoints written
+    with Orbax's standard handler name that one; the arrays and their metadata are alike, and
+    each reads the other's."""
     ocp = _ocp()
+    items = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    state = ocp.PyTreeCheckpointHandler(type_handler_registry=type_handler_registry())
+    items.add("state", ocp.args.PyTreeSave, state)
+    items.add("state", ocp.args.PyTreeRestore, state)
+    metadata = ocp.JsonCheckpointHandler()
+    items.add("metadata", ocp.args.JsonSave, metadata)
+    items.add("metadata", ocp.args.JsonRestore, metadata)
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create)
-    return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_names=("state", "metadata"))
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options, handler_registry=items)
 
 
 def save(mngr, step: int, state: Any, metadata: CheckpointMetadata) -> None:
@@ -233,13 +251,15 @@ def save(mngr, step: int, state: Any, metadata: CheckpointMetadata) -> None:
             f"std)); got {type(metadata).__name__}"
         )
     state = distributed.gather(state)  # whole on every process; Orbax writes it from the primary
+    # ... as numpy arrays (a numpy scalar as a 0-d array): the value types Orbax's standard handler
+    # stored, so its checkpoints and ours are alike (tests/test_checkpoint.py compares them)
     meta = metadata.replace(step=int(step), digest=tree_digest(state)).to_json()
     meta.update(format=FORMAT, format_version=FORMAT_VERSION)
     check_writable(str(mngr.directory), f" (step {int(step)})")
     try:
         mngr.save(
             int(step),
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(meta)),
+            args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), metadata=ocp.args.JsonSave(meta)),
             force=True,
         )
         mngr.wait_until_finished()
@@ -338,7 +358,7 @@ def _restore_step(mngr, step: int, *, target: Any = None, check=None) -> tuple[A
         check(meta)
     try:
         _check_array_store(os.path.join(str(mngr.directory), str(step), "state"))
-        state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+        state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore()))["state"]
     except Exception as e:  # noqa: BLE001
         raise DamagedStep(
             mngr.directory,
