@@ -46,14 +46,17 @@ from absl import app, flags, logging
 
 from experiments import ablation
 from experiments.sweep_report import (
+    define_cluster_flags,
     define_compilation_cache_flag,
     enable_compilation_cache,
+    join_cluster,
     pm,
     read_summary,
     script_version,
     trained_on,
     write_summary,
 )
+from naisnet_jax import distributed
 
 #: The learning rates every model tries first: half-decades from 0.3 down to 0.0003.
 GRID = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001, 0.0003)
@@ -330,17 +333,22 @@ def run_variant(variant: Variant, workdir: str, **kw) -> dict | None:
     directory = os.path.join(workdir, variant.key)
     os.makedirs(directory, exist_ok=True)
     lock = filelock.FileLock(os.path.join(directory, ".variant.lock"))
-    try:
-        lock.acquire(timeout=0)
-    except filelock.Timeout:
+    held = False
+    if distributed.is_primary():  # of a multi-process run, the primary holds it for all
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            held = True
+    if distributed.agree(int(held)):
         print(f"== {variant.key}: another process holds it", flush=True)
         return None
     try:
         print(f"== {variant.key}: choosing the learning rate", flush=True)
         h, smoke = kw["h"], kw["smoke"]
         choice = run_choice(variant, directory, seeds=kw["choice_seeds"], epochs=kw["choice_epochs"], h=h, smoke=smoke)
-        with open(os.path.join(directory, "choice.json"), "w") as f:
-            json.dump(choice, f, indent=1)
+        if distributed.is_primary():
+            with open(os.path.join(directory, "choice.json"), "w") as f:
+                json.dump(choice, f, indent=1)
         print(f"== {variant.key}: chose {lr_name(choice['chosen'])}; {kw['seeds']} seeds on the test set", flush=True)
         row = run_final(
             variant, directory, lr=choice["chosen"], seeds=kw["seeds"], epochs=kw["epochs"], h=h, smoke=smoke
@@ -348,7 +356,8 @@ def run_variant(variant: Variant, workdir: str, **kw) -> dict | None:
         row["choice"] = choice
         return row
     finally:
-        lock.release()
+        if lock.is_locked:
+            lock.release()
 
 
 # --------------------------------------------------------------------------- the report
@@ -559,6 +568,8 @@ def run(
             raise RuntimeError(f"{key} is still held by another process; report once every process has ended")
         rows[key] = row
     ordered = [rows[v.key] for v in variants]
+    if not distributed.is_primary():  # of several processes, the primary one writes the report
+        return ordered
     literal_by = literal_rows(literal) if not smoke else {}
     report(ordered, workdir, literal=literal_by, literal_path=literal, h=h, settings=settings)
     rank = rank_among_ten(ordered)
@@ -579,6 +590,7 @@ FLAGS = flags.FLAGS
 
 def _define_flags() -> None:
     define_compilation_cache_flag()
+    define_cluster_flags()
     flags.DEFINE_string("workdir", "runs/tuned", "Where every sweep and the results go.")
     flags.DEFINE_list("models", None, "Subset of the models by key (default: all twelve).")
     flags.DEFINE_integer("seeds", 10, "Seeds of each final run.")
@@ -594,6 +606,10 @@ def _define_flags() -> None:
 def _main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    try:
+        join_cluster(FLAGS, FLAGS.workdir)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
     enable_compilation_cache(FLAGS.compilation_cache, FLAGS.workdir)
     try:
         run(
