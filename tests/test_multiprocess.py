@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -167,6 +168,22 @@ def test_a_lost_process_ends_the_other_in_one_line_and_the_rerun_resumes_exactly
     for a, b in zip(ours, reference):
         for k in COMPARED:
             assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), (a["epoch"], k)
+
+
+def test_a_diverging_run_stops_every_process_at_the_same_step(tmp_path):
+    """The divergence check reads replicated results: every process stops at the same step, in
+    one line each (the primary's plain, the other's naming itself), exit 1, nothing saved."""
+    args = [*_train_args(tmp_path / "w", 3), "--config.learning_rate=1e38"]
+    done = _finish(
+        _launch(lambda port, i: [str(COMMAND), *args, *_cluster(port, 2, i)], 2, 2, tmp_path / "c", tmp_path)
+    )
+    assert [s for s, _, _ in done] == [1, 1], done
+    (_, _, err0), (_, _, err1) = done
+    stopped = re.compile(r"training loss became nan at epoch 1 \(step (\d+)\); stopped before saving")
+    assert err0.startswith("error: training loss became nan") and err1.startswith("error: process 1 of 2: training")
+    assert stopped.search(err0).group(1) == stopped.search(err1).group(1), (err0, err1)
+    assert len(err0.splitlines()) == len(err1.splitlines()) == 1
+    assert not any(p.name.isdigit() for p in (tmp_path / "w" / "checkpoints").iterdir())
 
 
 SWEEP = """
