@@ -202,6 +202,21 @@ print("seeds", [r.seed for r in result.runs], "accuracy", [r.test_accuracy for r
 """
 
 
+def test_a_process_whose_coordinator_never_answers_says_so_in_one_line(tmp_path):
+    env = dict(_env(1, tmp_path / "cache"), **{distributed.JOIN_TIMEOUT_ENV: "2"})
+    argv = [str(COMMAND), *_train_args(tmp_path / "w", 1), *_cluster(_free_port(), 2, 1)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == distributed.EXIT_NOT_JOINED, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines == [
+        f"error: process 1 of 2 could not join the run: no coordinator (process 0) answered at "
+        f"{argv[-3].split('=', 1)[1]} within 2 s; start every process, and check the address and port."
+    ], done.stderr
+    assert not (tmp_path / "w").exists()
+    bad = subprocess.run(argv, env=dict(env, **{distributed.JOIN_TIMEOUT_ENV: "soon"}), capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("must be a whole number of seconds, at least 1."), bad
+
+
 def test_a_two_seed_sweep_over_two_processes_is_the_sweep_of_one(tmp_path):
     cache = tmp_path / "cache"
 
@@ -239,6 +254,12 @@ def test_a_two_seed_sweep_over_two_processes_is_the_sweep_of_one(tmp_path):
         ),
         ("F1129 client.h:80] Terminating process because the JAX distributed service detected fatal errors.", []),
         ("E1129 some other error", None),
+        (
+            "F1129 client.h:80] Terminating process because the JAX distributed service detected fatal errors. "
+            "absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded\n\n"
+            "RPC: /xla.coordination.CoordinationService/RegisterTask",
+            None,  # never joined: no process was lost
+        ),
     ],
 )
 def test_the_lost_process_is_read_from_the_runtime_report(report, lost):

@@ -40,6 +40,12 @@ HEARTBEAT_TIMEOUT = 20
 
 #: Exit status of a process that stops because another one was lost.
 EXIT_PEER_LOST = 1
+#: Exit status of a process that could not join the run (no coordinator answered in time).
+EXIT_NOT_JOINED = 2
+#: Seconds a process waits for the others to join (JAX's ``initialization_timeout``); the
+#: environment variable of this name sets another (a large job's tasks may start minutes apart).
+JOIN_TIMEOUT_ENV = "NAISNET_JAX_JOIN_TIMEOUT"
+JOIN_TIMEOUT = 300
 
 
 class PeerFailed(RuntimeError):
@@ -99,18 +105,24 @@ def initialize(cluster: Cluster = Cluster(), *, heartbeat_timeout: int = HEARTBE
     import jax
 
     cluster.check()
+    timeouts = dict(heartbeat_timeout_seconds=heartbeat_timeout, initialization_timeout=join_timeout())
     if cluster.explicit():
-        jax.distributed.initialize(
-            cluster.coordinator_address,
-            cluster.num_processes,
-            cluster.process_id,
-            heartbeat_timeout_seconds=heartbeat_timeout,
-        )
+        jax.distributed.initialize(cluster.coordinator_address, cluster.num_processes, cluster.process_id, **timeouts)
     elif detected() is not None:
-        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout)
+        jax.distributed.initialize(**timeouts)
     else:
         return False
     return jax.process_count() > 1
+
+
+def join_timeout() -> int:
+    """:data:`JOIN_TIMEOUT`, or the whole number of seconds in ``$NAISNET_JAX_JOIN_TIMEOUT``."""
+    raw = os.environ.get(JOIN_TIMEOUT_ENV)
+    if raw is None:
+        return JOIN_TIMEOUT
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"${JOIN_TIMEOUT_ENV}={raw!r} must be a whole number of seconds, at least 1.")
+    return int(raw)
 
 
 def is_primary() -> bool:
@@ -162,8 +174,9 @@ _FATAL = "Terminating process because the JAX distributed service detected fatal
 
 def lost_processes(text: str) -> list[int] | None:
     """From a process's stderr: the processes JAX's runtime declared lost (``[]`` when it could
-    not tell which), or ``None`` when the runtime ended nothing."""
-    if _FATAL not in text:
+    not tell which), or ``None`` when the runtime ended nothing (or this process never joined:
+    :func:`never_joined`)."""
+    if _FATAL not in text or never_joined(text):
         return None
     found = _UNHEALTHY.search(text)
     if found:
@@ -171,6 +184,12 @@ def lost_processes(text: str) -> list[int] | None:
     if _COORDINATOR_GONE.search(text):
         return [0]
     return []
+
+
+def never_joined(text: str) -> bool:
+    """Whether JAX's runtime ended this process because no coordinator took its registration
+    in time (process 0 not running, or not reachable at the address)."""
+    return _FATAL in text and "RegisterTask" in text
 
 
 #: Set in the child :func:`supervise` starts: that process joins the run itself.
@@ -245,14 +264,24 @@ def supervise(command: Sequence[str], cluster: Cluster, *, workdir: str) -> int:
     status = child.wait()
     out.join()
     status = status if status >= 0 else 128 - status
-    lost = lost_processes("".join(held))
-    if lost is None:
-        sys.stderr.write("".join(held))
-        return status
+    report = "".join(held)
     me, count = _place(cluster)
-    who = ", ".join(str(p) for p in lost) or "another process"
+    if never_joined(report):
+        where = cluster.coordinator_address or "the address the launcher gives"
+        print(
+            f"error: process {me} of {count} could not join the run: no coordinator (process 0) answered at "
+            f"{where} within {join_timeout()} s; start every process, and check the address and port.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_NOT_JOINED
+    lost = lost_processes(report)
+    if lost is None:
+        sys.stderr.write(report)
+        return status
+    who = f"process {', '.join(str(p) for p in lost)}" if lost else "a process"
     print(
-        f"error: process {who} of {count} was lost, and JAX's runtime stopped process {me}; the checkpoints "
+        f"error: {who} of {count} was lost, and JAX's runtime stopped process {me}; the checkpoints "
         f"in {workdir} are intact, and the same command on every process resumes from the last one.",
         file=sys.stderr,
         flush=True,

@@ -356,7 +356,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from naisnet_jax.checkpoint import quiet_orbax_logging
 
     quiet_orbax_logging()  # Orbax's log lines (every save, its own bookkeeping files) are not the user's
-    several = distributed.initialize(cluster)
+    try:
+        several = distributed.initialize(cluster)
+    except ValueError as e:  # $NAISNET_JAX_JOIN_TIMEOUT
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
     if several and not distributed.is_primary():
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the primary process prints the run
     compile_cache.enable(args.compilation_cache)
