@@ -43,7 +43,8 @@ import time
 
 import numpy as np
 
-from experiments.sweep_report import script_version
+from experiments.sweep_report import join_cluster, script_version
+from naisnet_jax import distributed
 
 TOL = 1e-4
 DATASETS = ("fashion_mnist_idx", "mnist_pinned")
@@ -363,16 +364,15 @@ def analyse_run(state, images, labels, mean, std, *, config, dataset, workdir, d
     total = depths["depth"].sum(axis=0)
     prefix = os.path.join(workdir, dataset)
     tag = f"{dataset}: NAIS-Net, threshold {config.adaptive_tol:g}, max {config.max_steps}/block"
-    plot_histograms(total, labels, names, f"{prefix}_depth_hist.png", title=tag, dpi=dpi)
-    plot_grid(
-        images, total, labels, names, f"{prefix}_depth_grid.png", title=f"Test images grouped by depth ({tag})", dpi=dpi
-    )
-    plot_accuracy(
-        summary["per_bin"], f"{prefix}_accuracy_vs_depth.png", title=f"Test accuracy against depth ({dataset})", dpi=dpi
-    )
-    np.savez_compressed(
-        f"{prefix}_depths.npz", depth=depths["depth"], labels=labels, predictions=depths["logits"].argmax(-1)
-    )
+    if distributed.is_primary():  # of several processes, the primary one writes the figures
+        plot_histograms(total, labels, names, f"{prefix}_depth_hist.png", title=tag, dpi=dpi)
+        grid_title = f"Test images grouped by depth ({tag})"
+        plot_grid(images, total, labels, names, f"{prefix}_depth_grid.png", title=grid_title, dpi=dpi)
+        accuracy_title = f"Test accuracy against depth ({dataset})"
+        plot_accuracy(summary["per_bin"], f"{prefix}_accuracy_vs_depth.png", title=accuracy_title, dpi=dpi)
+        np.savez_compressed(
+            f"{prefix}_depths.npz", depth=depths["depth"], labels=labels, predictions=depths["logits"].argmax(-1)
+        )
     return {
         "dataset": dataset,
         "class_names": list(names),
@@ -496,6 +496,8 @@ def run(
             )
         )
     device = f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}"
+    if not distributed.is_primary():  # of several processes, the primary one writes the report
+        return rows
     table = write_results(rows, workdir, device=device, seconds=time.time() - t0)
     print(table)
     print(f"results: {workdir}/results.md; figures: {workdir}/*_depth_*.png")
@@ -518,7 +520,16 @@ def main(argv=None) -> None:
     parser.add_argument("--fashion_dir", default=None, help="Fashion-MNIST IDX folder")
     parser.add_argument("--mnist_dir", default=None, help="folder of mnist.pkl.gz")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU check")
+    parser.add_argument(
+        "--coordinator_address", default=None, help="several processes: host:port of process 0 (docs/training.md)"
+    )
+    parser.add_argument("--num_processes", type=int, default=None, help="several processes: how many take part")
+    parser.add_argument("--process_id", type=int, default=None, help="several processes: this one's index")
     args = parser.parse_args(argv)
+    try:
+        join_cluster(args, args.workdir)
+    except ValueError as e:
+        parser.error(str(e))
     datasets = [d for d in args.datasets.split(",") if d]
     unknown = sorted(set(datasets) - set(DATASETS))
     if unknown:
