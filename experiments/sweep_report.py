@@ -13,28 +13,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-FINGERPRINT_KEYS = (
-    "model",
-    "model_kwargs",
-    "dataset",
-    "validation",
-    "limit_train",
-    "limit_test",
-    "h",
-    "eps",
-    "eta",
-    "learning_rate",
-    "momentum",
-    "batch_size",
-    "num_epochs",
-    "seed",
-    "num_seeds",
-    "weight_decay",
-    "lr_boundaries_epochs",
-    "augment",
-    "augment_flip",
-    "standardize",
-)
+from naisnet_jax.configs import schema
+
+#: What a stored summary must share with a config to stand for it: the fields that decide results.
+FINGERPRINT_KEYS = schema.RESULT_FIELDS
 
 
 def fingerprint(config) -> dict:
@@ -49,7 +31,25 @@ def read_summary(path: str, config) -> dict | None:
         return None
     with open(path) as f:
         saved = json.load(f)
-    return saved["row"] if saved.get("fingerprint") == fingerprint(config) else None
+    return saved["row"] if same_fingerprint(saved, config) else None
+
+
+#: 2: a summary's fingerprint holds every field that decides results (:data:`FINGERPRINT_KEYS`);
+#: before, a shorter list, which such a summary is still matched on.
+FINGERPRINT_VERSION = 2
+
+
+def same_fingerprint(saved: dict, config) -> bool:
+    """Whether a stored summary stands for ``config``. Its fingerprint must agree on every field
+    it records; a current summary records them all, and a field added to the declaration after it
+    was written must hold its default (the value every run had before the field existed)."""
+    stored, ours = saved.get("fingerprint"), fingerprint(config)
+    if not stored:
+        return False
+    if saved.get("fingerprint_version") != FINGERPRINT_VERSION:
+        return all(ours.get(k) == v for k, v in stored.items())
+    defaults = fingerprint(schema.default_config())
+    return all(stored.get(k, defaults[k]) == ours[k] for k in ours)
 
 
 def write_summary(path: str, config, row: dict) -> None:
@@ -60,7 +60,7 @@ def write_summary(path: str, config, row: dict) -> None:
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
-        json.dump({"fingerprint": fingerprint(config), "row": row}, f)
+        json.dump({"fingerprint": fingerprint(config), "fingerprint_version": FINGERPRINT_VERSION, "row": row}, f)
     os.replace(path + ".tmp", path)
 
 

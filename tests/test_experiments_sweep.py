@@ -399,3 +399,43 @@ def test_script_version_names_the_commit_and_a_changed_tree(monkeypatch, tmp_pat
         probe.unlink()
     monkeypatch.setenv("NAISNET_SCRIPT_VERSION", "0123abc")
     assert sweep_report.script_version() == "0123abc"
+
+
+def test_a_stored_summary_stands_only_for_a_config_that_agrees_on_every_result_field(tmp_path):
+    """A summary is reused for a config that differs in bookkeeping alone; any field that decides
+    results (the learning rate's drop factor, its warm-up, the bound) makes it another run. A
+    summary written before the fingerprint held every such field is matched on the fields it holds."""
+    from experiments import sweep_report
+    from naisnet_jax.configs import digits_tiny, schema
+
+    path = str(tmp_path / "summary.json")
+    config = digits_tiny.get_config()
+    sweep_report.write_summary(path, config, {"x": 1})
+    assert sweep_report.read_summary(path, config) == {"x": 1}
+    for field, value in (("progress", True), ("steps_per_chunk", 7), ("eval_batch_size", 64), ("num_devices", 1)):
+        other = digits_tiny.get_config()
+        other[field] = value
+        assert sweep_report.read_summary(path, other) == {"x": 1}, field  # bookkeeping
+    for field, value in (("lr_decay_factor", 0.5), ("lr_warmup_steps", 10), ("relaxed", True), ("max_steps", 7)):
+        other = digits_tiny.get_config()
+        other[field] = value
+        assert sweep_report.read_summary(path, other) is None, field
+    assert set(sweep_report.FINGERPRINT_KEYS) == {f.name for f in schema.FIELDS if not f.bookkeeping}
+    # a summary from before: its fingerprint holds fewer fields, and only those are compared
+    legacy = {k: v for k, v in sweep_report.fingerprint(config).items() if k not in ("relaxed", "lr_warmup_steps")}
+    with open(path, "w") as f:
+        json.dump({"fingerprint": legacy, "row": {"x": 2}}, f)
+    relaxed = digits_tiny.get_config()
+    relaxed.relaxed = True
+    assert sweep_report.read_summary(path, relaxed) == {"x": 2}
+    changed = digits_tiny.get_config()
+    changed.learning_rate = 0.5
+    assert sweep_report.read_summary(path, changed) is None
+    # a current summary written before a field existed: that field held its default
+    current = {k: v for k, v in sweep_report.fingerprint(config).items() if k != "lr_warmup_steps"}
+    with open(path, "w") as f:
+        json.dump({"fingerprint": current, "fingerprint_version": sweep_report.FINGERPRINT_VERSION, "row": 3}, f)
+    assert sweep_report.read_summary(path, config) == 3
+    warm = digits_tiny.get_config()
+    warm.lr_warmup_steps = 10
+    assert sweep_report.read_summary(path, warm) is None

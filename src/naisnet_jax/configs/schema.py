@@ -30,6 +30,8 @@ class Field:
     """One config field: ``check(name, value, config)`` raises ``ValueError`` naming ``name``;
     ``optional`` fields may be ``None``; ``resume`` fields must match a checkpoint's to resume it;
     a changed ``notice`` field is said in one line when a run resumes (it changes how training goes on);
+    a ``bookkeeping`` field changes where a run reads or writes, how it reports or which (equivalent)
+    program runs it, never what it computes;
     ``model`` fields are passed to the model where its class takes them (never through
     ``model_kwargs``: one value for the model, the projection and the checkpoint)."""
 
@@ -42,6 +44,7 @@ class Field:
     resume: bool = False
     notice: bool = False
     model: bool = False
+    bookkeeping: bool = False
 
 
 # ------------------------------------------------------------------ rules
@@ -155,11 +158,18 @@ FIELDS: tuple[Field, ...] = (
         _fast_path,
         '"auto": on a GPU a NAIS net gets block_vjp="fused", scan_unroll=10 unless model_kwargs sets its '
         'own speed options (same maths); "plain": the modules\' defaults',
+        bookkeeping=True,
     ),
     # data
     Field("dataset", str, "fashion_mnist_idx", _dataset, "a name of naisnet_jax.data.DATASET_NAMES", resume=True),
     Field(
-        "data_dir", str, None, _string, "dataset-specific default (see naisnet_jax.data.load_dataset)", optional=True
+        "data_dir",
+        str,
+        None,
+        _string,
+        "dataset-specific default (see naisnet_jax.data.load_dataset)",
+        optional=True,
+        bookkeeping=True,
     ),
     Field("limit_train", int, None, _int(), "use the first n training examples", optional=True, resume=True),
     Field("limit_test", int, None, _int(), "use the first n test examples", optional=True, resume=True),
@@ -226,17 +236,34 @@ FIELDS: tuple[Field, ...] = (
         notice=True,
     ),
     Field("batch_size", int, 128, _int(), "training batch (split over the devices)", notice=True),
-    Field("eval_batch_size", int, 1000, _int(), "evaluation batch"),
+    Field("eval_batch_size", int, 1000, _int(), "evaluation batch", bookkeeping=True),
     Field("num_epochs", int, 20, _int(), "epochs to train"),
     Field("seed", int, 0, _int(0, 2**32 - 1), "initial parameters PRNGKey(seed); batches PRNGKey(seed + 1)"),
     Field("num_seeds", int, 1, _int(), "naisnet_jax.sweep trains seeds seed, seed + 1, ..., side by side"),
     # bookkeeping
-    Field("checkpoint_every_epochs", int, 1, _int(), "save a checkpoint every n epochs (and after the last)"),
-    Field("keep_checkpoints", int, 3, _int(), "checkpoints kept"),
-    Field("steps_per_chunk", int, 50, _int(), "train steps per jitted loop (progress bar granularity)"),
-    Field("progress", bool, True, _bool, "draw a progress bar on a terminal"),
+    Field(
+        "checkpoint_every_epochs",
+        int,
+        1,
+        _int(),
+        "save a checkpoint every n epochs (and after the last)",
+        bookkeeping=True,
+    ),
+    Field("keep_checkpoints", int, 3, _int(), "checkpoints kept", bookkeeping=True),
+    Field(
+        "steps_per_chunk", int, 50, _int(), "train steps per jitted loop (progress bar granularity)", bookkeeping=True
+    ),
+    Field("progress", bool, True, _bool, "draw a progress bar on a terminal", bookkeeping=True),
     # devices
-    Field("num_devices", int, None, _int(), "batches are split over this many devices (None: all)", optional=True),
+    Field(
+        "num_devices",
+        int,
+        None,
+        _int(),
+        "batches are split over this many devices (None: all)",
+        optional=True,
+        bookkeeping=True,
+    ),
     Field(
         "sync_batch_norm",
         bool,
@@ -251,6 +278,9 @@ BY_NAME: dict[str, Field] = {f.name: f for f in FIELDS}
 RESUME_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.resume)
 #: What a resumed run may change, and is told in one line that it did (the optimisation's settings).
 NOTICE_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.notice)
+#: What decides a run's results: every field but the bookkeeping ones (an experiment reuses a
+#: stored result only for a config that agrees on all of them).
+RESULT_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if not f.bookkeeping)
 #: The top-level fields a model takes where its class has them.
 MODEL_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.model)
 
