@@ -35,7 +35,7 @@ import numpy as np
 from naisnet_jax.checks import check_int
 
 #: Seconds without a heartbeat after which JAX's coordination service declares a process lost
-#: (JAX's default is 100 s; the issue of a lost process should be said within a minute).
+#: (JAX's default is 100 s; here a lost process is said within a minute).
 HEARTBEAT_TIMEOUT = 20
 
 #: Exit status of a process that stops because another one was lost.
