@@ -520,11 +520,8 @@ def main(argv=None) -> None:
     parser.add_argument("--fashion_dir", default=None, help="Fashion-MNIST IDX folder")
     parser.add_argument("--mnist_dir", default=None, help="folder of mnist.pkl.gz")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU check")
-    parser.add_argument(
-        "--coordinator_address", default=None, help="several processes: host:port of process 0 (docs/training.md)"
-    )
-    parser.add_argument("--num_processes", type=int, default=None, help="several processes: how many take part")
-    parser.add_argument("--process_id", type=int, default=None, help="several processes: this one's index")
+    for name, (kind, help_text) in distributed.CLUSTER_FLAGS.items():
+        parser.add_argument(f"--{name}", type=kind, default=None, help=help_text)
     args = parser.parse_args(argv)
     try:
         join_cluster(args, args.workdir)

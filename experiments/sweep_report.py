@@ -110,34 +110,19 @@ def define_compilation_cache_flag() -> None:
 
 def define_cluster_flags() -> None:
     """``--coordinator_address``, ``--num_processes``, ``--process_id``, read by :func:`join_cluster`."""
-    from absl import flags
-
-    flags.DEFINE_string(
-        "coordinator_address",
-        None,
-        "several processes: host:port of process 0 (with --num_processes and --process_id; without "
-        "them JAX detects a SLURM, Open MPI or TPU pod launch)",
-    )
-    flags.DEFINE_integer("num_processes", None, "several processes: how many take part")
-    flags.DEFINE_integer("process_id", None, "several processes: this one's index, 0 .. num_processes - 1")
-
-
-def join_cluster(values, workdir: str) -> bool:
-    """Join a multi-process run as :mod:`naisnet_jax.distributed` says (``values``: the parsed
-    flags of :func:`define_cluster_flags`): a launch of several processes runs this command again
-    under :func:`naisnet_jax.distributed.supervise` and exits with its status; the process that
-    joins prints only if it is the primary one. Returns whether this process writes the reports.
-    Raises ``ValueError`` for a partial or bad cluster."""
     from naisnet_jax import distributed
 
-    cluster = distributed.Cluster(values.coordinator_address, values.num_processes, values.process_id).check()
-    if distributed.needs_supervisor(cluster):
-        module = sys.modules["__main__"].__spec__.name  # the experiment, run as python -m
-        sys.exit(distributed.supervise([sys.executable, "-m", module, *sys.argv[1:]], cluster, workdir=workdir))
-    if distributed.initialize(cluster) and not distributed.is_primary():
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the primary process prints the experiment
-        return False
-    return True
+    distributed.define_flags()
+
+
+def join_cluster(values, workdir: str) -> None:
+    """Join a multi-process run (:func:`naisnet_jax.distributed.join`; ``values``: the parsed
+    flags of :func:`define_cluster_flags`), this experiment rerun as ``python -m`` where a
+    launch of several processes needs it. Raises ``ValueError`` for a partial or bad cluster."""
+    from naisnet_jax import distributed
+
+    module = sys.modules["__main__"].__spec__.name  # the experiment, run as python -m
+    distributed.join(distributed.Cluster.of(values), [sys.executable, "-m", module, *sys.argv[1:]], workdir=workdir)
 
 
 def enable_compilation_cache(directory: str | None, workdir: str) -> None:

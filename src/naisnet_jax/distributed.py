@@ -48,6 +48,27 @@ JOIN_TIMEOUT_ENV = "NAISNET_JAX_JOIN_TIMEOUT"
 JOIN_TIMEOUT = 300
 
 
+#: The commands' flags for an explicit cluster: name -> (type, help); :func:`define_flags`.
+CLUSTER_FLAGS = {
+    "coordinator_address": (
+        str,
+        "several processes: host:port of process 0 (with --num_processes and --process_id; without them "
+        "JAX detects a SLURM, Open MPI or TPU pod launch)",
+    ),
+    "num_processes": (int, "several processes: how many take part"),
+    "process_id": (int, "several processes: this one's index, 0 .. num_processes - 1"),
+}
+
+
+def define_flags(flag_values=None) -> None:
+    """:data:`CLUSTER_FLAGS` as absl flags (in ``flag_values``, default absl's global set)."""
+    from absl import flags
+
+    for name, (kind, help_text) in CLUSTER_FLAGS.items():
+        define = flags.DEFINE_string if kind is str else flags.DEFINE_integer
+        define(name, None, help_text, flag_values=flags.FLAGS if flag_values is None else flag_values)
+
+
 class PeerFailed(RuntimeError):
     """Another process (the primary) failed a step every process needed; it said why."""
 
@@ -64,6 +85,11 @@ class Cluster:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+
+    @classmethod
+    def of(cls, values) -> Cluster:
+        """The cluster of parsed flags (absl's or argparse's) named as :data:`CLUSTER_FLAGS`."""
+        return cls(*(getattr(values, f.name) for f in dataclasses.fields(cls)))
 
     def explicit(self) -> bool:
         return any(v is not None for v in dataclasses.astuple(self))
@@ -113,6 +139,21 @@ def initialize(cluster: Cluster = Cluster(), *, heartbeat_timeout: int = HEARTBE
     else:
         return False
     return jax.process_count() > 1
+
+
+def join(cluster: Cluster, command: Sequence[str], *, workdir: str) -> bool:
+    """Join this command's run if it has several processes, as every command does: a launch of
+    several runs ``command`` (this command again) under :func:`supervise` and exits with its
+    status; the process that joins (:func:`initialize`) prints only if it is the primary one.
+    Returns whether this is a multi-process run; raises ``ValueError`` for a bad cluster or
+    ``$NAISNET_JAX_JOIN_TIMEOUT``."""
+    cluster.check()
+    if needs_supervisor(cluster):
+        sys.exit(supervise(command, cluster, workdir=workdir))
+    several = initialize(cluster)
+    if several and not is_primary():
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the primary process prints the run
+    return several
 
 
 def join_timeout() -> int:

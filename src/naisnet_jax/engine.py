@@ -222,7 +222,6 @@ class RunDirectory:
             target,
             check=self.refuse,
             incompatible=": use another workdir, or the checkpoint's config, to resume.",
-            primary=self.primary,
         )
         self._rewind(epoch)
         self._notice_changes()
@@ -259,7 +258,7 @@ class RunDirectory:
         log; the others read its records once it has."""
         if not self.primary:
             distributed.agree(0)
-            self.records = [r for r in read_metrics(self.metrics_path) if 0 < int(r["epoch"]) <= epoch]
+            self.records = read_metrics(self.metrics_path)  # as the primary left it
             return
         self._rewind_log(epoch)
         distributed.agree(0)
@@ -312,11 +311,15 @@ class RunDirectory:
         except OSError as e:  # a full disk, say: the checkpoints saved before are intact
             with contextlib.suppress(OSError):
                 log.close()
-            raise RunWriteError(
-                f"cannot write the metrics log {self.metrics_path} (epoch {epoch}): {e.strerror or e}; "
-                f"the checkpoints in {self.checkpoint_dir} are intact, and the same command resumes from the last one."
-            ) from None
+            raise self.write_failed(f"the metrics log {self.metrics_path}", epoch, e) from None
         self.records.extend(records)
+
+    def write_failed(self, what: str, epoch: int, error: OSError) -> RunWriteError:
+        """The one-line error of a log ``what`` that could not be written at ``epoch``."""
+        return RunWriteError(
+            f"cannot write {what} (epoch {epoch}): {error.strerror or error}; the checkpoints in "
+            f"{self.checkpoint_dir} are intact, and the same command resumes from the last one."
+        )
 
     def stop_diverged(self, what: str):
         """:func:`stop_diverged` on this run's checkpoints."""
@@ -364,10 +367,7 @@ def run_epochs(
         try:
             state, records = program.train_epoch(state, epoch, progress)
         except metric_writers.LogWriteError as e:  # the scalars log, on a full disk say
-            raise RunWriteError(
-                f"cannot write {e.filename} (epoch {epoch}): {e.strerror or e}; the checkpoints in "
-                f"{run.checkpoint_dir} are intact, and the same command resumes from the last one."
-            ) from None
+            raise run.write_failed(e.filename, epoch, e) from None
         due = epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs
         tree = program.saved_tree(state) if due else None
         run.commit(epoch, epoch * program.steps_per_epoch, records, tree, metadata)
@@ -455,7 +455,7 @@ def restore_into(state, tree: dict):
     )
 
 
-def restore_latest(mngr, target: dict, *, check=None, incompatible: str = "", primary: bool = True) -> tuple[dict, int]:
+def restore_latest(mngr, target: dict, *, check=None, incompatible: str = "") -> tuple[dict, int]:
     """The newest intact checkpoint of ``mngr`` as ``target``'s structure, and the epoch it ends.
 
     ``check(metadata)`` runs on each step's stored metadata before its arrays are read (raising
@@ -466,12 +466,13 @@ def restore_latest(mngr, target: dict, *, check=None, incompatible: str = "", pr
     compiled for the fresh state runs on them. Intact arrays that do not fit ``target`` (another
     optimiser, say) raise ``ValueError`` ending with ``incompatible``; a directory without an
     intact step raises :class:`naisnet_jax.checkpoint.NoIntactCheckpoint`. Of several processes
-    (every one restores), the ``primary`` one sets the damaged steps aside and says so."""
+    (every one restores), the primary one sets the damaged steps aside and says so."""
     try:
         tree, meta, damaged = ckpt.restore_newest(mngr, target=target, check=check)
     except ckpt.CheckpointMismatch as e:
         raise ValueError(f"{e}{incompatible}") from None
     if damaged:
+        primary = distributed.is_primary()
         distributed.agree(0)  # every process has read the steps before the primary renames them
         kept = ckpt.set_aside(mngr, [d.step for d in damaged]) if primary else []
         for d, path in zip(damaged, kept):

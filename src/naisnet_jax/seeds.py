@@ -144,7 +144,8 @@ def seed_mesh(config, num_seeds: int) -> Mesh:
     if count == 0:
         raise ValueError(f"config.num_devices={limit} gives fewer devices than the {processes} processes.")
     per_process = count // processes
-    chosen = [d for p in range(processes) for d in [d for d in devices if d.process_index == p][:per_process]]
+    by_process = [[d for d in devices if d.process_index == p] for p in range(processes)]
+    chosen = [d for own in by_process for d in own[:per_process]]
     return Mesh(np.asarray(chosen), (train.DATA_AXIS,))
 
 

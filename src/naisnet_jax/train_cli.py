@@ -99,17 +99,9 @@ def _flags(argv: Sequence[str]):
         flag_values=fv,
     )
     flags.DEFINE_bool("print_config", False, "print the final config and exit", flag_values=fv)
-    flags.DEFINE_string(
-        "coordinator_address",
-        None,
-        "several processes: host:port of process 0 (with --num_processes and --process_id; without them "
-        "JAX detects a SLURM, Open MPI or TPU pod launch)",
-        flag_values=fv,
-    )
-    flags.DEFINE_integer("num_processes", None, "several processes: how many take part", flag_values=fv)
-    flags.DEFINE_integer(
-        "process_id", None, "several processes: this one's index, 0 .. num_processes - 1", flag_values=fv
-    )
+    from naisnet_jax import distributed
+
+    distributed.define_flags(fv)
     return fv, config
 
 
@@ -338,16 +330,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     try:
         args, config = parse(argv)
-        cluster = distributed.Cluster(args.coordinator_address, args.num_processes, args.process_id).check()
+        cluster = distributed.Cluster.of(args).check()
     except (UsageError, ValueError) as e:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     if args.print_config:
         print(config)
         return
-    if distributed.needs_supervisor(cluster):  # this process watches; a child joins the run
-        command = [sys.executable, "-m", "naisnet_jax.train_cli", *argv]
-        sys.exit(distributed.supervise(command, cluster, workdir=args.workdir))
 
     from absl import logging
 
@@ -356,13 +345,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     from naisnet_jax.checkpoint import quiet_orbax_logging
 
     quiet_orbax_logging()  # Orbax's log lines (every save, its own bookkeeping files) are not the user's
-    try:
-        several = distributed.initialize(cluster)
+    try:  # several processes: this one watches a child that joins the run, or is that child
+        several = distributed.join(
+            cluster, [sys.executable, "-m", "naisnet_jax.train_cli", *argv], workdir=args.workdir
+        )
     except ValueError as e:  # $NAISNET_JAX_JOIN_TIMEOUT
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
-    if several and not distributed.is_primary():
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the primary process prints the run
     compile_cache.enable(args.compilation_cache)
     status, line, result = _train(config, args)
     if status:
@@ -399,8 +388,10 @@ def _leave(status: int, line: str | None, several: bool) -> None:
     for the others, which may be waiting for this one)."""
     import jax
 
+    from naisnet_jax import distributed
+
     if line is not None:
-        if several and jax.process_index() != 0:
+        if several and not distributed.is_primary():
             line = f"error: process {jax.process_index()} of {jax.process_count()}: {line.removeprefix('error: ')}"
         print(line, file=sys.stderr, flush=True)
     if several:
