@@ -501,7 +501,7 @@ def run(
         "audit": "parameter-level (Algorithm 2's condition and Gershgorin bounds)"
         + (" plus Arnoldi radii of every conv block" if full_audit else ""),
         "trained on": trained_on(rows),
-        "training wall time per sweep (when trained)": ", ".join(
+        "training wall time of the call that finished each sweep (a resumed sweep: its last call only)": ", ".join(
             f"{r['dataset']}/{r['label']} {r['seconds']:.0f}s"
             + (f" on {r['devices']} device(s)" if "devices" in r else "")
             for r in rows
