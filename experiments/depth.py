@@ -375,6 +375,7 @@ def analyse_run(state, images, labels, mean, std, *, config, dataset, workdir, d
         )
     return {
         "dataset": dataset,
+        "seed": config.seed,
         "class_names": list(names),
         "model": config.model,
         "model_kwargs": {k: list(v) if isinstance(v, tuple) else v for k, v in dict(config.model_kwargs).items()},
@@ -459,7 +460,9 @@ def write_results(rows: list[dict], workdir: str, *, device: str, seconds: float
         f"{first['model_kwargs'].get('filters')}, {first['model_kwargs'].get('activation')}, "
         f"h = {first['h']}, eps = {first['eps']}, threshold {first['adaptive_tol']:g} in training "
         f"(masked scan) and at test (while loop), at most {first['max_steps_per_block']} steps "
-        "per block; depth = steps summed over the blocks. One seed. The paper ran this on "
+        "per block; depth = steps summed over the blocks. One seed ("
+        + ", ".join(sorted({f"{r['dataset']}: seed {r.get('seed', 'not recorded')}" for r in rows}))
+        + "). The paper ran this on "
         "CIFAR-10, which these machines cannot obtain.\n\n"
         f"{table}\n" + "\n".join(per_class) + "\n\n"
         f"**What this shows.** {_what_this_shows(rows)}\n"

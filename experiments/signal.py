@@ -284,6 +284,7 @@ def measure(
         "test_accuracy_batch_statistics": test_batch_stats["accuracy"],
         "test_accuracy_recomputed_statistics": test_recomputed["accuracy"],
         "seconds": time.time() - start,
+        "seed": config.seed,
         "device": sweep.device_description(),
         "script": script_version(),
     }
@@ -408,6 +409,7 @@ def report(workdir: str) -> list[dict]:
         raise ValueError(f"no variant results in {workdir!r}; run the experiment first.")
     rows = [summary_row(r) for r in records]
     header = {k: sorted({str(r[k]) for r in records}) for k in ("dataset", "schedule", "epochs", "device", "script")}
+    header["seeds"] = sorted({str(r.get("seed", "not recorded")) for r in records})
     header["lr_warmup_steps"] = sorted({str(r.get("lr_warmup_steps", 0)) for r in records})
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump({"header": header, "rows": rows}, f, indent=1)

@@ -93,7 +93,8 @@ def provenance_problems(record) -> list[str]:
 
 
 def result_files() -> list[pathlib.Path]:
-    return sorted(RESULTS_DIR.glob("*/results*.json"))
+    """Every stored JSON record: each experiment's tables and the per-sweep summaries beside them."""
+    return sorted(RESULTS_DIR.rglob("*.json"))
 
 
 def test_the_check_catches_a_record_without_provenance():
