@@ -452,6 +452,7 @@ def write_results(rows: list[dict], workdir: str, *, device: str, seconds: float
             "| " + " | ".join(f"{c['depth_mean']:.1f} ({100 * c['accuracy']:.0f}%)" for c in r["per_class"]) + " |"
         )
     first = rows[0]
+    # A row without "seed" predates the field; the command then had no way to choose one: seed 0.
     text = (
         "# Section 5.3: pattern-dependent processing depth\n\n"
         f"Device: {device}; script {script}; wall time {seconds:.0f} s for the whole script. "
@@ -461,7 +462,7 @@ def write_results(rows: list[dict], workdir: str, *, device: str, seconds: float
         f"h = {first['h']}, eps = {first['eps']}, threshold {first['adaptive_tol']:g} in training "
         f"(masked scan) and at test (while loop), at most {first['max_steps_per_block']} steps "
         "per block; depth = steps summed over the blocks. One seed ("
-        + ", ".join(sorted({f"{r['dataset']}: seed {r.get('seed', 'not recorded')}" for r in rows}))
+        + ", ".join(sorted({f"{r['dataset']}: seed {r.get('seed', 0)}" for r in rows}))
         + "). The paper ran this on "
         "CIFAR-10, which these machines cannot obtain.\n\n"
         f"{table}\n" + "\n".join(per_class) + "\n\n"

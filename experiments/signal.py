@@ -373,11 +373,14 @@ def trajectory(rec: dict) -> dict | None:
     :data:`TRAJECTORY_STEPS` (and the last measured step), its norm ``|D|``, its gradient's norm, the relative step SGD
     takes on it, the drive BatchNorm's mean ``|scale|``, the same relative step in the last block,
     and the mean training loss over the ten steps that end there. None for a record made before
-    the relative step was measured."""
+    the relative step was measured. Under a warm-up of ``w`` steps it also samples steps ``w - 1`` and
+    ``w + 9``: the warm-up's last ten steps and the first ten at the full rate."""
     steps = rec["steps"]
     if "step_drive" not in steps[0]:
         return None
-    at = sorted({i for i in TRAJECTORY_STEPS if i < len(steps)} | {len(steps) - 1})
+    warmup = rec.get("lr_warmup_steps") or 0
+    marks = set(TRAJECTORY_STEPS) | ({warmup - 1, warmup + 9} if warmup else set())
+    at = sorted({i for i in marks if i < len(steps)} | {len(steps) - 1})
     return {
         "step": at,
         "w_drive_first_block": [steps[i]["w_drive"][0] for i in at],
@@ -387,6 +390,7 @@ def trajectory(rec: dict) -> dict | None:
         # a ResNet block has no drive BatchNorm whose scale is recorded
         "drive_scale_first_block": [steps[i]["drive_scale"][0] if "drive_scale" in steps[i] else None for i in at],
         "loss_10": [float(np.mean([s["loss"] for s in steps[max(0, i - 9) : i + 1]])) for i in at],
+        "accuracy_10": [float(np.mean([s["accuracy"] for s in steps[max(0, i - 9) : i + 1]])) for i in at],
     }
 
 
@@ -409,7 +413,8 @@ def report(workdir: str) -> list[dict]:
         raise ValueError(f"no variant results in {workdir!r}; run the experiment first.")
     rows = [summary_row(r) for r in records]
     header = {k: sorted({str(r[k]) for r in records}) for k in ("dataset", "schedule", "epochs", "device", "script")}
-    header["seeds"] = sorted({str(r.get("seed", "not recorded")) for r in records})
+    # a record without "seed" predates the field; the command then had no way to choose one: seed 0
+    header["seeds"] = sorted({str(r.get("seed", 0)) for r in records})
     header["lr_warmup_steps"] = sorted({str(r.get("lr_warmup_steps", 0)) for r in records})
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump({"header": header, "rows": rows}, f, indent=1)
@@ -460,12 +465,12 @@ def trajectory_table(rows: list[dict]) -> list[str]:
         "the loss's gradient on it; the relative step "
         "`||D' - D|| / ||D||` SGD takes on it (momentum and weight decay included; with momentum 0.9 a "
         "step of weight decay alone is lr x wd / (1 - 0.9) = 2e-4 at lr 0.1); the drive BatchNorm's "
-        "mean |scale|; the same relative step in the last block; the mean training loss over the ten "
-        "steps that end there.",
+        "mean |scale|; the same relative step in the last block; the mean training loss and batch "
+        "accuracy over the ten steps that end there.",
         "",
         "| variant | step | \\|D\\| first block | \\|g_D\\| first block | relative step, first block "
-        "| BN \\|scale\\|, first block | relative step, last block | loss (10 steps) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| BN \\|scale\\|, first block | relative step, last block | loss (10 steps) | batch acc. (10 steps, %) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t = r["trajectory"]
@@ -474,9 +479,15 @@ def trajectory_table(rows: list[dict]) -> list[str]:
                 f"| {r['variant'] if j == 0 else ''} | {step} | {t['w_drive_first_block'][j]:.3g} | "
                 f"{t['g_drive_first_block'][j]:.3g} | "
                 f"{t['step_drive_first_block'][j]:.3g} | {_g(t['drive_scale_first_block'][j])} | "
-                f"{t['step_drive_last_block'][j]:.3g} | {t['loss_10'][j]:.3f} |"
+                f"{t['step_drive_last_block'][j]:.3g} | {t['loss_10'][j]:.3f} | "
+                f"{_pct(t.get('accuracy_10'), j)} |"
             )
     return md
+
+
+def _pct(values: list | None, j: int) -> str:
+    """``values[j]`` as a percentage ("-" for a trajectory stored before the accuracy was)."""
+    return "-" if values is None else f"{100 * values[j]:.1f}"
 
 
 def _g(v: float | None) -> str:

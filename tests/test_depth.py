@@ -105,6 +105,7 @@ def test_analysis_core_on_tiny_model(tmp_path):
         state, ds.test_images, ds.test_labels, mean, std, config=config, dataset="digits", workdir=str(tmp_path), dpi=40
     )
     assert row["num_test"] == 64 and row["prediction_disagreements"] == 0
+    assert row["seed"] == config.seed  # the record names its seed
     saved = np.load(tmp_path / "digits_depths.npz")
     assert saved["depth"].shape == (2, 64) and saved["depth"].max() <= 12
     want = _loop_block0_depths(variables, intermediates, tol=1e-3, max_steps=12, h=config.h)

@@ -78,6 +78,7 @@ def test_trajectory_samples_the_records_steps(smoke):
             assert t["step_drive_first_block"][j] == steps[i]["step_drive"][0]
             assert t["step_drive_last_block"][j] == steps[i]["step_drive"][-1]
             assert t["loss_10"][j] == pytest.approx(np.mean([s["loss"] for s in steps[: i + 1]]))
+            assert t["accuracy_10"][j] == pytest.approx(np.mean([s["accuracy"] for s in steps[: i + 1]]))
         scales = t["drive_scale_first_block"]
         assert scales == ([None] * 3 if variant == "resnet" else [s["drive_scale"][0] for s in steps])
     older = {**rec, "steps": [{k: v for k, v in s.items() if k != "step_drive"} for s in rec["steps"]]}
@@ -85,3 +86,26 @@ def test_trajectory_samples_the_records_steps(smoke):
     signal.report(smoke)
     with open(os.path.join(smoke, "results.md")) as f:
         assert "## The first block's drive kernel, step by step" in f.read()
+
+
+def test_a_warm_up_adds_its_last_step_and_the_tenth_after_it_to_the_trajectory(smoke):
+    """Under a warm-up of w steps the trajectory samples steps w - 1 and w + 9 as well, each with
+    the batch accuracy averaged over the ten steps that end there (a plain loop over the record)."""
+    with open(os.path.join(smoke, "nais10.json")) as f:
+        rec = json.load(f)
+    one = rec["steps"][0]
+    steps = [{**one, "step": i, "loss": 2.0 - 0.001 * i, "accuracy": (i % 7) / 10} for i in range(468)]
+    t = signal.trajectory({**rec, "steps": steps, "lr_warmup_steps": 400})
+    assert t["step"] == [0, 1, 2, 5, 10, 20, 50, 100, 200, 399, 409, 467]
+    for j, i in enumerate(t["step"]):
+        window = [steps[k]["accuracy"] for k in range(max(0, i - 9), i + 1)]
+        assert t["accuracy_10"][j] == pytest.approx(sum(window) / len(window))
+    assert signal.trajectory({**rec, "steps": steps})["step"] == [0, 1, 2, 5, 10, 20, 50, 100, 200, 467]
+
+
+def test_the_records_and_the_report_name_the_seed(smoke):
+    with open(os.path.join(smoke, "nais10.json")) as f:
+        assert json.load(f)["seed"] == 0
+    signal.report(smoke)
+    with open(os.path.join(smoke, "results.json")) as f:
+        assert json.load(f)["header"]["seeds"] == ["0"]
