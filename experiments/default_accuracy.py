@@ -56,8 +56,10 @@ def _summary(rows: list[dict]) -> dict:
     }
 
 
-def _markdown(rows: list[dict], summary: dict, config) -> str:
+def _markdown(rows: list[dict], summary: dict, config, *, device: str, script: str) -> str:
     lines = [
+        f"Device: {device}; script {script}; seeds 0 to {len(rows) - 1}.",
+        "",
         f"Default config: {config.model} on {config.dataset}, {config.num_epochs} epochs, h = {config.h}, "
         f"learning rate {config.learning_rate} (/10 at epochs {list(config.lr_boundaries_epochs)}), "
         f"batch {config.batch_size}.",
@@ -104,18 +106,21 @@ def main(argv):
             }
         )
     summary = _summary(rows)
-    import jax
+    from experiments.sweep_report import script_version
+    from naisnet_jax import sweep
 
+    device, script = sweep.device_description(), script_version()
     result = {
         "config": _config(0, FLAGS.smoke).to_dict(),
-        "device": str(jax.devices()[0]),
+        "device": device,
+        "script": script,
         "rows": rows,
         "summary": summary,
         "test_accuracy_per_epoch": curves,
     }
     with open(os.path.join(FLAGS.out, "results.json"), "w") as f:
         json.dump(result, f, indent=2)
-    table = _markdown(rows, summary, _config(0, FLAGS.smoke))
+    table = _markdown(rows, summary, _config(0, FLAGS.smoke), device=device, script=script)
     with open(os.path.join(FLAGS.out, "results.md"), "w") as f:
         f.write(table)
 
