@@ -1,6 +1,8 @@
 """Helpers shared by the sweep experiments (``ablation.py``, ``conv.py``): summary caching,
 mean +- std formatting, per-epoch curves over seeds, and the timing of a sweep's steps that
-projects an experiment's cost. No flags here."""
+projects an experiment's cost, and the commit a result was made from. No flags here;
+``python -m experiments.sweep_report`` writes the tree manifest a copy of the tree without git
+needs (:func:`write_tree_manifest`)."""
 
 from __future__ import annotations
 
@@ -135,32 +137,85 @@ def enable_compilation_cache(directory: str | None, workdir: str) -> None:
     compile_cache.enable(directory or os.path.join(workdir, "jax_cache"))
 
 
-def script_version() -> str:
-    """The commit of the tree this script ran from: ``$NAISNET_SCRIPT_VERSION`` where set (a copy
-    of the tree without git), else git's (``unknown`` outside a git checkout)."""
+#: The folders whose files decide what an experiment computes: a change in any of them is a
+#: changed tree.
+TREE_FOLDERS = ("src", "experiments", "verify")
+
+#: Where a copy of the tree without git finds the commit it was made from
+#: (:func:`write_tree_manifest`); git ignores it.
+TREE_MANIFEST = ".tree_manifest.json"
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tree_files(root: str) -> dict[str, str]:
+    """Every regular file under :data:`TREE_FOLDERS`, by path relative to ``root``, with git's blob
+    hash of its bytes. Links, byte code and packaging metadata are not part of the tree."""
+    import hashlib
+
+    files = {}
+    for folder in TREE_FOLDERS:
+        for here, dirs, names in os.walk(os.path.join(root, folder)):
+            dirs[:] = [
+                d for d in dirs if d not in ("__pycache__", ".ipynb_checkpoints") and not d.endswith(".egg-info")
+            ]
+            for name in names:
+                path = os.path.join(here, name)
+                if os.path.islink(path) or name.endswith(".pyc"):
+                    continue
+                with open(path, "rb") as f:
+                    data = f.read()
+                blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+                files[os.path.relpath(path, root).replace(os.sep, "/")] = blob
+    return files
+
+
+def _git_version(root: str) -> str | None:
+    """git's short HEAD, with ``+changes`` when :data:`TREE_FOLDERS` hold uncommitted changes or
+    untracked files; None outside a git checkout."""
     import subprocess
 
-    if os.environ.get("NAISNET_SCRIPT_VERSION"):
-        return os.environ["NAISNET_SCRIPT_VERSION"]
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the paths below are the root's
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=root,
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=root
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "src", "experiments", "verify"],
-            capture_output=True,
-            text=True,
-            cwd=root,
+            ["git", "status", "--porcelain", "--", *TREE_FOLDERS], capture_output=True, text=True, check=True, cwd=root
         ).stdout
-        return head + ("+changes" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if dirty.strip() else "")
+
+
+def write_tree_manifest(root: str = _ROOT) -> str:
+    """Writes ``root/.tree_manifest.json``: the commit (as :func:`script_version` names it here) and
+    the hash of every file of the tree, so that a copy of the tree made for a machine without git
+    (a lent GPU box) can name its commit, and say whether it has changed since. Returns its path."""
+    version = _git_version(root)
+    if version is None:
+        raise ValueError(f"{root!r} is not a git checkout: a tree manifest names a commit, so it is written from one")
+    path = os.path.join(root, TREE_MANIFEST)
+    with open(path, "w") as f:
+        json.dump({"version": version, "files": _tree_files(root)}, f, indent=0, sort_keys=True)
+    return path
+
+
+def script_version(root: str = _ROOT) -> str:
+    """The commit of the tree this script ran from, followed by ``+changes`` where the tree differs
+    from it. In a git checkout, git says; in a copy without git, the tree manifest the copy carries
+    (:func:`write_tree_manifest`), checked file by file; ``unknown`` where neither is there."""
+    version = _git_version(root)
+    if version is not None:
+        return version
+    try:
+        with open(os.path.join(root, TREE_MANIFEST)) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
         return "unknown"
+    version = manifest["version"]
+    if _tree_files(root) != manifest["files"] and not version.endswith("+changes"):
+        version += "+changes"
+    return version
 
 
 # --------------------------------------------------------------------------- timing
@@ -244,3 +299,7 @@ def time_steps(config, *, seeds: Sequence[int] | None = None, steps: int = 100, 
         "kernels": kernels,
         "device": str(jax.devices()[0]),
     }
+
+
+if __name__ == "__main__":
+    print(f"wrote {write_tree_manifest()}: {script_version()}")

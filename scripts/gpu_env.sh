@@ -3,7 +3,10 @@
 # carried in .whl/ and the datasets carried in .data/ (both git-ignored).
 #   .whl/   ml_collections-*.whl (and any other missing wheel)
 #   .data/  fashion-mnist/{train,t10k}-*-ubyte.gz, mnist/mnist.pkl.gz
+#   .tree_manifest.json  written in the checkout by `python -m experiments.sweep_report`, so
+#           that every record names the commit and says whether the copy differs from it
 #   source scripts/gpu_env.sh && python3 -m experiments.ablation ...
+[ -f .tree_manifest.json ] || echo "gpu_env: no .tree_manifest.json here: records will name the script 'unknown'" >&2
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || return 1

@@ -385,7 +385,6 @@ def test_script_version_names_the_commit_and_a_changed_tree(monkeypatch, tmp_pat
 
     from experiments import sweep_report
 
-    monkeypatch.delenv("NAISNET_SCRIPT_VERSION", raising=False)
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     if git.returncode != 0:
         pytest.skip("not a git checkout")
@@ -397,8 +396,55 @@ def test_script_version_names_the_commit_and_a_changed_tree(monkeypatch, tmp_pat
         assert sweep_report.script_version() == head + "+changes"
     finally:
         probe.unlink()
-    monkeypatch.setenv("NAISNET_SCRIPT_VERSION", "0123abc")
-    assert sweep_report.script_version() == "0123abc"
+
+
+def test_a_copy_without_git_names_its_commit_from_the_manifest_and_sees_any_change(tmp_path):
+    """A copy of the tree without git (a lent GPU machine) names the commit its manifest was
+    written at, with ``+changes`` once any file of src/, experiments/ or verify/ is changed, added
+    or removed; links and byte code do not count. The manifest's hashes are git's own."""
+    import shutil
+    import subprocess
+
+    from experiments import sweep_report
+
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    if git.returncode != 0:
+        pytest.skip("not a git checkout")
+    here = sweep_report.script_version()
+    copy = tmp_path / "copy"
+    for folder in sweep_report.TREE_FOLDERS:
+        shutil.copytree(REPO / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    assert sweep_report.script_version(str(copy)) == "unknown"  # no git, no manifest
+    manifest = json.loads(pathlib.Path(sweep_report.write_tree_manifest(str(REPO))).read_text())
+    (REPO / sweep_report.TREE_MANIFEST).replace(copy / sweep_report.TREE_MANIFEST)
+    assert manifest["version"] == here
+    blob = subprocess.run(
+        ["git", "hash-object", "src/naisnet_jax/cell.py"], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert manifest["files"]["src/naisnet_jax/cell.py"] == blob.stdout.strip()
+    assert sweep_report.script_version(str(copy)) == here
+    (copy / "src" / "naisnet_jax" / "__pycache__").mkdir(exist_ok=True)
+    (copy / "src" / "naisnet_jax" / "__pycache__" / "cell.cpython-311.pyc").write_bytes(b"\0")
+    (copy / "experiments" / "linked").symlink_to(copy / "verify")
+    assert sweep_report.script_version(str(copy)) == here  # byte code and links are not the tree
+    changed = here if here.endswith("+changes") else here + "+changes"
+    cell = copy / "src" / "naisnet_jax" / "cell.py"
+    original = cell.read_bytes()
+    cell.write_bytes(original + b"\n")
+    assert sweep_report.script_version(str(copy)) == changed
+    cell.write_bytes(original)
+    (copy / "verify" / "extra.py").write_text("x = 1\n")
+    assert sweep_report.script_version(str(copy)) == changed
+    (copy / "verify" / "extra.py").unlink()
+    (copy / "experiments" / "sweep_report.py").unlink()
+    assert sweep_report.script_version(str(copy)) == changed
+
+
+def test_a_manifest_is_written_from_a_git_checkout_only(tmp_path):
+    from experiments import sweep_report
+
+    with pytest.raises(ValueError, match="not a git checkout"):
+        sweep_report.write_tree_manifest(str(tmp_path))
 
 
 def test_a_stored_summary_stands_only_for_a_config_that_agrees_on_every_result_field(tmp_path):
