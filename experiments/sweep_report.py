@@ -137,6 +137,23 @@ def enable_compilation_cache(directory: str | None, workdir: str) -> None:
     compile_cache.enable(directory or os.path.join(workdir, "jax_cache"))
 
 
+def start_experiment(values) -> None:
+    """What a sweep experiment's command does first (``values``: its parsed flags, with those of
+    :func:`define_cluster_flags` and :func:`define_compilation_cache_flag` and a ``workdir``):
+    quiet absl's INFO logs (Orbax logs every save there), join a multi-process run where one is
+    launched, and keep compiled programs in the workdir's cache. A partial or bad cluster ends the
+    command before anything is written, in one line with exit status 2, as ``naisnet-train``."""
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+    try:
+        join_cluster(values, values.workdir)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    enable_compilation_cache(values.compilation_cache, values.workdir)
+
+
 #: The folders whose files decide what an experiment computes: a change in any of them is a
 #: changed tree.
 TREE_FOLDERS = ("src", "experiments", "verify")

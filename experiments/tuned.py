@@ -42,17 +42,16 @@ import os
 import time
 
 import numpy as np
-from absl import app, flags, logging
+from absl import app, flags
 
 from experiments import ablation
 from experiments.sweep_report import (
     define_cluster_flags,
     define_compilation_cache_flag,
-    enable_compilation_cache,
-    join_cluster,
     pm,
     read_summary,
     script_version,
+    start_experiment,
     trained_on,
     write_summary,
 )
@@ -605,12 +604,7 @@ def _define_flags() -> None:
 
 def _main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)
-    try:
-        join_cluster(FLAGS, FLAGS.workdir)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from e
-    enable_compilation_cache(FLAGS.compilation_cache, FLAGS.workdir)
+    start_experiment(FLAGS)
     try:
         run(
             workdir=FLAGS.workdir,

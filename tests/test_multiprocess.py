@@ -310,3 +310,22 @@ def test_a_launcher_is_detected_from_its_variables(monkeypatch, env, launcher):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert distributed.detected() == launcher
+
+
+@pytest.mark.parametrize("experiment", ["conv", "ablation", "tuned"])
+def test_an_experiment_refuses_a_bad_cluster_in_one_line(tmp_path, experiment):
+    """The sweep experiments read the same cluster flags as naisnet-train and refuse a partial
+    cluster the same way: one line, exit status 2, nothing written."""
+    done = subprocess.run(
+        [sys.executable, "-m", f"experiments.{experiment}", f"--workdir={tmp_path / 'w'}", "--num_processes=2"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert (
+        done.stderr.startswith("error: --coordinator_address, --process_id missing") and done.stderr.count("\n") == 1
+    ), done.stderr
+    assert not (tmp_path / "w").exists()
