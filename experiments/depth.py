@@ -521,6 +521,7 @@ def main(argv=None) -> None:
         "--max_steps", type=int, default=None, help="override the steps cap per block (default 40; a new workdir)"
     )
     parser.add_argument("--h", type=float, default=None, help="override h (default 1.0)")
+    parser.add_argument("--seed", type=int, default=None, help="the run's seed (default 0; a new workdir a seed)")
     parser.add_argument("--fashion_dir", default=None, help="Fashion-MNIST IDX folder")
     parser.add_argument("--mnist_dir", default=None, help="folder of mnist.pkl.gz")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU check")
@@ -536,7 +537,9 @@ def main(argv=None) -> None:
     if unknown:
         parser.error(f"--datasets has unknown names {unknown}; valid: {list(DATASETS)}")
     data_dirs = {"fashion_mnist_idx": args.fashion_dir, "mnist_pinned": args.mnist_dir}
-    overrides = {k: v for k, v in (("max_steps", args.max_steps), ("h", args.h)) if v is not None}
+    if args.seed is not None and args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
+    overrides = {k: v for k, v in (("max_steps", args.max_steps), ("h", args.h), ("seed", args.seed)) if v is not None}
     run(args.workdir, datasets, smoke=args.smoke, epochs=args.epochs, data_dirs=data_dirs, overrides=overrides)
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 
 import numpy as np
@@ -200,6 +201,7 @@ def measure(
     schedule: str,
     smoke: bool,
     warmup_steps: int = 0,
+    seed: int = 0,
 ) -> dict:
     """Trains one variant as the module docstring says; returns (and writes) its record."""
     import jax
@@ -211,7 +213,9 @@ def measure(
     if smoke:
         model, tiny = SMOKE_MODELS[model]
         kwargs = {**tiny, **kwargs}
-    config = make_config(model, kwargs, dataset=dataset, epochs=epochs, schedule=schedule, warmup_steps=warmup_steps)
+    config = make_config(
+        model, kwargs, dataset=dataset, epochs=epochs, schedule=schedule, warmup_steps=warmup_steps, seed=seed
+    )
     train.validate_config(config)
     start = time.time()
     ds = data_lib.load_dataset(dataset)
@@ -226,7 +230,7 @@ def measure(
     key = jax.random.PRNGKey(config.seed)
     records = []
     order = data_lib.epoch_batches(jax.random.fold_in(key, 0), train_data.num_examples, config.batch_size)
-    steps = min(steps, order.shape[0])
+    steps_asked, steps = steps, min(steps, order.shape[0])
     for i in range(steps):
         x, y = data_lib.get_batch(train_data, order[i], mean=mean, std=std)
         state, rec = step(state, x, y)
@@ -279,6 +283,7 @@ def measure(
         "epochs": epochs,
         "blocks": blocks,
         "steps": records,
+        "steps_asked": steps_asked,
         "history": history,
         "train_eval_accuracy": train_eval["accuracy"],
         "test_accuracy_batch_statistics": test_batch_stats["accuracy"],
@@ -536,6 +541,34 @@ def plot(records: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def settings_of(record: dict) -> dict:
+    """What a record was measured with, as :func:`measure`'s arguments name it. A record made
+    before the seed was stored had no way to choose one (seed 0); one made before the steps asked
+    for were stored does not say them (the steps measured can be fewer: an epoch's, or up to a
+    loss that was not finite)."""
+    settings = {
+        "dataset": record["dataset"],
+        "schedule": record["schedule"],
+        "epochs": record["epochs"],
+        "warmup_steps": record.get("lr_warmup_steps", 0),
+        "seed": record.get("seed", 0),
+    }
+    if "steps_asked" in record:
+        settings["steps"] = record["steps_asked"]
+    return settings
+
+
+def check_record(path: str, wanted: dict) -> None:
+    """A record already in the workdir stands for this call only if it was measured with the same
+    settings; else ``ValueError`` naming both, since merging it would mix two experiments."""
+    with open(path) as f:
+        have = settings_of(json.load(f))
+    differ = {k: (have[k], v) for k, v in wanted.items() if k in have and have[k] != v}
+    if differ:
+        said = ", ".join(f"{k} {a!r} there, {b!r} asked" for k, (a, b) in differ.items())
+        raise ValueError(f"{path} was measured with other settings ({said}); use another --workdir")
+
+
 def _main(argv):
     from absl import flags, logging
 
@@ -548,11 +581,25 @@ def _main(argv):
     if unknown:
         raise flags.ValidationError(f"--variants {unknown} unknown; choose from {list(VARIANTS)}.")
     if not F.report:
-        enable_compilation_cache(F.compilation_cache, F.workdir)
         dataset = "digits" if F.smoke else F.dataset
-        for variant in F.variants or VARIANTS:
-            if os.path.exists(os.path.join(F.workdir, f"{variant}.json")):
-                continue
+        wanted = dict(
+            dataset=dataset,
+            schedule=F.schedule,
+            epochs=F.epochs,
+            steps=F.steps,
+            warmup_steps=F.warmup_steps,
+            seed=F.seed,
+        )
+        variants = F.variants or list(VARIANTS)
+        done = [v for v in variants if os.path.exists(os.path.join(F.workdir, f"{v}.json"))]
+        for variant in done:  # before anything is written
+            try:
+                check_record(os.path.join(F.workdir, f"{variant}.json"), wanted)
+            except ValueError as e:  # one line, exit status 2, nothing measured
+                print(f"error: {e}", file=sys.stderr)
+                raise SystemExit(2) from None
+        enable_compilation_cache(F.compilation_cache, F.workdir)
+        for variant in (v for v in variants if v not in done):
             measure(
                 variant,
                 workdir=F.workdir,
@@ -562,6 +609,7 @@ def _main(argv):
                 schedule=F.schedule,
                 smoke=F.smoke,
                 warmup_steps=F.warmup_steps,
+                seed=F.seed,
             )
     report(F.workdir)
 
@@ -579,6 +627,9 @@ def _define_flags() -> None:
     flags.DEFINE_integer("epochs", 2, "Epochs in all (the measured steps are the first of them).", lower_bound=1)
     flags.DEFINE_enum("schedule", "constant", SCHEDULES, "Learning rate: 0.1 throughout, or the paper's drops.")
     flags.DEFINE_integer("warmup_steps", 0, "First steps at learning rate 0.01 (He et al.'s warm-up).", lower_bound=0)
+    flags.DEFINE_integer(
+        "seed", 0, "The runs' seed: initial parameters and batch order (a new --workdir a seed).", lower_bound=0
+    )
     flags.DEFINE_bool("smoke", False, "Tiny nets on digits: seconds on a CPU.")
     flags.DEFINE_bool("report", False, "Only merge the records in --workdir into the table and figure.")
 

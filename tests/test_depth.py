@@ -147,3 +147,16 @@ def test_core_on_tiny_data(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "What this shows" in md and "T-shirt" not in md
     assert json.loads((tmp_path / "results.json").read_text())["rows"][0]["dataset"] == "digits"
+
+
+def test_the_command_passes_its_seed_and_refuses_a_negative_one(monkeypatch, tmp_path, capsys):
+    calls = []
+    monkeypatch.setattr(depth, "run", lambda *a, **k: calls.append((a, k)))
+    depth.main([f"--workdir={tmp_path}", "--datasets=mnist_pinned", "--seed=3", "--max_steps=50"])
+    ((args, kwargs),) = calls
+    assert args == (str(tmp_path), ["mnist_pinned"]) and kwargs["overrides"] == {"max_steps": 50, "seed": 3}
+    depth.main([f"--workdir={tmp_path}", "--datasets=mnist_pinned"])
+    assert calls[-1][1]["overrides"] == {}  # the config's own seed, 0
+    with pytest.raises(SystemExit) as exit_:
+        depth.main([f"--workdir={tmp_path}", "--seed=-1"])
+    assert exit_.value.code == 2 and "--seed must be >= 0, got -1" in capsys.readouterr().err

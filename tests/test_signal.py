@@ -109,3 +109,57 @@ def test_the_records_and_the_report_name_the_seed(smoke):
     signal.report(smoke)
     with open(os.path.join(smoke, "results.json")) as f:
         assert json.load(f)["header"]["seeds"] == ["0"]
+
+
+def test_a_record_stands_only_for_the_settings_it_was_measured_with(smoke, tmp_path):
+    """A record in the workdir is reused only for the same settings; another seed (or dataset,
+    schedule, epochs, steps, warm-up) is refused naming both. A record made before the seed and
+    the steps asked for were stored stands for seed 0 and any steps."""
+    path = os.path.join(smoke, "nais10.json")
+    same = dict(dataset="digits", schedule="paper", epochs=1, steps=3, warmup_steps=0, seed=0)
+    signal.check_record(path, same)
+    with pytest.raises(ValueError, match=r"seed 0 there, 1 asked.*another --workdir"):
+        signal.check_record(path, {**same, "seed": 1})
+    with pytest.raises(ValueError, match="steps 3 there, 5 asked"):
+        signal.check_record(path, {**same, "steps": 5})
+    with open(path) as f:
+        rec = json.load(f)
+    older = {k: v for k, v in rec.items() if k not in ("seed", "steps_asked")}
+    legacy = tmp_path / "nais10.json"
+    legacy.write_text(json.dumps(older))
+    signal.check_record(str(legacy), {**same, "steps": 100})  # the steps asked for are not known
+    with pytest.raises(ValueError, match="seed 0 there, 2 asked"):
+        signal.check_record(str(legacy), {**same, "seed": 2})
+
+
+def test_another_seed_is_another_start(smoke, tmp_path):
+    rec = signal.measure(
+        "resnet", workdir=str(tmp_path), dataset="digits", steps=3, epochs=1, schedule="paper", smoke=True, seed=1
+    )
+    with open(os.path.join(smoke, "resnet.json")) as f:
+        seed0 = json.load(f)
+    assert rec["seed"] == 1 and rec["steps_asked"] == 3
+    assert rec["steps"][0]["loss"] != seed0["steps"][0]["loss"]
+
+
+def test_the_command_refuses_a_record_of_other_settings_in_one_line(smoke, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    shutil.copy(os.path.join(smoke, "nais10.json"), workdir / "nais10.json")
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.signal", "--smoke", "--schedule=paper", "--steps=3", "--epochs=1"]
+        + ["--variants=nais10", "--seed=1", f"--workdir={workdir}"],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(repo, "src"), repo])},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith("error: ") and "seed 0 there, 1 asked" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and sorted(os.listdir(workdir)) == ["nais10.json"]
