@@ -600,17 +600,7 @@ def _main(argv):
                 raise SystemExit(2) from None
         enable_compilation_cache(F.compilation_cache, F.workdir)
         for variant in (v for v in variants if v not in done):
-            measure(
-                variant,
-                workdir=F.workdir,
-                dataset=dataset,
-                steps=F.steps,
-                epochs=F.epochs,
-                schedule=F.schedule,
-                smoke=F.smoke,
-                warmup_steps=F.warmup_steps,
-                seed=F.seed,
-            )
+            measure(variant, workdir=F.workdir, smoke=F.smoke, **wanted)
     report(F.workdir)
 
 
