@@ -123,8 +123,9 @@ def join_cluster(values, workdir: str) -> None:
     launch of several processes needs it. Raises ``ValueError`` for a partial or bad cluster."""
     from naisnet_jax import distributed
 
-    module = sys.modules["__main__"].__spec__.name  # the experiment, run as python -m
-    distributed.join(distributed.Cluster.of(values), [sys.executable, "-m", module, *sys.argv[1:]], workdir=workdir)
+    spec = getattr(sys.modules["__main__"], "__spec__", None)  # the experiment, run as python -m
+    command = [sys.executable, "-m", spec.name] if spec is not None else [sys.executable, sys.argv[0]]
+    distributed.join(distributed.Cluster.of(values), [*command, *sys.argv[1:]], workdir=workdir)
 
 
 def enable_compilation_cache(directory: str | None, workdir: str) -> None:
