@@ -48,7 +48,7 @@ def measure(args) -> dict:
     import numpy as np
 
     from naisnet_jax import data as data_lib
-    from naisnet_jax import train
+    from naisnet_jax import sweep, train
 
     config = _common.cifar_config()
     config.model = args.model
@@ -90,7 +90,7 @@ def measure(args) -> dict:
     return {
         "processes": jax.process_count(),
         "devices": jax.device_count(),
-        "device": f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}",
+        "device": sweep.device_description(),
         "global_batch": args.batch,
         "losses": losses,
         "curve_seconds": curve_s,

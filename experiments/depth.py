@@ -482,7 +482,7 @@ def run(
     data_dirs: dict | None = None,
     overrides: dict | None = None,
 ) -> list[dict]:
-    import jax
+    from naisnet_jax import sweep
 
     os.makedirs(workdir, exist_ok=True)
     t0 = time.time()
@@ -499,7 +499,7 @@ def run(
                 overrides=overrides,
             )
         )
-    device = f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}"
+    device = sweep.device_description()
     if not distributed.is_primary():  # of several processes, the primary one writes the report
         return rows
     table = write_results(rows, workdir, device=device, seconds=time.time() - t0)

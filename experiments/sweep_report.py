@@ -119,8 +119,9 @@ def define_cluster_flags() -> None:
 
 def join_cluster(values, workdir: str) -> None:
     """Join a multi-process run (:func:`naisnet_jax.distributed.join`; ``values``: the parsed
-    flags of :func:`define_cluster_flags`), this experiment rerun as ``python -m`` where a
-    launch of several processes needs it. Raises ``ValueError`` for a partial or bad cluster."""
+    flags of :func:`define_cluster_flags`), this experiment rerun by its own command line
+    (``python -m`` or the script's path) where a launch of several processes needs it. Raises
+    ``ValueError`` for a partial or bad cluster."""
     from naisnet_jax import distributed
 
     spec = getattr(sys.modules["__main__"], "__spec__", None)  # the experiment, run as python -m
