@@ -12,7 +12,8 @@ the config ``src/naisnet_jax/configs/ablation_paper.py`` (SGD, momentum 0.9, lea
 the verifier (parameter level, models with a NAIS block: NAIS-Net and ResNet-SH-Stable), and its
 per-layer loss measured on the test set and on the training set. Writes to ``--workdir``:
 ``results.json`` / ``results.md`` (mean +- std over seeds, the paper's numbers beside ours),
-``per_layer_loss.png`` (figure 3 left, both splits), ``neuron_trajectory.png`` (figure 3 right),
+``per_layer_loss.png`` (figure 3 left, both splits), ``neuron_trajectory.png`` (figure 3 right:
+one neuron per class, NAIS-Net and ResNet-SH-Stable),
 ``test_accuracy.png`` (curves over epochs); each model's sweep lives in ``<workdir>/<model>``
 and resumes; a finished model is read back from its ``summary.json``.
 
@@ -72,6 +73,8 @@ NAIS_FAST = {"scan_unroll": True, "block_vjp": "fused"}
 SMOKE_MODELS = ("naisnet_mnist", "resnet_sh_bn", "resnet_sh_stable")
 RISE_TOL = 1e-6  # relative: a per-layer loss "rises" when loss[i+1] > loss[i] * (1 + RISE_TOL)
 TRAJECTORY_SAMPLES = 3  # test images per class in the neuron trajectory figure
+#: The two models of the paper's figure 3 (right), whose neuron trajectories every run records.
+TRAJECTORY_MODELS = ("NAIS-Net", "ResNet-SH-Stable")
 
 
 def switches(label: str) -> dict:
@@ -137,9 +140,10 @@ def monotonicity(curves: np.ndarray) -> dict:
 
 
 def neuron_trajectories(result, samples: int = TRAJECTORY_SAMPLES) -> dict:
-    """Seed 0's NAIS-Net: ``x_k`` of one neuron, ``k = 0..K``, for ``samples`` test images of
-    every class. The neuron is the one whose final state separates the classes most (largest
-    variance of its per-class means of ``x_K`` over the first 2,000 test images)."""
+    """Seed 0's net: ``x_k`` of one neuron, ``k = 0..K``, for ``samples`` test images of every
+    class, ``x_0`` the state the unroll starts from (NAIS-Net's zeros, a ResNet's embedding). The
+    neuron is the one whose final state separates the classes most (largest variance of its
+    per-class means of ``x_K`` over the first 2,000 test images)."""
     import jax
     import jax.numpy as jnp
 
@@ -162,7 +166,8 @@ def neuron_trajectories(result, samples: int = TRAJECTORY_SAMPLES) -> dict:
         xc, _ = data_lib.get_batch(result.test_data, jnp.asarray(idx), mean=result.mean, std=result.std)
         _, aux = state.apply_fn(variables, xc, train=False, return_aux=True)
         traj = np.asarray(jax.device_get(aux["trajectory"]))[:, :, neuron]  # (K, samples)
-        traj = np.concatenate([np.zeros((1, traj.shape[1])), traj], axis=0)  # x_0 = 0
+        x0 = np.asarray(jax.device_get(aux["initial_state"]))[:, neuron]
+        traj = np.concatenate([x0[None], traj], axis=0)  # (K + 1, samples)
         out["classes"][str(c)] = traj.T.tolist()
     return out
 
@@ -221,7 +226,7 @@ def run_model(label: str, config, workdir: str, audit_options) -> dict:
     t0 = time.time()
     result = sweep.train_sweep(config, model_dir, audit_options=audit_options, audit_baselines=False)
     row = summarise(label, result, config, time.time() - t0)
-    if label == "NAIS-Net":
+    if label in TRAJECTORY_MODELS:
         row["neuron_trajectory"] = neuron_trajectories(result)
     write_summary(summary_path, config, row)
     return row
@@ -350,7 +355,7 @@ def plot(rows, workdir) -> None:
     fig.savefig(os.path.join(workdir, "per_layer_loss.png"), dpi=120)
     plt.close(fig)
 
-    nais = [r for r in rows if r.get("neuron_trajectory")]  # one panel a NAIS-Net row
+    nais = [r for r in rows if r.get("neuron_trajectory")]  # one panel a row of TRAJECTORY_MODELS
     if nais:
         fig, axes = plt.subplots(1, len(nais), figsize=(7.5 * len(nais), 4.5), squeeze=False)
         for ax, r in zip(axes[0], nais):

@@ -318,7 +318,7 @@ def run_final(variant: Variant, workdir: str, *, lr: float, seeds: int, epochs, 
         "mean": float(np.mean(shares)) if shares else None,
         "per_seed": shares,
     }
-    if variant.model.startswith("naisnet"):
+    if variant.label in ablation.TRAJECTORY_MODELS:
         row["neuron_trajectory"] = ablation.neuron_trajectories(result)
     write_summary(path, config, row)
     return row

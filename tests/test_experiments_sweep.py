@@ -485,3 +485,28 @@ def test_a_stored_summary_stands_only_for_a_config_that_agrees_on_every_result_f
     warm = digits_tiny.get_config()
     warm.lr_warmup_steps = 10
     assert sweep_report.read_summary(path, warm) is None
+
+
+def test_neuron_trajectory_of_resnet_sh_stable_starts_at_its_embedding(tmp_path):
+    """Figure 3 (right) for ResNet-SH-Stable: each sampled trajectory is x_0 = tanh(u E^T + e),
+    then x_{k+1} = x_k + h tanh(x_k W^T + b) with W = -R^T R - eps I, against a float64 numpy loop
+    on the trained seed's parameters."""
+    from experiments import ablation
+    from naisnet_jax import data as data_lib
+
+    config = ablation.make_config("resnet_sh_stable", dataset="mnist_pinned", seeds=1, epochs=None, h=None, smoke=True)
+    result = sweep.train_sweep(config, str(tmp_path), audit_baselines=False)
+    traj = ablation.neuron_trajectories(result)
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), result.seed_state(0).params)
+    W = -p["R"].T @ p["R"] - config.eps * np.eye(p["R"].shape[1])
+    labels = np.asarray(result.test_data.labels)
+    for c, samples in traj["classes"].items():
+        idx = np.flatnonzero(labels == int(c))[: ablation.TRAJECTORY_SAMPLES]
+        u, _ = data_lib.get_batch(result.test_data, idx, mean=result.mean, std=result.std)
+        x = np.tanh(np.asarray(u, np.float64).reshape(len(idx), -1) @ p["embed"]["kernel"] + p["embed"]["bias"])
+        expected = [x[:, traj["neuron"]]]
+        for _ in range(config.model_kwargs.depth):
+            x = x + config.h * np.tanh(x @ W.T + p["b"])
+            expected.append(x[:, traj["neuron"]])
+        np.testing.assert_allclose(np.asarray(samples), np.stack(expected, axis=1), rtol=0, atol=1e-5)
+    assert any(abs(t[0]) > 1e-3 for s in traj["classes"].values() for t in s)  # not the NAIS-Net's zeros

@@ -46,6 +46,7 @@ def test_dense_block_from_input_equals_loop(untied):
         x = x + h * np.tanh(x @ A.T + u @ W[:, cols] + b[cols])
         np.testing.assert_allclose(aux["trajectory"][k], x, rtol=0, atol=1e-12)
     np.testing.assert_allclose(x_K, x, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(aux["initial_state"], u)
     # The paper's x_0 = 0 gives another map.
     assert not np.allclose(M.NaisDenseBlock(n, steps=K, h=h, eps=eps, untied=untied).apply({"params": params}, u), x_K)
 

@@ -284,6 +284,7 @@ def test_naisnet_fc_equals_numpy_loop(untied, rank, activation):
     xs = _nais_fc_reference(params["block"], x.reshape(6, -1), steps=DEPTH, h=h, eps=eps, untied=untied, act=act)
     cls = params["classifier"]
     np.testing.assert_allclose(aux["trajectory"], xs, rtol=0, atol=1e-10)
+    np.testing.assert_array_equal(aux["initial_state"], np.zeros((6, N)))  # the paper's x_0 = 0
     np.testing.assert_allclose(aux["step_logits"], xs @ cls["kernel"] + cls["bias"], atol=1e-10)
     np.testing.assert_allclose(logits, xs[-1] @ cls["kernel"] + cls["bias"], atol=1e-10)
     np.testing.assert_array_equal(aux["step_logits"][-1], logits)
@@ -316,6 +317,7 @@ def test_nais_conv_block_equals_numpy_loop(untied, strides):
         x = x + h * np.maximum(_np_conv_same(x, Ck) + dk, 0)
         np.testing.assert_allclose(aux["trajectory"][k], x, rtol=0, atol=1e-10)
     np.testing.assert_allclose(x_K, x, rtol=0, atol=1e-10)
+    np.testing.assert_array_equal(aux["initial_state"], np.zeros(x.shape))
     assert x_K.shape == (2, 6 // strides, 6 // strides, C)
 
 
@@ -434,6 +436,9 @@ def test_resnet_fc_equals_layer_loop(label):
     logits, aux = out
     xs = _resnet_reference(params, u, shared=shared, nonautonomous=na, batch_norm=bn, stable=stable, h=h, eps=eps)
     np.testing.assert_allclose(aux["trajectory"], xs, rtol=0, atol=1e-10)
+    # x_0: zeros where u drives every layer, else the embedding tanh(u E^T + e)
+    embed = None if na else np.tanh(u @ params["embed"]["kernel"] + params["embed"]["bias"])
+    np.testing.assert_allclose(aux["initial_state"], np.zeros_like(xs[0]) if na else embed, rtol=0, atol=1e-12)
     cls = params["classifier"]
     np.testing.assert_allclose(logits, xs[-1] @ cls["kernel"] + cls["bias"], atol=1e-10)
     np.testing.assert_array_equal(aux["step_logits"][-1], logits)

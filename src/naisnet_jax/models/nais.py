@@ -192,8 +192,8 @@ def _untied_step(step: Callable) -> Callable:
     return lambda x, params_k: step(x, *params_k)
 
 
-def _block_output(x, depth, states, return_aux):
-    return (x, {"trajectory": states, "depth": depth}) if return_aux else x
+def _block_output(x, depth, states, x0, return_aux):
+    return (x, {"trajectory": states, "initial_state": x0, "depth": depth}) if return_aux else x
 
 
 # --------------------------------------------------------------- NAIS blocks
@@ -208,7 +208,7 @@ class NaisDenseBlock(DenseOptions):
     ``B^T``, bias ``b``). Untied (per-step ``A(k), B(k), b(k)``): ``"R"``
     ``(K, r, n)`` and ``"input"`` a Dense ``m -> K n`` read as ``(K, n)``.
     ``R`` starts inside Algorithm 1's set. Returns ``x_K``, or ``(x_K, aux)``
-    with ``aux = {"trajectory": (K, batch, n), "depth": (batch,)}``.
+    with ``aux = {"trajectory": (K, batch, n), "initial_state": (batch, n), "depth": (batch,)}``.
     """
 
     features: int
@@ -261,7 +261,7 @@ class NaisDenseBlock(DenseOptions):
                 drive=xs[0] if self.untied else drive,
                 input_kernel=self.variables["params"]["input"]["kernel"],
             )
-        return _block_output(x, depth, states, return_aux)
+        return _block_output(x, depth, states, x0, return_aux)
 
 
 class NaisConvBlock(ConvOptions):
@@ -279,7 +279,7 @@ class NaisConvBlock(ConvOptions):
     (``"drive_norm"``) to the drive, whose offset then plays ``E`` (the conv
     has no bias). The state kernel starts inside Algorithm 2's set. Returns
     ``X_K``, or ``(X_K, aux)`` with ``aux = {"trajectory": (K, batch, H, W, C),
-    "depth": (batch,)}``.
+    "initial_state": (batch, H, W, C), "depth": (batch,)}``.
     """
 
     features: int
@@ -367,7 +367,7 @@ class NaisConvBlock(ConvOptions):
                 if self.normalize_drive
                 else None,
             )
-        return _block_output(x, depth, states, return_aux)
+        return _block_output(x, depth, states, x0, return_aux)
 
 
 # ----------------------------------------------------------------- NAIS-Nets
@@ -395,6 +395,7 @@ class NaisNetFC(DenseOptions, Classifier, kw_only=True):
         return step_logits[-1], {
             "step_logits": step_logits,
             "trajectory": states,
+            "initial_state": aux["initial_state"],
             "depth": aux["depth"][None],
         }
 

@@ -109,6 +109,7 @@ class ResNetFC(StepOptions, BatchAxis, Classifier, kw_only=True):
         return step_logits[-1], {
             "step_logits": step_logits,
             "trajectory": states,
+            "initial_state": x0,
             "depth": jnp.full((1, batch), L, jnp.int32),
         }
 
