@@ -83,6 +83,25 @@ def trained_on(rows) -> str:
     return ", ".join(sorted({f"{r['device']} (script {r.get('script', 'unknown')})" for r in rows}))
 
 
+def training_seconds(history) -> float:
+    """A sweep's training time over all its epochs: each epoch's ``epoch_seconds`` once (the
+    records of every seed share it). The history is the run's log, which a resumed sweep keeps
+    (rewound to its checkpoint), so the sum spans every call; each call's first epoch includes
+    its compilation. Audits and exports are not in it."""
+    per_epoch: dict[int, float] = {}
+    for r in history:
+        per_epoch.setdefault(r["epoch"], r["epoch_seconds"])
+    return float(sum(per_epoch.values()))
+
+
+def training_time_text(row: dict) -> str:
+    """A row's training time for a report: the sum over its epochs, or, for a row recorded before
+    that sum was kept, the wall time of the call that finished it, marked so."""
+    if "training_seconds" in row:
+        return f"{row['training_seconds']:.0f}s"
+    return f"{row['seconds']:.0f}s (its last call)"
+
+
 def curve(history, field: str) -> dict:
     """Per epoch: mean and std of ``field`` over the seeds that had not diverged."""
     epochs = sorted({r["epoch"] for r in history})

@@ -510,3 +510,23 @@ def test_neuron_trajectory_of_resnet_sh_stable_starts_at_its_embedding(tmp_path)
             expected.append(x[:, traj["neuron"]])
         np.testing.assert_allclose(np.asarray(samples), np.stack(expected, axis=1), rtol=0, atol=1e-5)
     assert any(abs(t[0]) > 1e-3 for s in traj["classes"].values() for t in s)  # not the NAIS-Net's zeros
+
+
+def test_training_time_spans_a_resumed_sweep(tmp_path):
+    """A sweep stopped after its first epoch and resumed: the row's training time is the first
+    call's epoch plus the second call's, each counted once over the seeds' records, not only the
+    time of the call that finished it."""
+    from experiments import ablation, sweep_report
+
+    config = ablation.make_config("resnet_sh", dataset="mnist_pinned", seeds=2, epochs=None, h=None, smoke=True)
+    first = sweep.train_sweep(config, str(tmp_path), stop_after_epochs=1, audit=False, per_step_loss=False)
+    second = sweep.train_sweep(config, str(tmp_path), audit=False, per_step_loss=False)
+    (t1,) = {r["epoch_seconds"] for r in first.history}
+    (t2,) = {r["epoch_seconds"] for r in second.history if r["epoch"] == 2}
+    assert [r["epoch"] for r in second.history] == [1, 1, 2, 2]  # the log keeps the first call's epoch
+    assert sweep_report.training_seconds(second.history) == pytest.approx(t1 + t2, rel=1e-12)
+    row = ablation.summarise("ResNet-SH", second, config, second.seconds)
+    assert row["training_seconds"] == pytest.approx(t1 + t2, rel=1e-12)
+    assert sweep_report.training_time_text(row) == f"{t1 + t2:.0f}s"
+    older = {k: v for k, v in row.items() if k != "training_seconds"}  # a row recorded before the sum
+    assert sweep_report.training_time_text(older) == f"{second.seconds:.0f}s (its last call)"
