@@ -41,11 +41,12 @@ from experiments.sweep_report import (
     define_compilation_cache_flag,
     pm,
     read_summary,
+    row_training_seconds,
     script_version,
     start_experiment,
     stat_row,
+    sweep_times,
     trained_on,
-    training_seconds,
     training_time_text,
     write_summary,
 )
@@ -203,11 +204,7 @@ def summarise(label: str, result, config, seconds: float) -> dict:
     row["test_accuracy_curve"] = curve(result.history, "test_accuracy")
     row["train_accuracy_curve"] = curve(result.history, "train_accuracy")
     row["epochs"] = result.epoch
-    row["seconds"] = seconds  # this call's wall time
-    row["training_seconds"] = training_seconds(result.history)  # every epoch, over every call
-    row["epoch_seconds_median"] = (
-        float(np.median([r["epoch_seconds"] for r in result.history])) if result.history else None
-    )
+    row.update(sweep_times(result, seconds))
     row["device"] = sweep.device_description()
     row["script"] = script_version()
     return row
@@ -358,10 +355,10 @@ def plot(rows, workdir) -> None:
     fig.savefig(os.path.join(workdir, "per_layer_loss.png"), dpi=120)
     plt.close(fig)
 
-    nais = [r for r in rows if r.get("neuron_trajectory")]  # one panel a row of TRAJECTORY_MODELS
-    if nais:
-        fig, axes = plt.subplots(1, len(nais), figsize=(7.5 * len(nais), 4.5), squeeze=False)
-        for ax, r in zip(axes[0], nais):
+    traced = [r for r in rows if r.get("neuron_trajectory")]  # one panel a row of TRAJECTORY_MODELS
+    if traced:
+        fig, axes = plt.subplots(1, len(traced), figsize=(7.5 * len(traced), 4.5), squeeze=False)
+        for ax, r in zip(axes[0], traced):
             traj = r["neuron_trajectory"]
             for c, samples in traj["classes"].items():
                 for j, t in enumerate(samples):
@@ -562,14 +559,15 @@ def run_over_h(*, workdir: str, hs, **kwargs) -> dict[float, list[dict]]:
     if kwargs.get("time_steps") or not distributed.is_primary():
         return by_h
     rows = [r for h in hs for r in by_h[h]]
+    times = [row_training_seconds(r) for r in rows]
     header = {
         "dataset": kwargs["dataset"],
         "h": ", ".join(f"{h:.6g}" for h in sorted(hs, reverse=True)),
         "seeds per model and h": kwargs["seeds"],
         "trained on": trained_on(rows),
         "training time, all sweeps (their epochs, summed over every call)": (
-            f"{sum(r.get('training_seconds', r['seconds']) for r in rows) / 60:.1f} min"
-            + ("" if all("training_seconds" in r for r in rows) else " (older rows: the call that finished them)")
+            f"{sum(t for t, _ in times) / 60:.1f} min"
+            + ("" if all(summed for _, summed in times) else " (older rows: the call that finished them)")
         ),
     }
     with open(os.path.join(workdir, "results_h.json"), "w") as f:

@@ -44,8 +44,8 @@ from experiments.sweep_report import (
     script_version,
     start_experiment,
     stat_row,
+    sweep_times,
     trained_on,
-    training_seconds,
     training_time_text,
     write_summary,
 )
@@ -170,9 +170,7 @@ def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
     row["rho_bound_max"] = max((r.rho_max for r in result.runs if r.rho_max is not None), default=None)
     row["test_accuracy_curve"] = curve(result.history, "test_accuracy")
     row["train_accuracy_curve"] = curve(result.history, "train_accuracy")
-    row["seconds"] = time.time() - t0  # this call's wall time
-    row["training_seconds"] = training_seconds(result.history)  # every epoch, over every call
-    row["epoch_seconds_median"] = float(np.median([r["epoch_seconds"] for r in result.history]))
+    row.update(sweep_times(result, time.time() - t0))
     row["device"] = sweep.device_description()
     row["devices"] = seeds.seed_mesh(config, config.num_seeds).devices.size  # those the seeds were split over
     row["script"] = script_version()

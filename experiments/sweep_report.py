@@ -94,12 +94,29 @@ def training_seconds(history) -> float:
     return float(sum(per_epoch.values()))
 
 
-def training_time_text(row: dict) -> str:
-    """A row's training time for a report: the sum over its epochs, or, for a row recorded before
-    that sum was kept, the wall time of the call that finished it, marked so."""
+def sweep_times(result, seconds: float) -> dict:
+    """A summary row's timing fields: ``seconds``, this call's wall time; ``training_seconds``, every
+    epoch over every call (:func:`training_seconds`); the median epoch's time."""
+    history = result.history
+    return {
+        "seconds": seconds,
+        "training_seconds": training_seconds(history),
+        "epoch_seconds_median": float(np.median([r["epoch_seconds"] for r in history])) if history else None,
+    }
+
+
+def row_training_seconds(row: dict) -> tuple[float, bool]:
+    """``(seconds, summed)``: a row's training time summed over its epochs (``summed`` True), or, for
+    a row recorded before that sum was kept, the wall time of the call that finished it."""
     if "training_seconds" in row:
-        return f"{row['training_seconds']:.0f}s"
-    return f"{row['seconds']:.0f}s (its last call)"
+        return row["training_seconds"], True
+    return row["seconds"], False
+
+
+def training_time_text(row: dict) -> str:
+    """A row's training time for a report, marked where it is only its last call's."""
+    seconds, summed = row_training_seconds(row)
+    return f"{seconds:.0f}s" + ("" if summed else " (its last call)")
 
 
 def curve(history, field: str) -> dict:

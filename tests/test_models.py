@@ -437,8 +437,8 @@ def test_resnet_fc_equals_layer_loop(label):
     xs = _resnet_reference(params, u, shared=shared, nonautonomous=na, batch_norm=bn, stable=stable, h=h, eps=eps)
     np.testing.assert_allclose(aux["trajectory"], xs, rtol=0, atol=1e-10)
     # x_0: zeros where u drives every layer, else the embedding tanh(u E^T + e)
-    embed = None if na else np.tanh(u @ params["embed"]["kernel"] + params["embed"]["bias"])
-    np.testing.assert_allclose(aux["initial_state"], np.zeros_like(xs[0]) if na else embed, rtol=0, atol=1e-12)
+    x0 = np.zeros_like(xs[0]) if na else np.tanh(u @ params["embed"]["kernel"] + params["embed"]["bias"])
+    np.testing.assert_allclose(aux["initial_state"], x0, rtol=0, atol=1e-12)
     cls = params["classifier"]
     np.testing.assert_allclose(logits, xs[-1] @ cls["kernel"] + cls["bias"], atol=1e-10)
     np.testing.assert_array_equal(aux["step_logits"][-1], logits)

@@ -27,7 +27,8 @@ and returns ``logits`` or ``(logits, aux)``; ``aux`` holds
 - ``"trajectory"``: FC models ``(K, batch, n)``, the states ``x_1 .. x_K``;
   conv models a tuple with one ``(K, batch, H, W, C)`` array per block;
 - ``"initial_state"`` (FC models and single NAIS blocks): ``x_0``, the state the
-  trajectory starts from, ``(batch, n)`` (zeros, ``u``, or a ResNet's embedding);
+  trajectory starts from (zeros, ``u``, or a ResNet's embedding), ``(batch, n)``, or
+  ``(batch, H, W, C)`` for a conv block;
 - ``"step_logits"`` (FC models only): the classifier applied to every state,
   ``(K, batch, num_classes)``; its last entry equals ``logits``;
 - ``"depth"``: int32 ``(num_blocks, batch)``, the steps each pattern took in
