@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 
 import numpy as np
@@ -572,7 +571,7 @@ def check_record(path: str, wanted: dict) -> None:
 def _main(argv):
     from absl import flags, logging
 
-    from experiments.sweep_report import enable_compilation_cache
+    from experiments.sweep_report import enable_compilation_cache, exit_with_error
 
     del argv
     F = flags.FLAGS
@@ -595,9 +594,8 @@ def _main(argv):
         for variant in done:  # before anything is written
             try:
                 check_record(os.path.join(F.workdir, f"{variant}.json"), wanted)
-            except ValueError as e:  # one line, exit status 2, nothing measured
-                print(f"error: {e}", file=sys.stderr)
-                raise SystemExit(2) from None
+            except ValueError as e:  # nothing measured
+                exit_with_error(e)
         enable_compilation_cache(F.compilation_cache, F.workdir)
         for variant in (v for v in variants if v not in done):
             measure(variant, workdir=F.workdir, smoke=F.smoke, **wanted)

@@ -12,6 +12,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 import numpy as np
 
@@ -187,9 +188,15 @@ def start_experiment(values) -> None:
     try:
         join_cluster(values, values.workdir)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with_error(e)
     enable_compilation_cache(values.compilation_cache, values.workdir)
+
+
+def exit_with_error(e: BaseException) -> NoReturn:
+    """Ends an experiment's command as ``naisnet-train`` ends on bad input: ``error: <e>`` as one
+    line on stderr (its whitespace collapsed), exit status 2."""
+    print("error: " + " ".join(str(e).split()), file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 #: The folders whose files decide what an experiment computes: a change in any of them is a
