@@ -95,6 +95,7 @@ def make_config(
     smoke: bool,
     limit_train: int | None = None,
     fast: bool = True,
+    seeds_at_once: int | None = None,
 ):
     import ml_collections
 
@@ -108,6 +109,7 @@ def make_config(
     config.model = model
     config.model_kwargs = ml_collections.ConfigDict(dict(kwargs))
     config.num_seeds = seeds
+    config.seeds_at_once = seeds_at_once
     config.progress = sys.stderr.isatty()
     if limit_train is not None:  # the first limit_train training images (the test set stays whole)
         config.limit_train = limit_train
@@ -422,6 +424,7 @@ def run(
     full_audit: bool = False,
     limit_train: int | None = None,
     fast: bool = True,
+    seeds_at_once: int | None = None,
     report_only: bool = False,
 ) -> list[dict]:
     from naisnet_jax.verify import AuditOptions
@@ -436,7 +439,19 @@ def run(
     if smoke:
         datasets = ["digits"]
     configs = [
-        (v, make_config(v, dataset=d, seeds=seeds, epochs=epochs, smoke=smoke, limit_train=limit_train, fast=fast))
+        (
+            v,
+            make_config(
+                v,
+                dataset=d,
+                seeds=seeds,
+                epochs=epochs,
+                smoke=smoke,
+                limit_train=limit_train,
+                fast=fast,
+                seeds_at_once=seeds_at_once,
+            ),
+        )
         for d in datasets
         for v in variants
     ]
@@ -571,6 +586,12 @@ def _define_flags() -> None:
     flags.DEFINE_integer("limit_train", None, "Train on the first N training images only (the test set stays whole).")
     flags.DEFINE_bool("full_audit", False, "Also compute Arnoldi spectral radii of every conv block (slow).")
     flags.DEFINE_bool("fast", True, f"NAIS nets with the speed options {NAIS_FAST} (same maths); --nofast: plain step.")
+    flags.DEFINE_integer(
+        "seeds_at_once",
+        None,
+        "Each GPU trains its seeds this many side by side at a time, the groups in turn (default: all at once); "
+        "the same computation (benchmarks/seeds_at_once.py says which is faster).",
+    )
     flags.DEFINE_bool(
         "report_only", False, "Write the tables from the sweeps that have finished (say which have not); train nothing."
     )
@@ -591,6 +612,7 @@ def _main(argv):
             full_audit=FLAGS.full_audit,
             limit_train=FLAGS.limit_train,
             fast=FLAGS.fast,
+            seeds_at_once=FLAGS.seeds_at_once,
             report_only=FLAGS.report_only,
         )
     except ValueError as e:

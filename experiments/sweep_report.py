@@ -321,7 +321,9 @@ def time_steps(config, *, seeds: Sequence[int] | None = None, steps: int = 100, 
         batch_size=config.batch_size,
         eval_batch_size=config.eval_batch_size,
     )
-    fn = sweep_seeds.make_sweep_epoch(s.mean, s.std, num_steps=steps, evaluate=False, mesh=s.mesh, **common)
+    fn = sweep_seeds.make_sweep_epoch(
+        s.mean, s.std, num_steps=steps, evaluate=False, mesh=s.mesh, seeds_at_once=config.seeds_at_once, **common
+    )
     state, div = s.state, sweep_seeds.shard_seeds(jnp.zeros((len(seeds),), jnp.int32), s.mesh)
     args = (s.base_keys, s.train_data, s.test_data)
     t0 = time.time()
@@ -346,6 +348,7 @@ def time_steps(config, *, seeds: Sequence[int] | None = None, steps: int = 100, 
     return {
         "model": config.model,
         "seeds": len(seeds),
+        "seeds_at_once": config.seeds_at_once,
         "batch_size": config.batch_size,
         "steps_timed": steps,
         "repeats": repeats,

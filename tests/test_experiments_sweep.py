@@ -380,6 +380,17 @@ def test_time_steps_projects_a_sweeps_cost():
     assert sum(t["kernels"].values()) >= 1
 
 
+def test_conv_rows_and_their_timing_take_seeds_at_once():
+    """``--seeds_at_once`` reaches the row's config (bookkeeping: a stored row still stands for it)
+    and the timed program: ``time_steps`` runs and reports it."""
+    from experiments import conv, sweep_report
+
+    config = conv.make_config("naisnet10", dataset="mnist_pinned", seeds=2, epochs=None, smoke=True, seeds_at_once=1)
+    assert config.seeds_at_once == 1
+    t = sweep_report.time_steps(config, steps=2, repeats=1)
+    assert t["seeds"] == 2 and t["seeds_at_once"] == 1 and t["steps_per_second"] > 0
+
+
 def test_script_version_names_the_commit_and_a_changed_tree(monkeypatch, tmp_path):
     import subprocess
 
@@ -458,7 +469,13 @@ def test_a_stored_summary_stands_only_for_a_config_that_agrees_on_every_result_f
     config = digits_tiny.get_config()
     sweep_report.write_summary(path, config, {"x": 1})
     assert sweep_report.read_summary(path, config) == {"x": 1}
-    for field, value in (("progress", True), ("steps_per_chunk", 7), ("eval_batch_size", 64), ("num_devices", 1)):
+    for field, value in (
+        ("progress", True),
+        ("steps_per_chunk", 7),
+        ("eval_batch_size", 64),
+        ("num_devices", 1),
+        ("seeds_at_once", 1),
+    ):
         other = digits_tiny.get_config()
         other[field] = value
         assert sweep_report.read_summary(path, other) == {"x": 1}, field  # bookkeeping

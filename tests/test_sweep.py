@@ -158,6 +158,20 @@ def test_a_bn_resnet_seed_is_its_single_run(bn_sweep, index):
     assert result.runs[index].rho_max is None and result.runs[index].per_step_loss.shape == (3,)
 
 
+@pytest.mark.parametrize("at_once", [1, 2])
+def test_seeds_run_a_few_at_a_time_compute_what_side_by_side_does(nais, tmp_path, at_once):
+    """``config.seeds_at_once``: one seed at a time (``lax.map``, no vmap) or 2 and then the last
+    alone (``batch_size=2`` over 3 seeds: a scanned group and a remainder) train every seed to the
+    same state, bit for bit on this CPU, as all 3 side by side."""
+    _, _, result, _, _ = nais
+    config = get_config(seeds_at_once=at_once)
+    other = sweep.train_sweep(config, str(tmp_path / "sweep"), seeds=SEEDS, audit=False, verbose=False)
+    assert_trees_equal(other.state.params, result.state.params)
+    assert_trees_equal(other.state.opt_state, result.state.opt_state)
+    for a, b in zip(other.runs, result.runs):
+        assert (a.test_accuracy, a.test_loss, a.train_loss) == (b.test_accuracy, b.test_loss, b.train_loss)
+
+
 def test_step_keys_come_from_the_step_alone():
     """Step i's augmentation key is fold_in(epoch_key, i) (a plain loop), so chunks of any size
     and the whole epoch at once give the same keys."""

@@ -1,11 +1,13 @@
 """The programs of a sweep (:mod:`naisnet_jax.sweep`): the seeds and their data keys, the epoch
 of every seed as one jitted program (``jax.vmap`` over seeds of ``lax.scan`` over batches, split
-over the host's devices by seed), the cache of compiled programs, and the stacked initial state.
+over the host's devices by seed; ``config.seeds_at_once`` runs a device's seeds a few at a time),
+the cache of compiled programs, and the stacked initial state.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,6 +62,7 @@ def make_sweep_epoch(
     num_steps: int | None = None,
     evaluate: bool = True,
     mesh: Mesh | None = None,
+    seeds_at_once: int | None = None,
 ) -> Callable:
     """The jitted epoch of every seed:
     ``(state, diverged_epoch, base_keys, train_data, test_data, epoch) ->
@@ -69,7 +72,8 @@ def make_sweep_epoch(
     ``base_keys`` is ``(S, 2)``: ``PRNGKey(seed + 1)`` per seed. ``num_steps`` cuts the epoch
     short (timing); ``evaluate=False`` leaves out the test pass (``test_metrics`` is ``{}``).
     With a ``mesh`` of several devices each device runs the seeds of its share of the seed
-    axis (:func:`per_device_seeds`): no communication.
+    axis (:func:`per_device_seeds`): no communication. ``seeds_at_once`` (``config.seeds_at_once``)
+    runs a device's seeds that many side by side at a time (:func:`map_seeds`).
     """
     eval_fn = train.make_evaluate(mean, std, eval_batch_size) if evaluate else None
 
@@ -95,8 +99,43 @@ def make_sweep_epoch(
         test_metrics = eval_fn(state, test_data) if evaluate else {}
         return state, diverged_epoch, train_metrics, test_metrics
 
-    sweep_epoch = per_device_seeds(jax.vmap(one_seed, in_axes=(0, 0, 0, None, None, None)), mesh, 3, 3)
+    sweep_epoch = per_device_seeds(map_seeds(one_seed, 3, seeds_at_once), mesh, 3, 3)
     return jax.jit(sweep_epoch, donate_argnums=(0, 1))
+
+
+def map_seeds(fn: Callable, seeded: int, seeds_at_once: int | None = None) -> Callable:
+    """``fn`` over a seed axis: its first ``seeded`` arguments carry the axis, the others are
+    shared. ``seeds_at_once=None`` runs every seed side by side (``jax.vmap``); ``k`` runs them
+    in groups of ``k`` side by side, the groups one after another in a ``lax.scan``, and the
+    seeds left over as one more group (a single seed without ``vmap``, as ``k = 1`` runs every
+    seed). The same computation either way; which is faster depends on the model and the card
+    (``benchmarks/seeds_at_once.py`` measures it)."""
+    if seeds_at_once is not None:
+        check_int("seeds_at_once", seeds_at_once)
+
+    @functools.wraps(fn)  # the program keeps fn's name
+    def mapped(*args):
+        own, shared = args[:seeded], args[seeded:]
+        seeds = jax.tree.leaves(own)[0].shape[0]
+        k = seeds if seeds_at_once is None else min(seeds_at_once, seeds)
+        if k == seeds:
+            return jax.vmap(fn, in_axes=(0,) * seeded + (None,) * len(shared))(*args)
+
+        def group(a):  # seeds (g, ...) -> their outputs (g, ...)
+            if jax.tree.leaves(a)[0].shape[0] == 1:
+                return jax.tree.map(lambda y: y[None], fn(*jax.tree.map(lambda x: x[0], a), *shared))
+            return jax.vmap(lambda *b: fn(*b, *shared))(*a)
+
+        whole = seeds - seeds % k
+        groups = jax.tree.map(lambda x: x[:whole].reshape(whole // k, k, *x.shape[1:]), own)
+        _, out = jax.lax.scan(lambda carry, a: (carry, group(a)), None, groups)
+        out = jax.tree.map(lambda y: y.reshape(whole, *y.shape[2:]), out)
+        if whole == seeds:
+            return out
+        rest = group(jax.tree.map(lambda x: x[whole:], own))
+        return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, rest)
+
+    return mapped
 
 
 def per_device_seeds(fn: Callable, mesh: Mesh | None, seeded: int, shared: int) -> Callable:
@@ -228,6 +267,7 @@ def _build_programs(config, ds, steps_per_epoch: int, mean, std, mesh: Mesh | No
             batch_size=config.batch_size,
             eval_batch_size=config.eval_batch_size,
             mesh=mesh,
+            seeds_at_once=config.seeds_at_once,
         ),
         per_step_loss=jax.jit(
             per_device_seeds(

@@ -240,6 +240,15 @@ FIELDS: tuple[Field, ...] = (
     Field("num_epochs", int, 20, _int(), "epochs to train"),
     Field("seed", int, 0, _int(0, 2**32 - 1), "initial parameters PRNGKey(seed); batches PRNGKey(seed + 1)"),
     Field("num_seeds", int, 1, _int(), "naisnet_jax.sweep trains seeds seed, seed + 1, ..., side by side"),
+    Field(
+        "seeds_at_once",
+        int,
+        None,
+        _int(),
+        "a sweep runs each device's seeds this many at a time, the groups one after another (None: all at once)",
+        optional=True,
+        bookkeeping=True,
+    ),
     # bookkeeping
     Field(
         "checkpoint_every_epochs",
