@@ -175,6 +175,7 @@ def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
     row.update(sweep_times(result, time.time() - t0))
     row["device"] = sweep.device_description()
     row["devices"] = seeds.seed_mesh(config, config.num_seeds).devices.size  # those the seeds were split over
+    row["seeds_at_once"] = config.seeds_at_once  # how many of a device's seeds ran side by side (None: all)
     row["script"] = script_version()
     write_summary(summary, config, row)
     return row
@@ -519,6 +520,7 @@ def run(
         "training time of each sweep (its epochs, summed over every call)": ", ".join(
             f"{r['dataset']}/{r['label']} {training_time_text(r)}"
             + (f" on {r['devices']} device(s)" if "devices" in r else "")
+            + (f", {r['seeds_at_once']} seed(s) at a time" if r.get("seeds_at_once") else "")
             for r in rows
         ),
         "paper": "CIFAR-10 numbers shown for reference only (5 runs, 450 epochs); these runs are on (Fashion-)MNIST",

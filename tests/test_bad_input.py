@@ -201,6 +201,7 @@ OUT_OF_RANGE = {
     "progress": None,
     "num_seeds": 0,
     "num_devices": 0,
+    "seeds_at_once": 0,
     "standardize": "yes",
     "sync_batch_norm": "no",
 }

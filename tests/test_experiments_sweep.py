@@ -105,6 +105,7 @@ def test_conv_smoke_writes_the_table_and_figures(tmp_path):
     )
     assert row["test_accuracy"]["n"] == 2 and row["certified_seeds"] == 2
     assert row["devices"] == min(jax.local_device_count(), 2)  # the devices that split 2 seeds evenly
+    assert row["seeds_at_once"] is None  # all of a device's seeds side by side
     assert row["train_accuracy_curve"]["epochs"] == [1, 2]
     # chance: the commonest class's share of the test examples the sweep evaluated on (the first 100)
     labels = np.asarray(data.load_dataset("digits").test_labels[:100])
