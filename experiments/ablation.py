@@ -39,6 +39,7 @@ from experiments.sweep_report import (
     curve,
     define_cluster_flags,
     define_compilation_cache_flag,
+    exit_with_error,
     pm,
     read_summary,
     row_training_seconds,
@@ -709,7 +710,7 @@ def _main(argv):
         else:
             run(workdir=FLAGS.workdir, h=FLAGS.h, **common)
     except ValueError as e:
-        raise app.UsageError(str(e)) from e
+        exit_with_error(e)
 
 
 if __name__ == "__main__":

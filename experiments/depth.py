@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from experiments.sweep_report import join_cluster, script_version
+from experiments.sweep_report import exit_with_error, join_cluster, script_version
 from naisnet_jax import distributed
 
 TOL = 1e-4
@@ -531,14 +531,14 @@ def main(argv=None) -> None:
     try:
         join_cluster(args, args.workdir)
     except ValueError as e:
-        parser.error(str(e))
+        exit_with_error(e)
     datasets = [d for d in args.datasets.split(",") if d]
     unknown = sorted(set(datasets) - set(DATASETS))
     if unknown:
-        parser.error(f"--datasets has unknown names {unknown}; valid: {list(DATASETS)}")
+        exit_with_error(ValueError(f"--datasets has unknown names {unknown}; valid: {list(DATASETS)}"))
     data_dirs = {"fashion_mnist_idx": args.fashion_dir, "mnist_pinned": args.mnist_dir}
     if args.seed is not None and args.seed < 0:
-        parser.error(f"--seed must be >= 0, got {args.seed}")
+        exit_with_error(ValueError(f"--seed must be >= 0, got {args.seed}"))
     overrides = {k: v for k, v in (("max_steps", args.max_steps), ("h", args.h), ("seed", args.seed)) if v is not None}
     run(args.workdir, datasets, smoke=args.smoke, epochs=args.epochs, data_dirs=data_dirs, overrides=overrides)
 

@@ -37,7 +37,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from experiments.sweep_report import script_version
+from experiments.sweep_report import exit_with_error, script_version
 
 HS = ("1", "0.5", "0.25", "0.1", "1/30")
 PROBE_EPS = ("0.01", "0.25")
@@ -227,15 +227,27 @@ def probe_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def parse_eps(text) -> float:
+    """One value of ``--probe_eps``: a number the model takes as ``eps``."""
+    from naisnet_jax.parametrize import check_eps
+
+    try:
+        eps = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"--probe_eps has {text!r}; expected a number in (0, 0.5)") from None
+    return check_eps(eps, "--probe_eps")
+
+
 def run_drive_probe(*, workdir: str, hs, eps_values, steps: int, smoke: bool) -> list[dict]:
     """:func:`drive_probe` at every h and eps; writes ``drive_probe.json`` and ``drive_probe.md``."""
     from experiments.ablation import parse_h
     from naisnet_jax import sweep
 
+    hs, eps_values = [parse_h(h) for h in hs], [parse_eps(e) for e in eps_values]  # before anything is written
     script = script_version()
     os.makedirs(workdir, exist_ok=True)
     t0 = time.time()
-    rows = [r for h in hs for eps in eps_values for r in drive_probe(parse_h(h), float(eps), steps=steps, smoke=smoke)]
+    rows = [r for h in hs for eps in eps_values for r in drive_probe(h, eps, steps=steps, smoke=smoke)]
     header = {
         "model": "naisnet_mnist (one block, 128 tanh units, K = 30, x_0 = 0), ablation_paper.py's optimisation, "
         "seed 0" + (" (smoke: digits, 8 units, K = 3)" if smoke else ""),
@@ -308,9 +320,10 @@ def run(*, workdir: str, hs, steps: int, smoke: bool) -> list[dict]:
     from experiments.ablation import parse_h
     from naisnet_jax import sweep
 
+    hs = [parse_h(h) for h in hs]  # before anything is written
     os.makedirs(workdir, exist_ok=True)
     t0 = time.time()
-    rows = [r for h in hs for r in measure(parse_h(h), steps=steps, smoke=smoke)]
+    rows = [r for h in hs for r in measure(h, steps=steps, smoke=smoke)]
     header = {
         "model": "naisnet_mnist (one block, 128 tanh units, K = 30), ablation_paper.py's optimisation, seed 0"
         + (" (smoke: digits, 8 units, K = 3)" if smoke else ""),
@@ -356,7 +369,7 @@ def _main(argv):
             return
         run(workdir=FLAGS.workdir, hs=FLAGS.hs, steps=FLAGS.steps, smoke=FLAGS.smoke)
     except ValueError as e:
-        raise app.UsageError(str(e)) from e
+        exit_with_error(e)
 
 
 if __name__ == "__main__":

@@ -578,7 +578,7 @@ def _main(argv):
     logging.set_verbosity(logging.WARNING)
     unknown = sorted(set(F.variants or ()) - set(VARIANTS))
     if unknown:
-        raise flags.ValidationError(f"--variants {unknown} unknown; choose from {list(VARIANTS)}.")
+        exit_with_error(ValueError(f"--variants {unknown} unknown; choose from {list(VARIANTS)}."))
     if not F.report:
         dataset = "digits" if F.smoke else F.dataset
         wanted = dict(

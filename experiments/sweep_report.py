@@ -189,13 +189,38 @@ def start_experiment(values) -> None:
         join_cluster(values, values.workdir)
     except ValueError as e:
         exit_with_error(e)
+    missing = _missing_folders(values.workdir)
+    if values.compilation_cache != "none":
+        cache = values.compilation_cache or os.path.join(values.workdir, "jax_cache")
+        missing += [p for p in _missing_folders(os.path.expanduser(cache)) if p not in missing]
     enable_compilation_cache(values.compilation_cache, values.workdir)
+    _MADE_AT_START[:] = [p for p in missing if os.path.isdir(p)]
+
+
+#: The folders :func:`start_experiment` made (the workdir, its compilation cache), deepest first:
+#: a command that then refuses its input removes those still empty (it leaves nothing behind).
+_MADE_AT_START: list[str] = []
+
+
+def _missing_folders(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist yet, deepest first."""
+    out, path = [], os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
 
 
 def exit_with_error(e: BaseException) -> NoReturn:
     """Ends an experiment's command as ``naisnet-train`` ends on bad input: ``error: <e>`` as one
-    line on stderr (its whitespace collapsed), exit status 2."""
+    line on stderr (its whitespace collapsed), exit status 2. The folders the command made when it
+    started are removed if nothing was written into them."""
     print("error: " + " ".join(str(e).split()), file=sys.stderr)
+    for path in sorted(_MADE_AT_START, key=len, reverse=True):
+        try:
+            os.rmdir(path)  # only an empty folder
+        except OSError:
+            pass
     raise SystemExit(2) from None
 
 

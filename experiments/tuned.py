@@ -48,6 +48,7 @@ from experiments import ablation
 from experiments.sweep_report import (
     define_cluster_flags,
     define_compilation_cache_flag,
+    exit_with_error,
     pm,
     read_summary,
     script_version,
@@ -619,7 +620,7 @@ def _main(argv):
             literal=FLAGS.literal,
         )
     except ValueError as e:
-        raise app.UsageError(str(e)) from e
+        exit_with_error(e)
 
 
 if __name__ == "__main__":

@@ -1180,3 +1180,34 @@ def test_49_a_checkpoints_path_that_is_a_file(jax_cache, tmp_path):
     ]
     assert time.time() - start < 60
     assert sorted(p.name for p in workdir.iterdir()) == [".trainer.lock", train.CHECKPOINT_DIR]
+
+
+@pytest.mark.parametrize(
+    "command, words",
+    [
+        (["experiments.conv", "--variants=naisnet3"], "--variants has unknown names ['naisnet3']; valid: ['resnet',"),
+        (["experiments.conv", "--smoke", "--seeds_at_once=0"], "config.seeds_at_once=0 must be a positive integer."),
+        (["experiments.ablation", "--hs=1,1/0"], "--hs has '1/0'; expected a step size above 0"),
+        (["experiments.tuned", "--models=resnett"], "--models has unknown names ['resnett']; valid: ['naisnet_mnist',"),
+        (["experiments.fc_spectrum", "--drive_probe", "--probe_eps=x"], "--probe_eps has 'x'; expected a number in"),
+        (["experiments.signal", "--variants=nais2"], "--variants ['nais2'] unknown; choose from ['nais10',"),
+        (["experiments.depth", "--datasets=cifar10"], "--datasets has unknown names ['cifar10']; valid:"),
+    ],
+    ids=lambda v: v[0] if isinstance(v, list) else None,
+)
+def test_50_an_experiment_refuses_bad_flags_in_one_line_and_leaves_nothing(tmp_path, command, words):
+    """Every experiment command ends on a bad flag as naisnet-train does: ``error: ...`` in one
+    line (not absl's page of usage), exit status 2, and no workdir or compilation cache left behind;
+    a workdir that was there before stays."""
+    for workdir in (tmp_path / "new" / "run", tmp_path):
+        done = subprocess.run(
+            [sys.executable, "-m", *command, f"--workdir={workdir}"],
+            cwd=REPO,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+            capture_output=True,
+            text=True,
+            timeout=QUICK_S,
+        )
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert one_error_line(done.stderr).startswith(f"error: {words}"), done.stderr
+    assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []
