@@ -163,9 +163,11 @@ def test_seeds_run_a_few_at_a_time_compute_what_side_by_side_does(nais, tmp_path
     """``config.seeds_at_once``: one seed at a time (``lax.map``, no vmap) or 2 and then the last
     alone (``batch_size=2`` over 3 seeds: a scanned group and a remainder) train every seed to the
     same state, bit for bit on this CPU, as all 3 side by side."""
-    _, _, result, _, _ = nais
+    _, _, result, singles, _ = nais
     config = get_config(seeds_at_once=at_once)
     other = sweep.train_sweep(config, str(tmp_path / "sweep"), seeds=SEEDS, audit=False, verbose=False)
+    for i in (0, 2):  # the single runs, one train_and_evaluate per seed: the independent reference
+        check_seed_is_single_run(other, i, singles[SEEDS[i]])
     assert_trees_equal(other.state.params, result.state.params)
     assert_trees_equal(other.state.opt_state, result.state.opt_state)
     for a, b in zip(other.runs, result.runs):
