@@ -3,9 +3,9 @@
 A sweep (``naisnet_jax.sweep``) runs the seeds a device holds as one program: by default all of
 them side by side (``jax.vmap``), or, with ``config.seeds_at_once = k``, ``k`` side by side at a
 time, the groups one after another (``k = 1``: one seed at a time, no ``vmap``). The computation is
-the same (``tests/test_sweep.py``); the speed is not: batching a model over seeds turns each
-convolution's kernel into a per-seed one, and a step that already fills the card gains nothing
-from it. This script measures the training step of one section 5.2 row
+the same (``tests/test_sweep.py``); the speed need not be: ``vmap`` over seeds turns each
+convolution into a grouped one with a kernel per seed, and whether that beats running the seeds in
+turn depends on how much of the card one seed's step already uses. This script measures the training step of one section 5.2 row
 (``experiments/conv.py``'s config, the fused GPU path for a NAIS net) for each ``k``, every ``k``
 in a fresh process on one device, with the experiment's own timing
 (``experiments.sweep_report.time_steps``: the epoch program cut to ``--steps`` steps, best of 3
