@@ -5,9 +5,10 @@ them side by side (``jax.vmap``), or, with ``config.seeds_at_once = k``, ``k`` s
 time, the groups one after another (``k = 1``: one seed at a time, no ``vmap``). The computation is
 the same (``tests/test_sweep.py``); the speed need not be: ``vmap`` over seeds turns each
 convolution into a grouped one with a kernel per seed, and whether that beats running the seeds in
-turn depends on how much of the card one seed's step already uses. This script measures the training step of one section 5.2 row
-(``experiments/conv.py``'s config, the fused GPU path for a NAIS net) for each ``k``, every ``k``
-in a fresh process on one device, with the experiment's own timing
+turn depends on how much of the card one seed's step already uses. This script measures the
+training step of one section 5.2 row (``experiments/conv.py``'s config, the fused GPU path for a
+NAIS net) for each ``k``, every ``k`` in a fresh process on one device, with the experiment's own
+timing
 (``experiments.sweep_report.time_steps``: the epoch program cut to ``--steps`` steps, best of 3
 calls after a warm-up, plus one test evaluation).
 
