@@ -8,9 +8,8 @@ convolution into a grouped one with a kernel per seed, and whether that beats ru
 turn depends on how much of the card one seed's step already uses. This script measures the
 training step of one section 5.2 row (``experiments/conv.py``'s config, the fused GPU path for a
 NAIS net) for each ``k``, every ``k`` in a fresh process on one device, with the experiment's own
-timing
-(``experiments.sweep_report.time_steps``: the epoch program cut to ``--steps`` steps, best of 3
-calls after a warm-up, plus one test evaluation).
+timing (``experiments.sweep_report.time_steps``: the epoch program cut to ``--steps`` steps, best
+of 3 calls after a warm-up, plus one test evaluation).
 
 The table gives, per ``k``: milliseconds a step of all the seeds, a step per seed, images per
 second summed over the seeds, the speed against all side by side, and the row's projected
