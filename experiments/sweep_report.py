@@ -173,7 +173,12 @@ def enable_compilation_cache(directory: str | None, workdir: str) -> None:
     scaling) then compile once."""
     from naisnet_jax import compile_cache
 
-    compile_cache.enable(directory or os.path.join(workdir, "jax_cache"))
+    compile_cache.enable(directory or _default_cache(workdir))
+
+
+def _default_cache(workdir: str) -> str:
+    """An experiment's compilation cache when ``--compilation_cache`` names none."""
+    return os.path.join(workdir, "jax_cache")
 
 
 def start_experiment(values) -> None:
@@ -190,8 +195,8 @@ def start_experiment(values) -> None:
     except ValueError as e:
         exit_with_error(e)
     missing = _missing_folders(values.workdir)
-    if values.compilation_cache != "none":
-        cache = values.compilation_cache or os.path.join(values.workdir, "jax_cache")
+    if values.compilation_cache != "none":  # "none": no cache, nothing made
+        cache = values.compilation_cache or _default_cache(values.workdir)
         missing += [p for p in _missing_folders(os.path.expanduser(cache)) if p not in missing]
     enable_compilation_cache(values.compilation_cache, values.workdir)
     _MADE_AT_START[:] = [p for p in missing if os.path.isdir(p)]
