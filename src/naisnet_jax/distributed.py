@@ -184,6 +184,18 @@ def agree(status: int) -> int:
     return int(multihost_utils.broadcast_one_to_all(np.int32(status)))
 
 
+def meet(name: str) -> None:
+    """Every process waits here until all of them have arrived (one process: returns at once).
+    Only for a point that every process reaches, such as a stop they all decided on together."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
 def gather(tree):
     """Every array of ``tree`` whole, as numpy, on every process (a sweep's seeds are split over
     the processes' devices; a replicated array is read from this process's own copy)."""

@@ -353,39 +353,43 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     compile_cache.enable(args.compilation_cache)
-    status, line, result = _train(config, args)
+    status, line, result, together = _train(config, args)
     if status:
-        _leave(status, line, several)
+        _leave(status, line, several, together=together)
     print(f"test accuracy {result['test_accuracy']:.4f} after epoch {result['epoch']}")
 
 
-def _train(config, args) -> tuple[int, str | None, dict | None]:
-    """Train; ``(exit status, error line, result)``."""
+def _train(config, args) -> tuple[int, str | None, dict | None, bool]:
+    """Train; ``(exit status, error line, result, together)``: ``together`` when every process
+    stops at this same point (a divergence, decided on replicated results)."""
     from naisnet_jax import distributed, train
     from naisnet_jax.metric_writers import default_writer
 
     previous = _leave_on_ctrl_c(args.workdir)
     try:
         writer = default_writer(args.workdir, tensorboard=args.tensorboard) if distributed.is_primary() else None
-        return 0, None, train.train_and_evaluate(config, args.workdir, writer=writer)
+        return 0, None, train.train_and_evaluate(config, args.workdir, writer=writer), False
     except train.TrainingDiverged as e:
-        return EXIT_DIVERGED, f"error: {_one_line(e)}", None
+        return EXIT_DIVERGED, f"error: {_one_line(e)}", None, True
     except (ValueError, FileNotFoundError, NotADirectoryError, ImportError, train.WorkdirInUse) as e:
         # ValueError: config values, data files, checkpoints (CheckpointError);
         # FileNotFoundError: a missing dataset; ImportError: a missing optional extra;
         # WorkdirInUse: another trainer holds the workdir.
-        return EXIT_USAGE, f"error: {_one_line(e)}", None
+        return EXIT_USAGE, f"error: {_one_line(e)}", None, False
     except distributed.PeerFailed as e:  # the primary process said why
-        return e.status, None, None
+        return e.status, None, None, False
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
 
-def _leave(status: int, line: str | None, several: bool) -> None:
+def _leave(status: int, line: str | None, several: bool, *, together: bool = False) -> None:
     """Exit with ``status`` after ``line``; of several processes, a process other than the
     primary names itself, and every process leaves at once (JAX's orderly shutdown would wait
-    for the others, which may be waiting for this one)."""
+    for the others, which may be waiting for this one). A stop that every process reaches
+    (``together``) meets after its line first: process 0 hosts the run's coordinator, and were it
+    to leave while another process is still on its way there, JAX's runtime would end that one
+    as if process 0 had been lost, before it says why it stops."""
     import jax
 
     from naisnet_jax import distributed
@@ -395,6 +399,8 @@ def _leave(status: int, line: str | None, several: bool) -> None:
             line = f"error: process {jax.process_index()} of {jax.process_count()}: {line.removeprefix('error: ')}"
         print(line, file=sys.stderr, flush=True)
     if several:
+        if together:
+            distributed.meet("leave")
         sys.stdout.flush()
         os._exit(status)
     sys.exit(status)
