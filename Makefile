@@ -54,7 +54,7 @@ demo: $(STAMP) data
 BENCH_OUT ?= runs/bench
 BENCH_FLAGS ?=
 bench: $(STAMP)
-	for b in train_step profile_step fused_block memory compile_time dense_step adaptive_depth scaling wgmma_block hopper_checks; do \
+	for b in train_step profile_step fused_block memory compile_time dense_step adaptive_depth scaling wgmma_block hopper_checks seeds_at_once; do \
 	  $(PY) benchmarks/$$b.py --out=$(BENCH_OUT)/$$b $(BENCH_FLAGS) || exit 1; done
 
 bench-smoke:

@@ -109,7 +109,8 @@ def map_seeds(fn: Callable, seeded: int, seeds_at_once: int | None = None) -> Ca
     in groups of ``k`` side by side, the groups one after another in a ``lax.scan``, and the
     seeds left over as one more group (a single seed without ``vmap``, as ``k = 1`` runs every
     seed). The same computation either way; which is faster depends on the model and the card
-    (``benchmarks/seeds_at_once.py`` measures it)."""
+    (``benchmarks/seeds_at_once.py`` measures it: section 5.2's NAIS-Net10 on one H200 trains
+    1.16 times faster one seed at a time than four side by side)."""
     if seeds_at_once is not None:
         check_int("seeds_at_once", seeds_at_once)
 
