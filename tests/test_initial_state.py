@@ -1,6 +1,9 @@
 """The ``initial_state`` model option: x_0 = u against plain float64 loops, the exactly zero
 state gradient of a one-step block started at 0, the warning, and the shape rules."""
 
+import os
+import subprocess
+import sys
 import warnings
 
 import flax.linen as nn
@@ -191,6 +194,23 @@ def test_conv_net_rule_and_warnings():
     assert caught
     _, caught = _blocks_built(M.NaisNetFC(num_classes=3, features=4, steps=1, initial_state="input"), np.zeros((2, 4)))
     assert not caught
+
+
+def test_the_warning_is_shown_once_however_often_the_net_is_traced():
+    """Python shows a warning once per place under its default filters, unless the filters
+    change in between (which makes it forget what it has shown): building the stride-2 block
+    must not change them, or a training run would repeat the warning at every trace."""
+    script = (
+        "import jax, numpy as np\n"
+        "import naisnet_jax.models as M\n"
+        "m = M.NaisNetConv(num_classes=3, stage_sizes=(2, 1), filters=(4, 4), steps=1)\n"
+        "for _ in range(3):\n"
+        "    jax.eval_shape(m.init, jax.random.key(0), np.zeros((2, 8, 8, 1)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("StateUnusedWarning") == 1, run.stderr
 
 
 def test_conv_net_from_input_trains_its_state_kernels():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -42,7 +41,7 @@ from naisnet_jax.models.options import (
     DenseOptions,
     DriveNorm,
     Stages,
-    StateUnusedWarning,
+    net_chose_zero_start,
     options_of,
 )
 from naisnet_jax.parametrize import conv_state_kernel, fc_state_matrix, zero_delta
@@ -430,9 +429,7 @@ class NaisNetConv(ConvOptions, DriveNorm, Classifier, Stages, kw_only=True):
         for i, (size, width) in enumerate(zip(self.stage_sizes, self.filters)):
             for j in range(size):
                 change = i > 0 and j == 0
-                with warnings.catch_warnings():
-                    if change:  # x_0 = 0 here is the net's choice (see above), not the user's
-                        warnings.simplefilter("ignore", StateUnusedWarning)
+                with net_chose_zero_start(change):  # x_0 = 0 there is the net's choice (see above)
                     block = NaisConvBlock(
                         width,
                         strides=2 if change else 1,

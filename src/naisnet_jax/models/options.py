@@ -5,6 +5,8 @@ editing one class; a network hands its blocks their options with :func:`options_
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import warnings
 from collections.abc import Sequence
@@ -62,6 +64,21 @@ def without_speed_options(kwargs) -> dict:
 
 class StateUnusedWarning(UserWarning):
     """A NAIS block with one step and ``x_0 = 0`` has a state matrix that never acts."""
+
+
+_NET_CHOSE_ZERO_START = contextvars.ContextVar("net_chose_zero_start", default=False)
+
+
+@contextlib.contextmanager
+def net_chose_zero_start(chose: bool = True):
+    """Blocks built inside start from ``x_0 = 0`` because their net says so (a stride-2 block),
+    not the user: they do not warn. A context variable, not a warning filter: changing the
+    filters makes Python forget which warnings it has shown, so every later trace would warn again."""
+    token = _NET_CHOSE_ZERO_START.set(chose)
+    try:
+        yield
+    finally:
+        _NET_CHOSE_ZERO_START.reset(token)
 
 
 class HyperParameters(nn.Module, kw_only=True):
@@ -257,7 +274,7 @@ class NaisOptions(ComputeDtype, StepOptions, kw_only=True):
     def _warn_if_state_unused(self):
         """A block (not a net: its blocks warn when they are built) with one step from ``x_0 = 0``."""
         most = self.steps if self.adaptive_tol is None else self.max_steps
-        if most == 1 and self.initial_state == "zero":
+        if most == 1 and self.initial_state == "zero" and not _NET_CHOSE_ZERO_START.get():
             warnings.warn(
                 "a NAIS block with steps=1 and initial_state='zero' computes x_1 = h act(drive): its "
                 "state matrix / kernel never acts and gets an exactly zero gradient, so the block is "
