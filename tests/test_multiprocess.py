@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import random
 import re
 import signal
 import socket
@@ -234,6 +235,35 @@ def test_a_two_seed_sweep_over_two_processes_is_the_sweep_of_one(tmp_path):
     for seed in (0, 1):  # each seed exported as a single run, saved by both processes together
         _, meta = ckpt.load(str(tmp_path / "two" / f"seed_{seed}" / "checkpoints"))
         assert meta["extra"]["seeds"] == [seed] and meta["epoch"] == 3
+
+
+def _gloo_pieces(rank: int, peers: int) -> list[str]:
+    """Gloo's connection message as its stream operators write it, piece by piece."""
+    return [
+        "[Gloo] Rank ", str(rank), " is connected to ", str(peers), " peer ranks. ",
+        "Expected number of connected peer ranks is : ", str(peers), "\n",
+    ]  # fmt: skip
+
+
+def test_gloo_messages_are_left_out_however_their_pieces_interleave():
+    """Several threads print the message at once (seen: a line holding only
+    "1 peer ranks. Expected number of connected peer ranks is : 1"); in whatever order their pieces
+    land (200 random orders of 1 to 4 threads), nothing of Gloo's comes through and our own lines do."""
+    ours = ["Training on 2 devices over 2 processes.\n", "\n", "epoch 1: train loss 2.3\n", "1\n"]
+    for seed in range(200):
+        rng = random.Random(seed)
+        threads = [_gloo_pieces(rng.randrange(4), rng.randrange(1, 4)) for _ in range(rng.randrange(1, 5))]
+        burst = []
+        while any(threads):
+            burst.append(rng.choice([t for t in threads if t]).pop(0))
+        text = ours[0] + "".join(burst) + "".join(ours[1:]) if seed % 2 else "".join(burst) + "".join(ours)
+        kept = list(distributed._without_gloo(text.splitlines(keepends=True)))
+        assert not any("Gloo" in line or "peer ranks" in line for line in kept), (seed, text, kept)
+        # our lines come through, less a blank or bare-number line right after a message
+        assert [line for line in kept if line.strip() and not line.strip().isdigit()] == [
+            line for line in ours if line.strip() and not line.strip().isdigit()
+        ], (seed, text, kept)
+        assert "1\n" in kept, (seed, kept)  # a number on its own line after our own output is ours
 
 
 @pytest.mark.parametrize(

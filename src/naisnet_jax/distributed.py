@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -275,17 +275,30 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-#: Gloo's (the CPU collectives') connection lines, printed by every process as it joins
-#: (several threads print them at once, so a line may hold pieces of two)
-_GLOO = re.compile(r"\[Gloo\]|connected to \d+ peer ranks")
+#: Gloo (the CPU collectives) prints "[Gloo] Rank r is connected to n peer ranks. Expected number
+#: of connected peer ranks is : n" as each process joins, from several threads at once and in
+#: pieces, so a line may hold pieces of two messages and a number or a line end may land alone.
+_GLOO = re.compile(r"\[Gloo\]|is connected to|peer ranks")
+_GLOO_LEFTOVER = re.compile(r"\s*\d*\s*")
+
+
+def _without_gloo(lines: Iterable[str]) -> Iterator[str]:
+    """``lines`` less Gloo's connection messages: each line holding a piece of one, and the blank or
+    bare-number lines right after such a line (what is left of the pieces)."""
+    in_gloo = False
+    for line in lines:
+        if _GLOO.search(line) or (in_gloo and _GLOO_LEFTOVER.fullmatch(line)):
+            in_gloo = True
+            continue
+        in_gloo = False
+        yield line
 
 
 def _pass_through(source, sink) -> None:
-    """Copy ``source``'s lines to ``sink`` as they come, less Gloo's connection lines."""
-    for line in source:
-        if not _GLOO.search(line):
-            sink.write(line)
-            sink.flush()
+    """Copy ``source``'s lines to ``sink`` as they come, less Gloo's connection messages."""
+    for line in _without_gloo(source):
+        sink.write(line)
+        sink.flush()
 
 
 def supervise(command: Sequence[str], cluster: Cluster, *, workdir: str) -> int:
