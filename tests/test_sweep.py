@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import pathlib
+import re
 import sys
 
 import jax
@@ -401,3 +402,22 @@ def test_program_cache_is_owned_by_its_caller():
     assert seeds_lib.ProgramCache().get(get_config(), *args) is not first
     with pytest.raises(ValueError, match="kept=0"):
         seeds_lib.ProgramCache(kept=0)
+
+
+def test_the_sweep_says_each_seed_it_exports_and_audits(tmp_path, capsys):
+    """After the last epoch each seed gets a line: what was done, how long it took, the verdict
+    and where its checkpoint is (the audit is otherwise a silent pause after training)."""
+    from naisnet_jax.verify import AuditOptions
+
+    config = get_config(num_epochs=1)
+    result = sweep.train_sweep(
+        config, str(tmp_path), seeds=SEEDS, audit_options=AuditOptions(data="none"), per_step_loss=False
+    )
+    lines = [line for line in capsys.readouterr().out.splitlines() if " exported" in line]
+    assert len(lines) == len(SEEDS)
+    for seed, run, line in zip(SEEDS, result.runs, lines):
+        verdict = "certified" if run.certified else "not certified"
+        where = re.escape(run.checkpoint_dir)
+        assert re.fullmatch(
+            rf"\[{config.model}\] seed {seed} exported and audited in \d+\.\ds: {verdict} \({where}\)", line
+        )

@@ -41,7 +41,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -297,7 +297,10 @@ def train_sweep(
 
         done_epoch = max((r["epoch"] for r in history), default=0)
         audit = audit and (program.has_nais or audit_baselines)
-        runs = _seed_results(config, workdir, seeds, s, state, history, metadata, audit, audit_options, per_step_loss)
+        say = run.say if verbose else None
+        runs = _seed_results(
+            config, workdir, seeds, s, state, history, metadata, audit, audit_options, per_step_loss, say
+        )
         return SweepResult(
             model=config.model,
             dataset=config.dataset,
@@ -332,11 +335,21 @@ def _start(run: engine.RunDirectory, s: SweepSetup, config, verbose: bool):
 
 
 def _seed_results(
-    config, workdir, seeds, s: SweepSetup, state, history, metadata, audit: bool, audit_options, per_step_loss: bool
+    config,
+    workdir,
+    seeds,
+    s: SweepSetup,
+    state,
+    history,
+    metadata,
+    audit: bool,
+    audit_options,
+    per_step_loss: bool,
+    say: Callable[[str], None] | None = None,
 ) -> tuple[SeedResult, ...]:
     """Each seed's :class:`SeedResult` from its last record; once the sweep has finished, each
     seed is also exported as a single-run directory, audited (``audit``) and, for a model with
-    per-step logits, measured layer by layer (``per_step_loss``)."""
+    per-step logits, measured layer by layer (``per_step_loss``); ``say`` gets a line per seed."""
     done_epoch = max((r["epoch"] for r in history), default=0)
     last = {r["seed"]: r for r in history if r["epoch"] == done_epoch}
     runs = []
@@ -365,6 +378,7 @@ def _seed_results(
             diverged_epoch=r["diverged_epoch"],
         )
         if finished:
+            t0 = time.time()
             directory = _export_seed(
                 config, workdir, seed, jax.tree.map(lambda x: x[i], host_tree), metadata, r, history
             )
@@ -376,6 +390,10 @@ def _seed_results(
 
                 if distributed.is_primary():
                     write_json(cert, os.path.join(workdir, f"seed_{seed}", CERTIFICATE_FILE))
+            if say is not None:
+                verdict = "" if cert is None else (": certified" if certified else ": not certified")
+                done = "exported and audited" if cert is not None else "exported"
+                say(f"[{config.model}] seed {seed} {done} in {time.time() - t0:.1f}s{verdict} ({directory})")
             run = dataclasses.replace(
                 run,
                 checkpoint_dir=directory,
