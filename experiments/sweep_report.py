@@ -279,14 +279,15 @@ def _git_version(root: str) -> str | None:
     return head + ("+changes" if dirty.strip() else "")
 
 
-def write_tree_manifest(root: str = _ROOT) -> str:
-    """Writes ``root/.tree_manifest.json``: the commit (as :func:`script_version` names it here) and
-    the hash of every file of the tree, so that a copy of the tree made for a machine without git
-    (a lent GPU box) can name its commit, and say whether it has changed since. Returns its path."""
+def write_tree_manifest(root: str = _ROOT, path: str | None = None) -> str:
+    """Writes ``root/.tree_manifest.json`` (or ``path``): the commit (as :func:`script_version` names
+    it here) and the hash of every file of the tree, so that a copy of the tree made for a machine
+    without git (a lent GPU box) can name its commit, and say whether it has changed since. Returns
+    its path."""
     version = _git_version(root)
     if version is None:
         raise ValueError(f"{root!r} is not a git checkout: a tree manifest names a commit, so it is written from one")
-    path = os.path.join(root, TREE_MANIFEST)
+    path = os.path.join(root, TREE_MANIFEST) if path is None else path
     with open(path, "w") as f:
         json.dump({"version": version, "files": _tree_files(root)}, f, indent=0, sort_keys=True)
     return path

@@ -427,8 +427,12 @@ def test_a_copy_without_git_names_its_commit_from_the_manifest_and_sees_any_chan
     for folder in sweep_report.TREE_FOLDERS:
         shutil.copytree(REPO / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     assert sweep_report.script_version(str(copy)) == "unknown"  # no git, no manifest
-    manifest = json.loads(pathlib.Path(sweep_report.write_tree_manifest(str(REPO))).read_text())
-    (REPO / sweep_report.TREE_MANIFEST).replace(copy / sweep_report.TREE_MANIFEST)
+    ours = REPO / sweep_report.TREE_MANIFEST  # the checkout's own manifest, if any, stays as it is
+    before = ours.read_bytes() if ours.exists() else None
+    written = sweep_report.write_tree_manifest(str(REPO), path=str(copy / sweep_report.TREE_MANIFEST))
+    assert written == str(copy / sweep_report.TREE_MANIFEST)
+    assert (ours.read_bytes() if ours.exists() else None) == before
+    manifest = json.loads(pathlib.Path(written).read_text())
     assert manifest["version"] == here
     blob = subprocess.run(
         ["git", "hash-object", "src/naisnet_jax/cell.py"], cwd=REPO, capture_output=True, text=True, check=True
