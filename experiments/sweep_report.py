@@ -29,11 +29,17 @@ def fingerprint(config) -> dict:
 
 
 def read_summary(path: str, config) -> dict | None:
-    """The row saved at ``path`` if it was made with this config, else None."""
+    """The row saved at ``path`` if it was made with this config, else None; a file there that
+    is no summary (cut short, say) is an error naming it, never written over."""
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        saved = json.load(f)
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a readable summary ({e}); move it away to run that row again.") from None
+    if not isinstance(saved, dict) or "row" not in saved:
+        raise ValueError(f"{path} holds no summary row; move it away to run that row again.")
     return saved["row"] if same_fingerprint(saved, config) else None
 
 

@@ -46,6 +46,8 @@ FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, 2)
 #: Where a training run keeps its checkpoint directory, inside its workdir.
 RUN_CHECKPOINT_DIR = "checkpoints"
+#: A sweep's checkpoints (:mod:`naisnet_jax.sweep`), beside its per-seed ``seed_<s>/checkpoints``.
+SWEEP_CHECKPOINT_DIR = "sweep_checkpoints"
 
 
 class DamagedStep(CheckpointError):
@@ -93,6 +95,21 @@ def check_writable(directory: str, what: str = "") -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=directory))
     except OSError as e:
         raise CheckpointWriteError(f"cannot write checkpoints to {where}: {e.strerror or e}.") from None
+
+
+def check_step_entries(directory: str) -> None:
+    """Refuse a checkpoint directory where a step's name holds something other than a directory
+    (a file named ``132``, say): Orbax does not see it as a step and would write that step over it.
+    Raises :class:`CheckpointWriteError` in one line naming the entry."""
+    if not os.path.isdir(directory):
+        return
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.isdigit() and not os.path.isdir(path):
+            raise CheckpointWriteError(
+                f"{path} is not a checkpoint directory but sits where step {name}'s checkpoint would be "
+                f"written: move it out of {directory} to train there."
+            )
 
 
 REASON_CHARS = 160  # a damaged step's reason is cut to its first line and this many characters

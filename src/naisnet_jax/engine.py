@@ -10,7 +10,8 @@ rewind, and "the record, then the checkpoint". Both trainers follow it:
   options, same data, same seeds) and drops the metrics records of the epochs after it;
 - each epoch's records are written (and synced) before its checkpoint, so a crash between the
   two leaves records that resuming drops, never a checkpoint whose epoch has no record;
-- checkpoints are keyed by the training step reached (``epoch x steps_per_epoch``) in both;
+- checkpoints are keyed by the training step reached in both (``epoch x steps_per_epoch``, counted on
+  from the restored checkpoint's step, so the keys grow with the epochs when a resume changes the batch);
 - a diverged run stops without saving and keeps its last good checkpoint.
 
 Also here: the checked training data, the checkpoint's tree, the loss watch and the progress bar.
@@ -38,6 +39,7 @@ from naisnet_jax.configs import schema
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = ckpt.RUN_CHECKPOINT_DIR
+SWEEP_CHECKPOINT_DIR = ckpt.SWEEP_CHECKPOINT_DIR
 LOCK_FILE = ".trainer.lock"
 #: What a resumed run may change, and is told in one line that it did (the declaration's ``notice`` fields).
 NOTICE_FIELDS = schema.NOTICE_FIELDS
@@ -130,6 +132,8 @@ class RunDirectory:
         self.checkpoint_dir = os.path.join(workdir, checkpoints)
         self.metrics_path = os.path.join(workdir, METRICS_FILE)
         self.records: list[dict] = []  # the log's records, as this run holds them
+        self.record_keys = ("epoch", "seed") if checkpoints == SWEEP_CHECKPOINT_DIR else ("epoch",)
+        self._base = (0, 0)  # (epoch, step) of the restored checkpoint: where the keys count on from
         self.mngr = None
         self._lock = None
         self.primary = distributed.is_primary()  # writes the log and prints; every process saves
@@ -142,7 +146,9 @@ class RunDirectory:
             try:
                 self._lock = workdir_lock(self.workdir)
                 self._lock.__enter__()
+                self.refuse_other_kind()
                 ckpt.check_writable(self.checkpoint_dir)  # before any training: Orbax would hang on it
+                ckpt.check_step_entries(self.checkpoint_dir)
             except BaseException as e:  # noqa: BLE001 - re-raised below, after the others know
                 self._release()
                 error = e
@@ -176,6 +182,20 @@ class RunDirectory:
         """Print ``line`` (to stderr with ``error``) from the primary process only."""
         if self.primary:
             print(line, file=sys.stderr if error else sys.stdout, flush=True)
+
+    def refuse_other_kind(self) -> None:
+        """Refuse a workdir that holds the other kind of run (a sweep's ``sweep_checkpoints`` for a
+        single run, a single run's ``checkpoints`` for a sweep): both keep their log in
+        ``metrics.jsonl``, so the one would take the other's records as its own."""
+        mine = os.path.basename(self.checkpoint_dir)
+        for other in (CHECKPOINT_DIR, SWEEP_CHECKPOINT_DIR):
+            path = os.path.join(self.workdir, other)
+            if other != mine and os.path.isdir(path) and os.listdir(path):
+                kind = "a sweep of seeds" if other == SWEEP_CHECKPOINT_DIR else "a single run"
+                raise ValueError(
+                    f"{self.workdir} holds {kind} ({path}), which shares the metrics log {self.metrics_path} "
+                    f"with this run: use another workdir."
+                )
 
     def refuse(self, meta: dict) -> None:
         """Refuse ``meta``'s checkpoint as a start for this run, in one line that says why."""
@@ -223,6 +243,7 @@ class RunDirectory:
             check=self.refuse,
             incompatible=": use another workdir, or the checkpoint's config, to resume.",
         )
+        self._base = (epoch, int(self._checked["step"]))
         self._rewind(epoch)
         self._notice_changes()
         return tree, epoch
@@ -251,6 +272,12 @@ class RunDirectory:
         )
         return True
 
+    def step_reached(self, epoch: int, steps_per_epoch: int) -> int:
+        """The key of epoch ``epoch``'s checkpoint: the training steps taken by its end, counted on
+        from the restored checkpoint's (``epoch x steps_per_epoch`` while the batch stays the same)."""
+        base_epoch, base_step = self._base
+        return base_step + (epoch - base_epoch) * steps_per_epoch
+
     def _rewind(self, epoch: int) -> None:
         """Keep the log's records of epochs ``<= epoch`` (drop those a crash left after the
         checkpoint, and a last line cut short); on a fresh start (``epoch == 0``) an old log is
@@ -258,13 +285,19 @@ class RunDirectory:
         log; the others read its records once it has."""
         if not self.primary:
             distributed.agree(0)
-            self.records = read_metrics(self.metrics_path)  # as the primary left it
+            self.records = read_metrics(self.metrics_path, self.record_keys)  # as the primary left it
             return
-        self._rewind_log(epoch)
+        try:
+            self._rewind_log(epoch)
+        except OSError as e:  # a full disk, say: nothing is trained yet, the checkpoints are intact
+            raise RunWriteError(
+                f"cannot rewrite the metrics log {self.metrics_path} to epoch {epoch}: {e.strerror or e}; the "
+                f"checkpoints in {self.checkpoint_dir} are intact, and the same command resumes once it can write."
+            ) from None
         distributed.agree(0)
 
     def _rewind_log(self, epoch: int) -> None:
-        records = read_metrics(self.metrics_path)
+        records = read_metrics(self.metrics_path, self.record_keys)
         if epoch == 0:
             if records:
                 kept = _free_name(self.metrics_path)
@@ -361,7 +394,7 @@ def run_epochs(
 ):
     """The loop of every run: epochs ``start_epoch .. end_epoch`` of ``program``; after each, its
     records and (every ``config.checkpoint_every_epochs`` epochs, and at the last of
-    ``config.num_epochs``) its checkpoint, keyed by the step reached, go to ``run``
+    ``config.num_epochs``) its checkpoint, keyed by the step reached (:meth:`RunDirectory.step_reached`), go to ``run``
     (:meth:`RunDirectory.commit`). Returns the final state."""
     for epoch in range(start_epoch, end_epoch + 1):
         try:
@@ -370,7 +403,7 @@ def run_epochs(
             raise run.write_failed(e.filename, epoch, e) from None
         due = epoch % config.checkpoint_every_epochs == 0 or epoch == config.num_epochs
         tree = program.saved_tree(state) if due else None
-        run.commit(epoch, epoch * program.steps_per_epoch, records, tree, metadata)
+        run.commit(epoch, run.step_reached(epoch, program.steps_per_epoch), records, tree, metadata)
         progress.write(program.summary(epoch, records))
     progress.close()
     return state
@@ -484,9 +517,22 @@ def restore_latest(mngr, target: dict, *, check=None, incompatible: str = "") ->
     return tree, int(meta["epoch"])
 
 
-def read_metrics(path) -> list[dict]:
-    """The epoch records of a metrics log (``[]`` where there is none)."""
-    return metric_writers.read_jsonl(path)
+def read_metrics(path, keys: tuple[str, ...] = ("epoch",)) -> list[dict]:
+    """The epoch records of a metrics log (``[]`` where there is none); a record that is JSON but
+    not an epoch record (an object with a whole ``epoch`` >= 1, and each other of ``keys``, a
+    sweep's ``seed``, a whole number >= 0) is an error naming the file and record."""
+    records = metric_writers.read_jsonl(path)
+    for number, r in enumerate(records, start=1):
+        values = [r.get(k) if isinstance(r, dict) else None for k in keys]
+        if not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= (k == "epoch") for k, v in zip(keys, values)
+        ):
+            wanted = " and ".join(f"a whole {k!r} >= {int(k == 'epoch')}" for k in keys)
+            raise ValueError(
+                f"{path}, record {number}: {json.dumps(r)[:80]} is not an epoch record (a JSON object with "
+                f"{wanted}); move the file away to resume with a new log."
+            )
+    return records
 
 
 def finite_or_none(value: float):

@@ -66,16 +66,21 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 def write_jsonl(path: str | os.PathLike, records) -> None:
     """Replace ``path`` with ``records``, one JSON line each, atomically (a crash leaves
-    the old file or the new one, never a mix)."""
+    the old file or the new one, never a mix; a failed write removes its temporary file)."""
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in records:
-            f.write(json.dumps(dict(r), allow_nan=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            for r in records:
+                f.write(json.dumps(dict(r), allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, say: the old file stays, and no half-written copy beside it
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 class JsonlWriter:

@@ -57,7 +57,7 @@ from naisnet_jax.seeds import make_sweep_epoch as make_sweep_epoch  # the epoch 
 from naisnet_jax.seeds import seed_mesh as seed_mesh
 from naisnet_jax.stability import max_radius_bound
 
-SWEEP_CHECKPOINT_DIR = "sweep_checkpoints"
+SWEEP_CHECKPOINT_DIR = ckpt.SWEEP_CHECKPOINT_DIR
 CERTIFICATE_FILE = "certificate.json"
 
 

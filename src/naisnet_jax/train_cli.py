@@ -356,7 +356,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     status, line, result, together = _train(config, args)
     if status:
         _leave(status, line, several, together=together)
-    print(f"test accuracy {result['test_accuracy']:.4f} after epoch {result['epoch']}")
+    if "test_accuracy" in result:
+        print(f"test accuracy {result['test_accuracy']:.4f} after epoch {result['epoch']}")
+    else:  # a complete run whose metrics log is gone: its checkpoint stays what it was
+        print(
+            f"{args.workdir}'s metrics log holds no epoch record; its checkpoints are intact "
+            "(naisnet-verify reads them)."
+        )
 
 
 def _train(config, args) -> tuple[int, str | None, dict | None, bool]:
@@ -371,10 +377,10 @@ def _train(config, args) -> tuple[int, str | None, dict | None, bool]:
         return 0, None, train.train_and_evaluate(config, args.workdir, writer=writer), False
     except train.TrainingDiverged as e:
         return EXIT_DIVERGED, f"error: {_one_line(e)}", None, True
-    except (ValueError, FileNotFoundError, NotADirectoryError, ImportError, train.WorkdirInUse) as e:
-        # ValueError: config values, data files, checkpoints (CheckpointError);
-        # FileNotFoundError: a missing dataset; ImportError: a missing optional extra;
-        # WorkdirInUse: another trainer holds the workdir.
+    except (ValueError, OSError, ImportError, train.WorkdirInUse) as e:
+        # ValueError: config values, data files, checkpoints (CheckpointError), the run's logs;
+        # OSError: a missing dataset, a workdir entry of the wrong kind (a directory where its log
+        # goes, say); ImportError: a missing optional extra; WorkdirInUse: another trainer holds it.
         return EXIT_USAGE, f"error: {_one_line(e)}", None, False
     except distributed.PeerFailed as e:  # the primary process said why
         return e.status, None, None, False

@@ -139,7 +139,7 @@ FIELDS: tuple[Field, ...] = (
     ),
     Field("eps", float, 0.01, _eps, "A = -R^T R - eps I; Algorithm 1's delta = 1 - 2 eps", model=True),
     Field("eta", float, 0.5, _eta, "Algorithm 2: |delta_c| <= 1 - eta (only with learnable delta)", model=True),
-    Field("relaxed", bool, False, _bool, "Algorithm 1 with delta = 2 (1 - eps)"),
+    Field("relaxed", bool, False, _bool, "Algorithm 1 with delta = 2 (1 - eps)", resume=True),
     Field("h", float, 0.1, _h, "step size, (0, 1]; h * K = 3 bounds how far a state moves", model=True),
     Field(
         "adaptive_tol",
@@ -183,7 +183,14 @@ FIELDS: tuple[Field, ...] = (
         resume=True,
     ),
     Field("augment", bool, False, _bool, "pad, crop and (augment_flip) mirror the training images", notice=True),
-    Field("augment_flip", bool, True, _bool, "with augment: also mirror left-right (False: pad and crop only)"),
+    Field(
+        "augment_flip",
+        bool,
+        True,
+        _bool,
+        "with augment: also mirror left-right (False: pad and crop only)",
+        notice=True,
+    ),
     Field(
         "standardize",
         bool,
