@@ -793,6 +793,7 @@ def test_37_resuming_a_run_of_another_dataset_or_optimiser(two, jax_cache):
     for meta_file in (two / train.CHECKPOINT_DIR).glob("*/metadata/metadata"):
         meta = json.loads(meta_file.read_text())
         meta["dataset"] = "fashion_mnist_idx"  # the arrays fit digits: only the metadata can tell
+        meta[ckpt.METADATA_DIGEST] = ckpt.metadata_digest(meta)  # as that run would have written it
         meta_file.write_text(json.dumps(meta))
     before = snapshot(two)
     code, out, err = command(jax_cache, "naisnet-train", *TINY_ARGS, f"--workdir={two}", "--config.num_epochs=3")
@@ -805,6 +806,7 @@ def test_37_resuming_a_run_of_another_dataset_or_optimiser(two, jax_cache):
     for meta_file in (two / train.CHECKPOINT_DIR).glob("*/metadata/metadata"):
         meta = json.loads(meta_file.read_text())
         meta["dataset"] = "digits"
+        meta[ckpt.METADATA_DIGEST] = ckpt.metadata_digest(meta)
         meta_file.write_text(json.dumps(meta))
     before = snapshot(two)
     code, err = run_train(TINY_ARGS + [f"--workdir={two}", "--config.num_epochs=3", "--config.momentum=0"])

@@ -215,3 +215,34 @@ def test_a_summary_that_is_no_summary_is_an_error_naming_it(tmp_path, text, matc
     with pytest.raises(ValueError, match=match) as info:
         sweep_report.read_summary(str(path), get_config())
     assert str(info.value).startswith(str(path)) and path.read_text() == text
+
+
+def _metadata_file(workdir, step):
+    return workdir / train.CHECKPOINT_DIR / str(step) / "metadata" / "metadata"
+
+
+def test_a_changed_byte_in_the_metadata_makes_the_step_damaged(two_epochs, tmp_path, capsys):
+    """Epoch 2 -> 3 in step 8's metadata: without the metadata's digest the run would resume at
+    epoch 4 and skip one; with it, step 8 is set aside and the run resumes from step 4."""
+    workdir = _copy(two_epochs, tmp_path / "run")
+    path = _metadata_file(workdir, 8)
+    meta = json.loads(path.read_text())
+    assert meta[ckpt.METADATA_DIGEST] == ckpt.metadata_digest(meta) and meta["epoch"] == 2
+    path.write_text(path.read_text().replace('"epoch": 2', '"epoch": 3'))
+    _train(workdir, num_epochs=3)
+    err = capsys.readouterr().err
+    assert "step 8" in err and "the metadata does not match the digest recorded" in err and "using step 4" in err
+    assert _epochs(workdir) == [1, 2, 3] and _steps(workdir) == [4, 8, 12]
+    assert (workdir / train.CHECKPOINT_DIR / "8.damaged").is_dir()
+
+
+def test_a_checkpoint_written_before_the_metadata_digest_still_loads(two_epochs, tmp_path):
+    workdir = _copy(two_epochs, tmp_path / "run")
+    path = _metadata_file(workdir, 8)
+    meta = json.loads(path.read_text())
+    del meta[ckpt.METADATA_DIGEST]
+    path.write_text(json.dumps(meta))
+    _, loaded = ckpt.load(str(workdir / train.CHECKPOINT_DIR))
+    assert loaded["step"] == 8 and ckpt.METADATA_DIGEST not in loaded
+    _train(workdir, num_epochs=3)
+    assert _epochs(workdir) == [1, 2, 3] and _steps(workdir) == [4, 8, 12]

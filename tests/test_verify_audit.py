@@ -827,6 +827,7 @@ def test_version_1_metadata_whose_h_disagrees_with_the_model_is_refused(tmp_path
 
     def to_version_1(meta):
         meta.pop("metadata_version")
+        meta.pop("metadata_digest")  # version 1 came before the metadata's own digest
         meta["model_kwargs"] = dict(meta["model_kwargs"], eps=0.05, h=0.5)  # the network: h = 0.5
 
     edit_metadata(ck.path, to_version_1)

@@ -9,10 +9,10 @@ sub-directory per saved step, each with two items:
 * ``metadata``: JSON saying what the checkpoint holds, written from one
   validated :class:`CheckpointMetadata` (model name and keyword arguments,
   eps / eta / h stored once, dataset and its normalisation, the training
-  config, the epoch) plus ``format`` (``"naisnet-jax"``) and a SHA-256
-  ``digest`` of every array of ``state``.
+  config, the epoch) plus ``format`` (``"naisnet-jax"``), a SHA-256
+  ``digest`` of every array of ``state`` and a ``metadata_digest`` of the metadata itself.
 
-Restoring checks the format and the digest before anything is returned, so a
+Restoring checks the format and both digests before anything is returned, so a
 corrupt or foreign checkpoint is refused as a whole, never half-loaded. Without
 a step, restoring takes the newest *intact* step: damaged newer steps are
 skipped with a one-line warning each (:class:`DamagedStep` says why), and a
@@ -234,6 +234,18 @@ def tree_digest(tree: Any) -> str:
     return h.hexdigest()
 
 
+#: The metadata's own digest, stored beside it (checkpoints written before it existed have none
+#: and are read as before: their arrays' digest is still checked).
+METADATA_DIGEST = "metadata_digest"
+
+
+def metadata_digest(meta: dict) -> str:
+    """SHA-256 of ``meta``'s JSON (keys sorted, :data:`METADATA_DIGEST` left out): the digest of
+    what was written equals that of what is read back."""
+    body = {k: v for k, v in meta.items() if k != METADATA_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def manager(directory: str, *, max_to_keep: int = 3, create: bool = True):
     """An Orbax ``CheckpointManager`` over ``directory`` with our two items: ``state`` by Orbax's
     ``PyTreeCheckpointHandler`` over this manager's own :func:`type_handler_registry` registry (save and
@@ -272,6 +284,8 @@ def save(mngr, step: int, state: Any, metadata: CheckpointMetadata) -> None:
     # stored, so its checkpoints and ours are alike (tests/test_checkpoint.py compares them)
     meta = metadata.replace(step=int(step), digest=tree_digest(state)).to_json()
     meta.update(format=FORMAT, format_version=FORMAT_VERSION)
+    meta = json.loads(json.dumps(meta))  # as it will be read back (tuples as lists)
+    meta[METADATA_DIGEST] = metadata_digest(meta)
     check_writable(str(mngr.directory), f" (step {int(step)})")
     try:
         mngr.save(
@@ -304,6 +318,12 @@ def _read_metadata(mngr, step: int) -> dict:
             step,
             f"checkpoint format_version={meta.get('format_version')!r}, this code reads "
             f"{' and '.join(map(str, READABLE_FORMAT_VERSIONS))}",
+        )
+    if METADATA_DIGEST in meta and meta[METADATA_DIGEST] != metadata_digest(meta):
+        raise DamagedStep(
+            mngr.directory,
+            step,
+            "the metadata does not match the digest recorded when the checkpoint was written; it is corrupt",
         )
     return meta
 
