@@ -14,7 +14,7 @@ unbatched verifier did (one Arnoldi run per block, Gershgorin sums in numpy, one
 trajectory per block): largest relative difference per figure, target 1e-8.
 
     python benchmarks/audit_speed.py --out=DIR            # the full CIFAR shape
-    python benchmarks/audit_speed.py --out=DIR --tiny     # a minute-long smoke test (CPU)
+    python benchmarks/audit_speed.py --out=DIR --tiny     # a smoke test: a few minutes on a CPU
     python benchmarks/audit_speed.py --out=DIR --size=cifar_2x3   # real block shapes, 6 blocks
 
 Writes DIR/audit_speed.json and .md (the table), DIR/audit_speed.png (phases), the certificates,
@@ -219,7 +219,9 @@ def compare(out_dir: str) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="results directory (reused to resume)")
-    parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke test (2+2+2 blocks, 4 inputs)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a smoke test, a few minutes on a CPU (2+2+2 blocks, 4 inputs)"
+    )
     parser.add_argument("--no-reference", action="store_true", help="skip the float64 reference check")
     parser.add_argument("--worker", choices=list(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--cached", action="store_true", help=argparse.SUPPRESS)

@@ -31,6 +31,7 @@ Rerunning with the same ``--out`` resumes: finished variants are read back.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
@@ -476,6 +477,10 @@ def main(argv=None):
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; valid: {', '.join(VARIANTS)}")
+    torch_rows = [n for n in names if VARIANTS[n].get("kind") == "torch"]
+    if torch_rows and importlib.util.find_spec("torch") is None:  # not among the package's dependencies
+        print(f"PyTorch is not installed here: {', '.join(torch_rows)} skipped (pip install torch to time them).")
+        names = [n for n in names if n not in torch_rows]
     if args.order == "abba":
         names = abba(names)
     child = [f"--batch={args.batch}", f"--steps={args.steps}", f"--repeats={args.repeats}"]

@@ -709,10 +709,10 @@ def _main(argv):
             run_over_h(workdir=FLAGS.workdir, hs=FLAGS.hs, **common)
         else:
             run(workdir=FLAGS.workdir, h=FLAGS.h, **common)
-    except ValueError as e:
+    except sweep_report.USER_ERRORS as e:
         exit_with_error(e)
 
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(_main)
+    app.run(_main, flags_parser=sweep_report.parse_flags)

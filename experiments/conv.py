@@ -618,10 +618,10 @@ def _main(argv):
             seeds_at_once=FLAGS.seeds_at_once,
             report_only=FLAGS.report_only,
         )
-    except ValueError as e:
+    except sweep_report.USER_ERRORS as e:
         exit_with_error(e)
 
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(_main)
+    app.run(_main, flags_parser=sweep_report.parse_flags)

@@ -82,10 +82,16 @@ def _markdown(rows: list[dict], summary: dict, config, *, device: str, script: s
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    from experiments.sweep_report import USER_ERRORS, exit_with_error
     from naisnet_jax import metric_writers, train
 
-    os.makedirs(FLAGS.out, exist_ok=True)
     seeds = 2 if FLAGS.smoke else FLAGS.seeds
+    if seeds < 1:
+        exit_with_error(ValueError(f"--seeds={seeds} must be at least 1."))
+    try:
+        os.makedirs(FLAGS.out, exist_ok=True)
+    except USER_ERRORS as e:  # --out names a file
+        exit_with_error(e)
     rows, curves = [], {}
     for seed in range(seeds):
         config = _config(seed, FLAGS.smoke)
@@ -142,4 +148,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from experiments.sweep_report import parse_flags
+
+    app.run(main, flags_parser=parse_flags)

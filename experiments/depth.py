@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from experiments.sweep_report import exit_with_error, join_cluster, script_version
+from experiments.sweep_report import USER_ERRORS, exit_with_error, join_cluster, script_version
 from naisnet_jax import distributed
 
 TOL = 1e-4
@@ -540,7 +540,10 @@ def main(argv=None) -> None:
     if args.seed is not None and args.seed < 0:
         exit_with_error(ValueError(f"--seed must be >= 0, got {args.seed}"))
     overrides = {k: v for k, v in (("max_steps", args.max_steps), ("h", args.h), ("seed", args.seed)) if v is not None}
-    run(args.workdir, datasets, smoke=args.smoke, epochs=args.epochs, data_dirs=data_dirs, overrides=overrides)
+    try:
+        run(args.workdir, datasets, smoke=args.smoke, epochs=args.epochs, data_dirs=data_dirs, overrides=overrides)
+    except USER_ERRORS as e:  # a bad override, a missing data folder
+        exit_with_error(e)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import time
 import numpy as np
 from absl import app, flags
 
+from experiments import sweep_report
 from experiments.sweep_report import exit_with_error, script_version
 
 HS = ("1", "0.5", "0.25", "0.1", "1/30")
@@ -368,10 +369,10 @@ def _main(argv):
             )
             return
         run(workdir=FLAGS.workdir, hs=FLAGS.hs, steps=FLAGS.steps, smoke=FLAGS.smoke)
-    except ValueError as e:
+    except sweep_report.USER_ERRORS as e:
         exit_with_error(e)
 
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(_main)
+    app.run(_main, flags_parser=sweep_report.parse_flags)

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.sweep_report import script_version
+from experiments.sweep_report import USER_ERRORS, exit_with_error, script_version
 from naisnet_jax.cell import fc_step
 from naisnet_jax.unroll import unroll, unroll_adaptive, unroll_adaptive_bounded
 
@@ -396,7 +396,10 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", default="runs/one_d")
     parser.add_argument("--smoke", action="store_true", help="121 grid points, K up to 20")
     args = parser.parse_args(argv)
-    run(args.workdir, smoke=args.smoke)
+    try:
+        run(args.workdir, smoke=args.smoke)
+    except USER_ERRORS as e:  # --workdir names a file
+        exit_with_error(e)
     print(f"results: {args.workdir}/results.md, {args.workdir}/one_d_*.png")
 
 

@@ -571,7 +571,7 @@ def check_record(path: str, wanted: dict) -> None:
 def _main(argv):
     from absl import flags, logging
 
-    from experiments.sweep_report import enable_compilation_cache, exit_with_error
+    from experiments.sweep_report import USER_ERRORS, enable_compilation_cache, exit_with_error
 
     del argv
     F = flags.FLAGS
@@ -597,8 +597,11 @@ def _main(argv):
             except ValueError as e:  # nothing measured
                 exit_with_error(e)
         enable_compilation_cache(F.compilation_cache, F.workdir)
-        for variant in (v for v in variants if v not in done):
-            measure(variant, workdir=F.workdir, smoke=F.smoke, **wanted)
+        try:
+            for variant in (v for v in variants if v not in done):
+                measure(variant, workdir=F.workdir, smoke=F.smoke, **wanted)
+        except USER_ERRORS as e:  # an unknown dataset, a missing data folder
+            exit_with_error(e)
     report(F.workdir)
 
 
@@ -625,5 +628,7 @@ def _define_flags() -> None:
 if __name__ == "__main__":
     from absl import app
 
+    from experiments.sweep_report import parse_flags
+
     _define_flags()
-    app.run(_main)
+    app.run(_main, flags_parser=parse_flags)

@@ -222,6 +222,23 @@ def _missing_folders(path: str) -> list[str]:
     return out
 
 
+def parse_flags(argv):
+    """absl's flag parsing for an experiment's ``app.run(main, flags_parser=parse_flags)``: a bad
+    flag ends as bad input does (:func:`exit_with_error`: one ``error:`` line, exit status 2)
+    instead of absl's two lines and exit status 1, the status of a failed run."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        exit_with_error(f"{e} (see python -m experiments.{os.path.splitext(os.path.basename(argv[0]))[0]} --help)")
+
+
+#: What an experiment's command ends in one line on (:func:`exit_with_error`): bad values, a
+#: missing dataset, a workdir that is a file.
+USER_ERRORS = (ValueError, OSError)
+
+
 def exit_with_error(e: BaseException) -> NoReturn:
     """Ends an experiment's command as ``naisnet-train`` ends on bad input: ``error: <e>`` as one
     line on stderr (its whitespace collapsed), exit status 2. The folders the command made when it
@@ -403,5 +420,22 @@ def time_steps(config, *, seeds: Sequence[int] | None = None, steps: int = 100, 
     }
 
 
+def main(argv=None) -> None:
+    """``python -m experiments.sweep_report``: write the checkout's tree manifest (a device launch
+    carries it, so that the records made there name their commit)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.sweep_report",
+        description="Write the checkout's .tree_manifest.json: its commit and the hash of every file of the "
+        "tree, which a copy made for a machine without git carries so that its records name their commit.",
+    )
+    parser.parse_args(argv)
+    try:
+        print(f"wrote {write_tree_manifest()}: {script_version()}")
+    except USER_ERRORS as e:  # not a git checkout
+        exit_with_error(e)
+
+
 if __name__ == "__main__":
-    print(f"wrote {write_tree_manifest()}: {script_version()}")
+    main()

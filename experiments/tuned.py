@@ -44,7 +44,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from experiments import ablation
+from experiments import ablation, sweep_report
 from experiments.sweep_report import (
     define_cluster_flags,
     define_compilation_cache_flag,
@@ -619,10 +619,10 @@ def _main(argv):
             do_report=FLAGS.report,
             literal=FLAGS.literal,
         )
-    except ValueError as e:
+    except sweep_report.USER_ERRORS as e:
         exit_with_error(e)
 
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(_main)
+    app.run(_main, flags_parser=sweep_report.parse_flags)

@@ -117,6 +117,7 @@ def main(argv=None) -> None:
     )
     parser.add_argument(
         "--compilation-cache",
+        "--compilation_cache",  # naisnet-train's spelling
         metavar="DIR",
         default=None,
         help="JAX's persistent compilation cache: a second audit of a model of the same shapes does not "

@@ -15,7 +15,8 @@ MODELS = ("naisnet_cifar1", "naisnet_cifar10", "resnet_cifar")
 
 
 def get_config(arg: str | None = None):
-    dataset, model = (arg or "cifar10,naisnet_cifar10").split(",")
+    parts = (arg or "cifar10,naisnet_cifar10").split(",")
+    dataset, model = parts if len(parts) == 2 else (None, None)
     if dataset not in DATASETS or model not in MODELS:
         raise ValueError(
             f"cifar_paper config argument {arg!r}: expected 'DATASET,MODEL' with DATASET in "
