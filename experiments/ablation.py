@@ -52,6 +52,7 @@ from experiments.sweep_report import (
     write_summary,
 )
 from naisnet_jax import distributed
+from naisnet_jax.configs import schema
 
 # Paper label -> MODELS name; the switches are read off the label.
 LABELS = {
@@ -621,10 +622,13 @@ def run(
         labels = [lab for lab in labels if LABELS[lab] in models]
     elif smoke:
         labels = [lab for lab in labels if LABELS[lab] in SMOKE_MODELS]
-    os.makedirs(workdir, exist_ok=True)
 
     def make(model):
         return make_config(model, dataset=dataset, seeds=seeds, epochs=epochs, h=h, smoke=smoke)
+
+    for label in labels:  # every config checked before anything is written (a bad --h, say)
+        schema.validate(make(LABELS[label]))
+    os.makedirs(workdir, exist_ok=True)
 
     if time_steps:
         time_models(labels, make, time_steps, workdir)

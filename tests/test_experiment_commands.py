@@ -95,3 +95,17 @@ def test_the_cifar_config_says_what_its_argument_should_be():
 
     with pytest.raises(ValueError, match=r"cifar_paper config argument 'bogus': expected 'DATASET,MODEL'"):
         cifar_paper.get_config("bogus")
+
+
+@pytest.mark.parametrize(
+    "flag, expected",
+    [
+        ("--hs=2", "error: config.h=2.0 is outside (0, 1]"),
+        ("--time_steps=-1", "error: --time_steps=-1: expected a number of steps >= 1"),
+    ],
+    ids=["h-above-1", "negative-time-steps"],
+)
+def test_a_bad_ablation_value_writes_nothing(tmp_path, flag, expected):
+    workdir = tmp_path / "ablation"
+    line = _one_error_line(*_run("-m", "experiments.ablation", "--smoke", flag, f"--workdir={workdir}")[::2])
+    assert line.startswith(expected) and not workdir.exists()
