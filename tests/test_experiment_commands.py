@@ -109,3 +109,14 @@ def test_a_bad_ablation_value_writes_nothing(tmp_path, flag, expected):
     workdir = tmp_path / "ablation"
     line = _one_error_line(*_run("-m", "experiments.ablation", "--smoke", flag, f"--workdir={workdir}")[::2])
     assert line.startswith(expected) and not workdir.exists()
+
+
+def test_a_compilation_cache_the_user_named_but_cannot_use_is_said_in_one_line(tmp_path, capsys):
+    from naisnet_jax import compile_cache
+
+    afile = tmp_path / "afile"
+    afile.write_text("notes\n")
+    assert compile_cache.enable(str(afile)) is None
+    err = capsys.readouterr().err
+    assert err == f"warning: the compilation cache {afile} cannot be used (File exists); compiling without it.\n"
+    assert compile_cache.enable("none") is None and capsys.readouterr().err == ""

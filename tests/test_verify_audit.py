@@ -261,7 +261,8 @@ def certificates(tmp_path_factory, dense_tanh, conv_tanh, baselines):
         if name not in cache:
             tmp = tmp_path_factory.mktemp(f"cert_{name}")
             figures = os.path.join(tmp, "figures")
-            code, out, err, cert = run_cli_with_json(dirs[name], tmp, "--figures", figures)
+            # given with a trailing slash, as a shell completes a folder's name
+            code, out, err, cert = run_cli_with_json(dirs[name], tmp, "--figures", figures + os.sep)
             cache[name] = types.SimpleNamespace(code=code, out=out, err=err, cert=cert, figures=figures)
         return cache[name]
 
@@ -758,6 +759,7 @@ def test_certificate_has_the_documented_fields(name, certificates, dense_tanh, c
 @pytest.mark.parametrize("name", ["dense_tanh", "conv_tanh"])
 def test_figures_write_one_png_per_block(name, certificates):
     c = certificates(name)
+    assert f"figures: {c.figures}/\n" in c.out  # one slash, not two
     expected = sorted(report.figure_name(b["name"]) for b in c.cert["blocks"])
     assert sorted(os.listdir(c.figures)) == expected
     for f in expected:

@@ -74,7 +74,7 @@ def audit_and_report(
 
             matplotlib.use("Agg")  # the command writes files; it never opens windows
             write_figures(cert, figures_dir)
-            print(f"figures: {figures_dir}/")
+            print(f"figures: {os.path.join(figures_dir, '')}")
         if json_path:
             write_json(cert, json_path)
             print(f"certificate: {json_path}")

@@ -9,6 +9,7 @@ turn it on by default in the user's cache folder; the library never does on its 
 from __future__ import annotations
 
 import os
+import sys
 
 #: Where the commands keep compiled programs: ``$NAISNET_JAX_CACHE`` if set (``none``: nowhere),
 #: else ``$XDG_CACHE_HOME/naisnet_jax/jax_cache`` (``~/.cache/...``).
@@ -33,20 +34,30 @@ def enable(directory: str | None = None) -> str | None:
     """Turn JAX's persistent compilation cache on in ``directory`` (default
     :func:`default_directory`; ``"none"``: leave it off) and return the folder, or ``None`` if it
     stays off. A cache the user configured for JAX itself (``JAX_COMPILATION_CACHE_DIR``) is kept.
-    A folder that cannot be created leaves the cache off: a cache never stops the work."""
+    A folder that cannot be created leaves the cache off: a cache never stops the work; one the user
+    named (``directory``, :data:`ENV`) says so in one line on stderr."""
     import jax
 
     if directory is None and jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir
+    named = directory is not None or bool(os.environ.get(ENV))
     directory = directory or default_directory()
     if directory == "none":
         return None
     directory = os.path.abspath(os.path.expanduser(directory))
     try:
         os.makedirs(directory, exist_ok=True)
-    except OSError:
-        return None
-    if not os.access(directory, os.W_OK):
+        usable = os.access(directory, os.W_OK)
+        reason = "it cannot be written"
+    except OSError as e:
+        usable, reason = False, e.strerror or str(e)
+    if not usable:
+        if named:
+            print(
+                f"warning: the compilation cache {directory} cannot be used ({reason}); compiling without it.",
+                file=sys.stderr,
+                flush=True,
+            )
         return None
     jax.config.update("jax_compilation_cache_dir", directory)
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # else the user's threshold
