@@ -57,6 +57,7 @@ from experiments.sweep_report import (
     write_summary,
 )
 from naisnet_jax import distributed
+from naisnet_jax.configs import schema
 
 #: The learning rates every model tries first: half-decades from 0.3 down to 0.0003.
 GRID = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001, 0.0003)
@@ -545,6 +546,9 @@ def run(
         variants = [v for v in variants if v.key in SMOKE_KEYS]
     if smoke:
         choice_epochs = min(choice_epochs, 2)
+    for v in variants:  # every model's configs checked before anything is written (a bad --h, say)
+        schema.validate(choice_config(v, lr=GRID[0], seeds=choice_seeds, epochs=choice_epochs, h=h, smoke=smoke))
+        schema.validate(final_config(v, lr=GRID[0], seeds=seeds, epochs=epochs, h=h, smoke=smoke))
     os.makedirs(workdir, exist_ok=True)
     settings = dict(
         seeds=seeds, epochs=epochs, choice_seeds=choice_seeds, choice_epochs=choice_epochs, h=h, smoke=smoke

@@ -120,3 +120,10 @@ def test_a_compilation_cache_the_user_named_but_cannot_use_is_said_in_one_line(t
     err = capsys.readouterr().err
     assert err == f"warning: the compilation cache {afile} cannot be used (File exists); compiling without it.\n"
     assert compile_cache.enable("none") is None and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("flag", ["--h=5", "--seeds=0"])
+def test_a_bad_tuned_value_writes_nothing(tmp_path, flag):
+    workdir = tmp_path / "tuned"
+    _one_error_line(*_run("-m", "experiments.tuned", "--smoke", flag, f"--workdir={workdir}")[::2])
+    assert not workdir.exists()

@@ -246,3 +246,13 @@ def test_a_checkpoint_written_before_the_metadata_digest_still_loads(two_epochs,
     assert loaded["step"] == 8 and ckpt.METADATA_DIGEST not in loaded
     _train(workdir, num_epochs=3)
     assert _epochs(workdir) == [1, 2, 3] and _steps(workdir) == [4, 8, 12]
+
+
+def test_naisnet_train_says_it_trains_one_seed_of_a_sweeps_config(tmp_path):
+    done = _cli(tmp_path / "run", "--config.num_epochs=1", "--config.num_seeds=3", "--config.seed=2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.splitlines() == [
+        "note: config.num_seeds=3 is read by sweeps (naisnet_jax.sweep.train_sweep, the experiments); "
+        "naisnet-train trains one seed, config.seed=2."
+    ]
+    assert _epochs(tmp_path / "run") == [1]

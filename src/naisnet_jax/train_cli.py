@@ -353,6 +353,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     compile_cache.enable(args.compilation_cache)
+    if config.num_seeds > 1 and distributed.is_primary():  # a sweep's setting (cifar_paper, conv_paper ...)
+        print(
+            f"note: config.num_seeds={config.num_seeds} is read by sweeps (naisnet_jax.sweep.train_sweep, the "
+            f"experiments); naisnet-train trains one seed, config.seed={config.seed}.",
+            file=sys.stderr,
+            flush=True,
+        )
     status, line, result, together = _train(config, args)
     if status:
         _leave(status, line, several, together=together)
