@@ -84,13 +84,13 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
     from experiments.sweep_report import USER_ERRORS, exit_with_error
     from naisnet_jax import metric_writers, train
+    from naisnet_jax.checks import check_int
 
     seeds = 2 if FLAGS.smoke else FLAGS.seeds
-    if seeds < 1:
-        exit_with_error(ValueError(f"--seeds={seeds} must be at least 1."))
     try:
+        check_int("--seeds", seeds)
         os.makedirs(FLAGS.out, exist_ok=True)
-    except USER_ERRORS as e:  # --out names a file
+    except USER_ERRORS as e:  # no seed; --out names a file
         exit_with_error(e)
     rows, curves = [], {}
     for seed in range(seeds):

@@ -366,9 +366,9 @@ def time_steps(config, *, seeds: Sequence[int] | None = None, steps: int = 100, 
 
     from naisnet_jax import seeds as sweep_seeds
     from naisnet_jax import train
+    from naisnet_jax.checks import check_int
 
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"--time_steps={steps!r}: expected a number of steps >= 1 to time (0: train instead).")
+    check_int("--time_steps", steps)
 
     seeds = sweep_seeds.check_seeds(sweep_seeds.default_seeds(config) if seeds is None else seeds)
     s = sweep_seeds.prepare(config, seeds)

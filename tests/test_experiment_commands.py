@@ -70,7 +70,7 @@ def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
 def test_default_accuracy_refuses_zero_seeds_before_writing(tmp_path):
     out = tmp_path / "acc"
     line = _one_error_line(*_run("-m", "experiments.default_accuracy", "--seeds=0", f"--out={out}")[::2])
-    assert line == "error: --seeds=0 must be at least 1." and not out.exists()
+    assert line == "error: --seeds=0 must be a positive integer." and not out.exists()
 
 
 def test_the_manifest_command_takes_no_arguments():
@@ -101,7 +101,7 @@ def test_the_cifar_config_says_what_its_argument_should_be():
     "flag, expected",
     [
         ("--hs=2", "error: config.h=2.0 is outside (0, 1]"),
-        ("--time_steps=-1", "error: --time_steps=-1: expected a number of steps >= 1"),
+        ("--time_steps=-1", "error: --time_steps=-1 must be a positive integer."),
     ],
     ids=["h-above-1", "negative-time-steps"],
 )

@@ -152,7 +152,7 @@ def test_a_failed_log_rewrite_leaves_the_log_and_no_temporary_file(two_epochs, t
     monkeypatch.setattr(mw.os, "fsync", full)
     with pytest.raises(engine.RunWriteError) as info:
         _train(workdir, num_epochs=3)
-    assert str(info.value).startswith(f"cannot rewrite the metrics log {log} to epoch 2: No space left on device;")
+    assert str(info.value).startswith(f"cannot write the metrics log {log} (epoch 2): No space left on device;")
     assert log.read_text() == before and not os.path.exists(f"{log}.tmp")
     monkeypatch.undo()
     _train(workdir, num_epochs=3)  # the same command, once the disk has room

@@ -284,8 +284,7 @@ def save(mngr, step: int, state: Any, metadata: CheckpointMetadata) -> None:
     # stored, so its checkpoints and ours are alike (tests/test_checkpoint.py compares them)
     meta = metadata.replace(step=int(step), digest=tree_digest(state)).to_json()
     meta.update(format=FORMAT, format_version=FORMAT_VERSION)
-    meta = json.loads(json.dumps(meta))  # as it will be read back (tuples as lists)
-    meta[METADATA_DIGEST] = metadata_digest(meta)
+    meta[METADATA_DIGEST] = metadata_digest(meta)  # JSON writes a tuple as the list read back
     check_writable(str(mngr.directory), f" (step {int(step)})")
     try:
         mngr.save(

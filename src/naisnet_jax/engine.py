@@ -133,6 +133,7 @@ class RunDirectory:
         self.metrics_path = os.path.join(workdir, METRICS_FILE)
         self.records: list[dict] = []  # the log's records, as this run holds them
         self.record_keys = ("epoch", "seed") if checkpoints == SWEEP_CHECKPOINT_DIR else ("epoch",)
+        self.other_kind = CHECKPOINT_DIR if checkpoints == SWEEP_CHECKPOINT_DIR else SWEEP_CHECKPOINT_DIR
         self._base = (0, 0)  # (epoch, step) of the restored checkpoint: where the keys count on from
         self.mngr = None
         self._lock = None
@@ -187,15 +188,13 @@ class RunDirectory:
         """Refuse a workdir that holds the other kind of run (a sweep's ``sweep_checkpoints`` for a
         single run, a single run's ``checkpoints`` for a sweep): both keep their log in
         ``metrics.jsonl``, so the one would take the other's records as its own."""
-        mine = os.path.basename(self.checkpoint_dir)
-        for other in (CHECKPOINT_DIR, SWEEP_CHECKPOINT_DIR):
-            path = os.path.join(self.workdir, other)
-            if other != mine and os.path.isdir(path) and os.listdir(path):
-                kind = "a sweep of seeds" if other == SWEEP_CHECKPOINT_DIR else "a single run"
-                raise ValueError(
-                    f"{self.workdir} holds {kind} ({path}), which shares the metrics log {self.metrics_path} "
-                    f"with this run: use another workdir."
-                )
+        path = os.path.join(self.workdir, self.other_kind)
+        if os.path.isdir(path) and os.listdir(path):
+            kind = "a sweep of seeds" if self.other_kind == SWEEP_CHECKPOINT_DIR else "a single run"
+            raise ValueError(
+                f"{self.workdir} holds {kind} ({path}), which shares the metrics log {self.metrics_path} "
+                f"with this run: use another workdir."
+            )
 
     def refuse(self, meta: dict) -> None:
         """Refuse ``meta``'s checkpoint as a start for this run, in one line that says why."""
@@ -290,10 +289,7 @@ class RunDirectory:
         try:
             self._rewind_log(epoch)
         except OSError as e:  # a full disk, say: nothing is trained yet, the checkpoints are intact
-            raise RunWriteError(
-                f"cannot rewrite the metrics log {self.metrics_path} to epoch {epoch}: {e.strerror or e}; the "
-                f"checkpoints in {self.checkpoint_dir} are intact, and the same command resumes once it can write."
-            ) from None
+            raise self.write_failed(f"the metrics log {self.metrics_path}", epoch, e) from None
         distributed.agree(0)
 
     def _rewind_log(self, epoch: int) -> None:
@@ -517,17 +513,21 @@ def restore_latest(mngr, target: dict, *, check=None, incompatible: str = "") ->
     return tree, int(meta["epoch"])
 
 
+#: The smallest value of each whole-number key of an epoch record (``seed``: a sweep's records).
+RECORD_MINIMUM = {"epoch": 1, "seed": 0}
+
+
 def read_metrics(path, keys: tuple[str, ...] = ("epoch",)) -> list[dict]:
     """The epoch records of a metrics log (``[]`` where there is none); a record that is JSON but
-    not an epoch record (an object with a whole ``epoch`` >= 1, and each other of ``keys``, a
-    sweep's ``seed``, a whole number >= 0) is an error naming the file and record."""
+    not an epoch record (an object whose ``keys`` hold whole numbers of at least
+    :data:`RECORD_MINIMUM`) is an error naming the file and record."""
     records = metric_writers.read_jsonl(path)
     for number, r in enumerate(records, start=1):
         values = [r.get(k) if isinstance(r, dict) else None for k in keys]
         if not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= (k == "epoch") for k, v in zip(keys, values)
+            isinstance(v, int) and not isinstance(v, bool) and v >= RECORD_MINIMUM[k] for k, v in zip(keys, values)
         ):
-            wanted = " and ".join(f"a whole {k!r} >= {int(k == 'epoch')}" for k in keys)
+            wanted = " and ".join(f"a whole {k!r} >= {RECORD_MINIMUM[k]}" for k in keys)
             raise ValueError(
                 f"{path}, record {number}: {json.dumps(r)[:80]} is not an epoch record (a JSON object with "
                 f"{wanted}); move the file away to resume with a new log."
