@@ -113,6 +113,17 @@ def test_overrides_are_parsed_to_the_field_types():
     assert config.limit_train is None
 
 
+def test_a_model_keyword_the_file_sets_can_be_set_to_none():
+    """``None`` goes to the model as given (the model's own check decides whether it takes it), in
+    any case, and a typed keyword's bad value is named with the type and the file's value."""
+    _, config = train_cli.parse(["--config=digits_tiny", "--workdir=w", "--config.model_kwargs.rank=None"])
+    assert config.model_kwargs.rank is None and config.model_kwargs.steps == 5
+    _, config = train_cli.parse(["--config=digits_tiny", "--workdir=w", "--config.model_kwargs.features=none"])
+    assert config.model_kwargs.features is None
+    with pytest.raises(train_cli.UsageError, match=r"features=2\.5: expected an integer \(the config sets 16\)\.$"):
+        train_cli.parse(["--config=digits_tiny", "--workdir=w", "--config.model_kwargs.features=2.5"])
+
+
 # ----------------------------------------------------------------- --help
 
 
@@ -303,6 +314,14 @@ SUBPROCESS_BAD = {
     "bad type": (["--config=digits_tiny", "--config.batch_size=big"], ["config.batch_size=big", "an integer"]),
     "bad value": (["--config=digits_tiny", "--config.momentum=1.5"], ["config.momentum=1.5", "[0, 1)"]),
     "None where a value is needed": (["--config=digits_tiny", "--config.h=None"], ["config.h", "None"]),
+    "bad type of a model keyword": (
+        ["--config=digits_tiny", "--config.model_kwargs.steps=abc"],
+        ["config.model_kwargs.steps=abc", "an integer", "the config sets 5"],
+    ),
+    "None where the model needs a value": (
+        ["--config=digits_tiny", "--config.model_kwargs.steps=None"],
+        ["steps=None", "positive integer"],
+    ),
 }
 
 

@@ -4,6 +4,7 @@ device pipeline against numpy float64 references."""
 import gzip
 import io
 import json
+import logging
 import os
 import pathlib
 import subprocess
@@ -325,6 +326,18 @@ def test_load_tfds_missing_is_quick_and_clear(tmp_path):
     assert str(tmp_path / "tfds") in message
     assert "tfds build mnist --data_dir=DIR --file_format=array_record" in message
     assert not (tmp_path / "tfds").exists()  # nothing created, nothing downloaded
+
+
+def test_load_tfds_missing_says_it_in_the_error_alone(tmp_path, caplog):
+    """TFDS's own warning about the version folder it did not find stays off the log: the error
+    says what is missing; a record of any other kind still passes."""
+    pytest.importorskip("tensorflow_datasets")
+    caplog.set_level(logging.WARNING)
+    with pytest.raises(FileNotFoundError):
+        data.load_tfds("cifar10", data_dir=tmp_path)
+    assert not [r for r in caplog.records if "dataset_info" in r.getMessage()], caplog.text
+    logging.getLogger("absl").warning("Variant folder %s has invalid version %s", tmp_path, "x")
+    assert "has invalid version x" in caplog.text
 
 
 def test_load_tfds_wrong_format(tmp_path):

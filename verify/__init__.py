@@ -78,4 +78,4 @@ __all__ = [
     "x64_scope",
 ]
 
-from .cli import audit_and_report  # noqa: E402
+from .report import audit_and_report  # noqa: E402

@@ -16,76 +16,15 @@ import os
 import sys
 
 from naisnet_jax import compile_cache
-from naisnet_jax.checkpoint import CheckpointError, quiet_orbax_logging, run_checkpoint_dir
-from naisnet_jax.checks import check_output_dir, check_output_file
+from naisnet_jax.checkpoint import quiet_orbax_logging
 
-from .certify import AuditDataError, AuditOptions, audit, check_data, check_option
-from .report import write_figures, write_json
-
-EXIT_CERTIFIED, EXIT_NOT_CERTIFIED, EXIT_USAGE = 0, 1, 2
-
-
-def _error(message: str) -> int:
-    """``error: <message>`` as one line on stderr; returns the usage exit status."""
-    print("error: " + " ".join(str(message).split()), file=sys.stderr)
-    return EXIT_USAGE
-
-
-def audit_and_report(
-    checkpoint_dir: str,
-    *,
-    json_path: str | None = None,
-    figures_dir: str | None = None,
-    options: AuditOptions | None = None,
-    progress: bool | None = None,
-) -> int:
-    """Audit, print the table, write the certificate and figures; return the exit status.
-
-    ``checkpoint_dir`` may be a run's workdir: the ``checkpoints/`` inside it is audited, and a
-    line on stderr says so. The outputs are checked before the audit; a refusal is one
-    ``error:`` line and status 2.
-    """
-    del progress  # the audit reports its phases in the certificate's timings
-    options = options or AuditOptions()
-    try:  # every output can be written, checked before the audit (which writes nothing else)
-        if json_path:
-            check_output_file("--json", json_path)
-        if figures_dir:
-            check_output_dir("--figures", figures_dir)
-    except ValueError as e:
-        return _error(e)
-    inner = run_checkpoint_dir(checkpoint_dir)
-    if inner is not None:
-        print(f"note: {checkpoint_dir} is a run's workdir; auditing its checkpoints in {inner}", file=sys.stderr)
-        checkpoint_dir = inner
-    try:
-        cert = audit(checkpoint_dir, options)
-    except AuditDataError as e:
-        return _error(f"--data={e.data}: {e.reason}; pass --data=random or --data=none")
-    except CheckpointError as e:
-        return _error(f"unusable checkpoint: {e}")
-    except (FileNotFoundError, ImportError) as e:
-        which = f"--data={options.data}" if options.data else "the checkpoint's dataset"
-        return _error(f"cannot read {which} ({e}); pass --data=random or --data=none")
-    print(cert.table())
-    try:  # checked above; a disk that fills up or a directory removed meanwhile still ends in one line
-        if figures_dir:
-            import matplotlib
-
-            matplotlib.use("Agg")  # the command writes files; it never opens windows
-            write_figures(cert, figures_dir)
-            print(f"figures: {os.path.join(figures_dir, '')}")
-        if json_path:
-            write_json(cert, json_path)
-            print(f"certificate: {json_path}")
-    except OSError as e:
-        return _error(f"the audit ran, but its output cannot be written ({e})")
-    return EXIT_CERTIFIED if cert.certified else EXIT_NOT_CERTIFIED
+from .certify import AuditOptions, check_data, check_option
+from .report import audit_and_report, usage_error
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse prints the usage and a second line)
-        sys.exit(_error(f"{message} (see naisnet-verify --help)"))
+        sys.exit(usage_error(f"{message} (see naisnet-verify --help)"))
 
 
 def main(argv=None) -> None:
@@ -135,7 +74,7 @@ def main(argv=None) -> None:
             check_option(field, getattr(args, field), "--" + field.replace("_", "-"))
         check_data(args.data, "--data")
     except ValueError as e:
-        sys.exit(_error(e))
+        sys.exit(usage_error(e))
     for field in ("checkpoint_dir", "json", "figures", "data_dir"):  # one reading of a path, as naisnet-train's
         if getattr(args, field):
             setattr(args, field, os.path.expanduser(getattr(args, field)))

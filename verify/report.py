@@ -1,4 +1,5 @@
-"""Files the audit writes: the JSON certificate and one figure per block.
+"""What an audit reports: the table, the JSON certificate and one figure per block
+(:func:`audit_and_report`, which ``naisnet-verify`` runs, and the writers it uses).
 
 Certificate schema ``naisnet-jax-certificate/2`` (:mod:`.certificate`). Top level: ``schema``,
 ``certified``, ``reason``, ``summary``, ``checkpoint`` (where the parameters came from: ``kind``,
@@ -22,6 +23,12 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+
+from naisnet_jax.checkpoint import CheckpointError, run_checkpoint_dir
+from naisnet_jax.checks import check_output_dir, check_output_file
+
+from .certify import AuditDataError, AuditOptions, audit
 
 
 def write_json(cert, path: str) -> None:
@@ -56,3 +63,64 @@ def write_figures(cert, directory: str) -> list[str]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+EXIT_CERTIFIED, EXIT_NOT_CERTIFIED, EXIT_USAGE = 0, 1, 2
+
+
+def usage_error(message: str) -> int:
+    """``error: <message>`` as one line on stderr; returns the usage exit status."""
+    print("error: " + " ".join(str(message).split()), file=sys.stderr)
+    return EXIT_USAGE
+
+
+def audit_and_report(
+    checkpoint_dir: str,
+    *,
+    json_path: str | None = None,
+    figures_dir: str | None = None,
+    options: AuditOptions | None = None,
+    progress: bool | None = None,
+) -> int:
+    """Audit, print the table, write the certificate and figures; return the exit status.
+
+    ``checkpoint_dir`` may be a run's workdir: the ``checkpoints/`` inside it is audited, and a
+    line on stderr says so. The outputs are checked before the audit; a refusal is one
+    ``error:`` line and status 2.
+    """
+    del progress  # the audit reports its phases in the certificate's timings
+    options = options or AuditOptions()
+    try:  # every output can be written, checked before the audit (which writes nothing else)
+        if json_path:
+            check_output_file("--json", json_path)
+        if figures_dir:
+            check_output_dir("--figures", figures_dir)
+    except ValueError as e:
+        return usage_error(e)
+    inner = run_checkpoint_dir(checkpoint_dir)
+    if inner is not None:
+        print(f"note: {checkpoint_dir} is a run's workdir; auditing its checkpoints in {inner}", file=sys.stderr)
+        checkpoint_dir = inner
+    try:
+        cert = audit(checkpoint_dir, options)
+    except AuditDataError as e:
+        return usage_error(f"--data={e.data}: {e.reason}; pass --data=random or --data=none")
+    except CheckpointError as e:
+        return usage_error(f"unusable checkpoint: {e}")
+    except (FileNotFoundError, ImportError) as e:
+        which = f"--data={options.data}" if options.data else "the checkpoint's dataset"
+        return usage_error(f"cannot read {which} ({e}); pass --data=random or --data=none")
+    print(cert.table())
+    try:  # checked above; a disk that fills up or a directory removed meanwhile still ends in one line
+        if figures_dir:
+            import matplotlib
+
+            matplotlib.use("Agg")  # the command writes files; it never opens windows
+            write_figures(cert, figures_dir)
+            print(f"figures: {os.path.join(figures_dir, '')}")
+        if json_path:
+            write_json(cert, json_path)
+            print(f"certificate: {json_path}")
+    except OSError as e:
+        return usage_error(f"the audit ran, but its output cannot be written ({e})")
+    return EXIT_CERTIFIED if cert.certified else EXIT_NOT_CERTIFIED

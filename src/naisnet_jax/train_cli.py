@@ -148,8 +148,8 @@ def _help() -> str:
 
 def _check_override_names(argv: Sequence[str]) -> list[tuple[str, str]]:
     """Refuse overrides of undeclared fields, of a field below a plain value, and of a whole group;
-    returns the ``--config.FIELD=None`` overrides (``(field, raw)``), which the flag parsers of
-    typed fields cannot read and which are applied after the file is loaded."""
+    returns the ``--config.FIELD=None`` and ``--config.GROUP.NAME=None`` overrides (``(dotted, raw)``),
+    which the flag parsers of typed fields cannot read and which are applied after the file is loaded."""
     from naisnet_jax.configs import schema
 
     nones = []
@@ -174,7 +174,7 @@ def _check_override_names(argv: Sequence[str]) -> list[tuple[str, str]]:
             raise UsageError(f"--config.{dotted}: config.{parts[0]} is a {top.type.__name__}, not a group of fields.")
         if raw is None and (i + 1 >= len(argv) or argv[i + 1].startswith("-")):
             raise UsageError(f"--config.{dotted} needs a value (--config.{dotted}=VALUE).")
-        if len(parts) == 1 and raw is not None and raw.lower() == "none":
+        if raw is not None and raw.lower() == "none":
             nones.append((dotted, raw))
     return nones
 
@@ -195,6 +195,14 @@ def _flag_error(e: Exception, config_spec: str) -> UsageError:
         if top is not None and "." not in dotted:
             kind = tuple if top.type in (list, tuple) else top.type
             return UsageError(f"--config.{dotted}={raw}: expected {_EXPECTED.get(kind, kind.__name__)}.")
+        if top is not None and dotted.count(".") == 1:  # a model keyword the file sets: typed by its value
+            value = _file_value(config_spec, dotted)
+            if value is not None:
+                kind = tuple if isinstance(value, (list, tuple)) else type(value)
+                return UsageError(
+                    f"--config.{dotted}={raw}: expected {_EXPECTED.get(kind, kind.__name__)} "
+                    f"(the config sets {value!r})."
+                )
     if isinstance(e, flags.Error):
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         if "Error whilst parsing config file" in text and lines:  # get_config() raised; its last line
@@ -203,6 +211,15 @@ def _flag_error(e: Exception, config_spec: str) -> UsageError:
     if isinstance(e, AttributeError) and "get_config" in text:
         return UsageError(f"--config={config_spec} defines no get_config() function.")
     return UsageError(f"--config={config_spec}: the file cannot be loaded ({type(e).__name__}: {text}).")
+
+
+def _file_value(config_spec: str, dotted: str):
+    """The value a config file gives ``GROUP.NAME`` (None where it cannot be read)."""
+    try:
+        group, name = dotted.split(".")
+        return load_config(config_spec)[group].get(name)
+    except Exception:  # noqa: BLE001 - only the wording of an error depends on it
+        return None
 
 
 def parse_config(argv: Sequence[str], *, validate: bool = True):
@@ -251,6 +268,11 @@ def parse_config(argv: Sequence[str], *, validate: bool = True):
             with config[group].ignore_type():
                 config[group][name] = value.lower() == "true"
     for dotted, raw in nones:
+        if "." in dotted:  # a model keyword: None goes to the model, which says whether it takes it
+            group, name = dotted.split(".")
+            with config[group].ignore_type():
+                config[group][name] = None
+            continue
         if not schema.BY_NAME[dotted].optional:
             raise UsageError(
                 f"--config.{dotted}={raw}: config.{dotted} cannot be None ({schema.BY_NAME[dotted].help})."

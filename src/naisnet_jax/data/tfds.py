@@ -6,9 +6,11 @@ package imports where only jax, flax and numpy exist; TFDS runs without tensorfl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import os
 import pathlib
 from typing import Any
@@ -105,16 +107,39 @@ def _not_prepared_error(name: str, data_dir: pathlib.Path, cause: Exception) -> 
     return None
 
 
+class _UnpreparedFolderRecords(logging.Filter):
+    """Drops TFDS's warning that a version folder holds no ``dataset_info.json``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("Variant folder") and "dataset_info.json" in record.getMessage())
+
+
+@contextlib.contextmanager
+def _quiet_unprepared_folder(quiet: bool):
+    """While TFDS looks for a dataset that is not prepared, keep its warning line about the empty
+    version folder off stderr: the error raised then says what is missing and how to prepare it."""
+    if not quiet:
+        yield
+        return
+    absl_logger, records = logging.getLogger("absl"), _UnpreparedFolderRecords()
+    absl_logger.addFilter(records)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(records)
+
+
 def _read_tfds(tfds, name: str, data_dir: pathlib.Path, num_classes: int | None = None):
     """``tfds.data_source`` for train and test, converted to a ``Dataset``; never downloads."""
     try:
-        train, test = tfds.data_source(
-            name,
-            split=["train", "test"],
-            data_dir=os.fspath(data_dir),
-            download=False,
-            try_gcs=False,
-        )
+        with _quiet_unprepared_folder(not _prepared_info_files(data_dir, name)):
+            train, test = tfds.data_source(
+                name,
+                split=["train", "test"],
+                data_dir=os.fspath(data_dir),
+                download=False,
+                try_gcs=False,
+            )
     except Exception as e:  # tfds 4.9.10 reports missing data as a TFRECORD NotImplementedError
         error = _not_prepared_error(name, data_dir, e)
         if error is not None:
