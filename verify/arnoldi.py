@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.tree_util import Partial
 
-from naisnet_jax.checks import check_int, check_positive
+from naisnet_jax.checks import check_finite, check_int, check_positive
 
 from ._numerics import single_threaded_blas
 from .operators import as_operator
@@ -250,14 +250,21 @@ def arnoldi_eigs_batch(
     and every matvec stay on the device (one vmapped program per restart for the whole batch);
     only the `B` small Hessenberg eigenproblems go to the host. Members stop restarting as they
     converge. `keys` is `(B, 2)` (default: `PRNGKey(0)` for every member); `v0` `(B, n)`.
-    Returns one `ArnoldiResult` per member, as `arnoldi_eigs` would.
+    Returns one `ArnoldiResult` per member, as `arnoldi_eigs` would. Refused (ValueError): counts
+    that are not integers in range (`n`, `k`, `krylov_dim` >= 1, `max_restarts` >= 0), a `v0` of
+    another shape or holding NaN or inf.
     """
     leaves = jax.tree_util.tree_leaves(ops)
     if not leaves:
         raise ValueError("ops must be an operator pytree with batched array leaves (see stack_operators)")
     B = int(jnp.shape(leaves[0])[0])
-    n = check_int("n", int(n))
+    n = int(check_int("n", n))
     check_int("k", k, 1, n)
+    if krylov_dim is not None:
+        check_int("krylov_dim", krylov_dim)
+    check_int("max_restarts", max_restarts, 0)
+    if v0 is not None:
+        v0 = _check_v0(v0, (B, n), f"one start vector of length n={n} per operator")
     m = min(n, krylov_dim if krylov_dim is not None else max(2 * k + 2, 64))
     if m < min(n, k + 2):
         raise ValueError(f"krylov_dim must be at least k + 2 = {k + 2} (or n); got {krylov_dim}")
@@ -275,6 +282,14 @@ def arnoldi_eigs_batch(
             ops, V, H, keys, m, k, tol, max_restarts, real_basis, host_dtype, basis_dtype
         )
     return _batch_results(ops, V, final, matvecs, restarts, converged, m, k, real_basis, basis_dtype)
+
+
+def _check_v0(v0, shape: tuple[int, ...], what: str) -> Array:
+    """``v0`` as an array of ``shape`` free of NaN and inf, or a ValueError naming its shape."""
+    v0 = jnp.asarray(v0)
+    if v0.shape != shape:
+        raise ValueError(f"v0 has shape {v0.shape} ({v0.dtype}); expected shape {shape}: {what}.")
+    return check_finite("v0", v0)
 
 
 def _batch_basis_dtype(ops, n: int, v0, dtype):
@@ -422,7 +437,13 @@ def arnoldi_eigs(
     dominant eigenvector, or a tight cluster of moduli with a small Krylov space, can make it
     converge to a smaller one first). With `krylov_dim < 32` we saw this happen on a
     16384-dimensional conv Jacobian; 64 was reliable.
+
+    Refused (ValueError): counts that are not integers in range (`n`, `k`, `krylov_dim` >= 1,
+    `max_restarts` >= 0) and a `v0` that is not a finite vector of shape `(n,)`.
     """
+    n = check_int("n", n)
+    if v0 is not None:
+        v0 = _check_v0(v0, (int(n),), f"a start vector of the operator's length n={n}")
     op = as_operator(matvec)
     key = jax.random.PRNGKey(0) if key is None else key
     batch = jax.tree.map(lambda x: jnp.asarray(x)[None], op)
@@ -436,7 +457,7 @@ def arnoldi_eigs(
         tol=tol,
         max_restarts=max_restarts,
         keys=key[None],
-        v0=None if v0 is None else jnp.asarray(v0).reshape(1, -1),
+        v0=None if v0 is None else v0[None],
         dtype=dtype,
     )
     return res

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from naisnet_jax.cell import check_kernel_shape, check_step_size
+from naisnet_jax.checks import check_finite
 from naisnet_jax.stability import conv_block_figures, kernel_gershgorin
 
 Array = jax.Array
@@ -33,10 +34,12 @@ def gershgorin(kernel) -> tuple[Array, Array]:
     output channel c except that centre. Every eigenvalue of `X -> conv(X, K)` (SAME zero or
     periodic padding, any image size) lies in `union_c {|z - centres[c]| <= radii[c]}`.
     `kernel` is `(..., k, k, C, C)`; leading axes (untied per-step kernels) carry through, so
-    `(K, k, k, C, C)` gives `(K, C)` arrays. Computed with jnp in the kernel's dtype.
+    `(K, k, k, C, C)` gives `(K, C)` arrays. Computed with jnp in the kernel's dtype. A kernel
+    holding NaN or inf is refused (ValueError; traced values under `jit` cannot be checked).
     """
     kernel = jnp.asarray(kernel)
     check_kernel_shape(kernel.shape)
+    check_finite("kernel", kernel, "; no Gershgorin discs")
     return kernel_gershgorin(kernel)
 
 
@@ -49,11 +52,12 @@ def conv_inf_norm_bound(kernel, h: float = 1.0) -> float:
     only lose taps), so this bounds every absolute row sum, i.e. the infinity norm, and
     `rho <= ||.||_inf`. For the Jacobian `I + h diag(s) A` with slopes `s` in [0, 1], the row sum
     `|1 + h s centre| + h s radius` is convex in s, so `||J||_inf <= max(1, bound)`.
-    Computed on the host in float64.
+    Computed on the host in float64. A kernel holding NaN or inf is refused (ValueError).
     """
     h = float(check_step_size(h))
     kernel = np.asarray(kernel, dtype=np.float64)
     check_kernel_shape(kernel.shape)
+    check_finite("kernel", kernel, "; no bound")
     return conv_block_figures(kernel, h=h)["inf_norm_bound_I_plus_hA"]
 
 
@@ -62,11 +66,13 @@ def dense_gershgorin(A) -> tuple[Array, Array]:
 
     `centres[r] = A[r, r]`, `radii[r] = sum_{q != r} |A[r, q]|`; every eigenvalue of A lies in
     their union. For a dense block's state matrix A (acting as `x @ A.T`), these are the discs of
-    A itself; the discs of `I + h A` are `1 + h centres`, `h radii`.
+    A itself; the discs of `I + h A` are `1 + h centres`, `h radii`. A matrix holding NaN or inf
+    is refused (ValueError; traced values under `jit` cannot be checked).
     """
     A = jnp.asarray(A)
     if A.ndim < 2 or A.shape[-1] != A.shape[-2]:
         raise ValueError(f"dense_gershgorin needs square matrices (..., n, n); got shape {A.shape}")
+    check_finite("A", A, "; no Gershgorin discs")
     centres = jnp.diagonal(A, axis1=-2, axis2=-1)
     off = jnp.where(jnp.eye(A.shape[-1], dtype=bool), 0, jnp.abs(A))
     return centres, off.sum(axis=-1)

@@ -25,6 +25,7 @@ spectrum against its proven bound and the unit circle.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import html
@@ -34,6 +35,8 @@ import typing
 from collections.abc import Mapping
 
 import numpy as np
+
+from naisnet_jax.checks import check_choice
 
 SCHEMA = "naisnet-jax-certificate/2"
 STATUSES = ("proven", "computed", "estimate", "measured", "setting")
@@ -293,13 +296,27 @@ class Certificate:
     # ---------------------------------------------------------------- access
 
     def block(self, name: str | int) -> BlockReport:
-        """The report of block ``name`` (its module path, ``"a/b"``) or index."""
-        if isinstance(name, int):
-            return self.blocks[name]
+        """The report of block ``name`` (its module path, ``"a/b"``) or index (negative ones count
+        from the end). An unknown name raises KeyError, an index out of range ValueError, anything
+        else TypeError; each names the blocks."""
+        names = [b.name for b in self.blocks]
+        if isinstance(name, (int, np.integer)) and not isinstance(name, (bool, np.bool_)):
+            if -len(self.blocks) <= name < len(self.blocks):
+                return self.blocks[name]
+            where = (
+                f"the certificate has {len(names)} blocks, indices 0 to {len(names) - 1}"
+                if names
+                else "the certificate has no blocks"
+            )
+            raise ValueError(f"block={name!r} is out of range: {where}; blocks: {names}")
+        if not isinstance(name, str):
+            raise TypeError(
+                f"block={name!r} must be a block's name (a string) or its index (an integer); blocks: {names}"
+            )
         for b in self.blocks:
             if b.name == name:
                 return b
-        raise KeyError(f"no block {name!r}; blocks: {[b.name for b in self.blocks]}")
+        raise KeyError(f"no block {name!r}; blocks: {names}")
 
     def __getitem__(self, key: str):
         """Deprecated: the schema-1 dict access (``cert["certified"]``); use the attributes."""
@@ -329,21 +346,38 @@ class Certificate:
 
     @classmethod
     def from_json(cls, text: str | Mapping) -> Certificate:
-        """Read back :meth:`to_json` (a string, or the parsed dict)."""
-        data = json.loads(text) if isinstance(text, (str, bytes)) else dict(text)
+        """Read back :meth:`to_json` (a string, or the parsed dict).
+
+        Raises TypeError for anything else (a file object, ``None``) and ValueError for text that
+        is not JSON (a path: read the file first), another schema, or a certificate with a field
+        missing or malformed (the message names it).
+        """
+        data = _certificate_dict(text)
         if data.get("schema") != SCHEMA:
             raise ValueError(f"certificate schema {data.get('schema')!r}; this code reads {SCHEMA!r}")
+        _require(data, _FIELDS, "not a certificate")
         data = dict(data)
         data["source"] = data.pop("checkpoint")
         data.pop("figure_status", None)
+        if not isinstance(data["blocks"], (list, tuple)):
+            raise ValueError(f"not a certificate: blocks={_short(data['blocks'])} must be a list of block reports")
         blocks = []
-        for b in data.pop("blocks"):
+        for i, b in enumerate(data.pop("blocks")):
+            if not isinstance(b, Mapping):
+                raise ValueError(f"not a certificate: block {i} is {_short(b)}; expected a block report (an object)")
+            _require(b, _BLOCK_FIELDS, f"not a certificate: block {i}")
             b = dict(b)
             b.pop("certified", None)
-            b["parameter"] = _decode(_PARAMETER_TYPES[b["kind"]], b["parameter"])
-            blocks.append(b)
-        data["blocks"] = tuple(_decode(BlockReport, b) for b in blocks)
-        return _decode(cls, data)
+            try:
+                check_choice(f"block {i}: kind", b["kind"], tuple(_PARAMETER_TYPES))
+            except ValueError as e:
+                raise ValueError(f"not a certificate: {e}") from None
+            with _malformed(f"block {i} ({b.get('name')!r})"):
+                b["parameter"] = _decode(_PARAMETER_TYPES[b["kind"]], b["parameter"])
+                blocks.append(_decode(BlockReport, b))
+        data["blocks"] = tuple(blocks)
+        with _malformed("its header"):
+            return _decode(cls, data)
 
     # ------------------------------------------------------------- display
 
@@ -439,6 +473,68 @@ def _row(b: BlockReport) -> list[str]:
         _fmt(t.io_gain_measured, ".3g") if t else "-",
         "certified" if b.certified else ("baseline" if b.verdict is Verdict.BASELINE else "NOT certified"),
     ]
+
+
+# The fields from_json needs: the certificate's (``source`` written as ``checkpoint``) and a block's.
+_FIELDS = (
+    "certified",
+    "reason",
+    "blocks",
+    "summary",
+    "hyperparameters",
+    "checkpoint",
+    "data",
+    "device",
+    "precision",
+    "versions",
+    "tolerances",
+    "seconds",
+    "timings",
+)
+_BLOCK_FIELDS = ("name", "kind", "verdict", "reason", "parameter")
+
+
+def _short(value, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _certificate_dict(text) -> Mapping:
+    """The certificate's dict from :meth:`Certificate.from_json`'s argument, or a one-line error."""
+    expects = "Certificate.from_json expects the certificate's JSON text or its dict"
+    if isinstance(text, Mapping):
+        return text
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise TypeError(f"{expects}; got {_short(text)} ({type(text).__name__})")
+    if not text.strip():
+        raise ValueError(f"{expects}; got an empty string")
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError(
+            f"{expects}; got a string that is not JSON, {_short(text)} "
+            "(a path? read the file first: Certificate.from_json(open(path).read()))"
+        ) from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{expects}; the JSON text holds {_short(data)} ({type(data).__name__}), not a certificate")
+    return data
+
+
+def _require(data: Mapping, fields: tuple[str, ...], what: str) -> None:
+    missing = [f for f in fields if f not in data]
+    if missing:
+        raise ValueError(f"{what}: missing field{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}")
+
+
+@contextlib.contextmanager
+def _malformed(where: str):
+    """Turn a decoding failure (a field of the wrong type, a bad value) into one ValueError
+    naming the part of the certificate it happened in."""
+    try:
+        yield
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        raise ValueError(f"not a certificate: {where} is malformed ({type(e).__name__}: {e})") from None
 
 
 def figure_status() -> dict[str, str]:

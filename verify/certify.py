@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import platform
 import time
 from collections.abc import Mapping
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from naisnet_jax import checkpoint as ckpt
-from naisnet_jax.checks import check_finite, check_int, check_number, check_positive
+from naisnet_jax.checks import check_bool, check_finite, check_int, check_number, check_positive
 from naisnet_jax.configs import schema
 from naisnet_jax.probe import AUDIT_COLLECTION, BlockProbe
 
@@ -64,6 +65,8 @@ OPTION_CHECKS = {
     "sigma_min": functools.partial(check_number, lo=0.0, hi=1.0, lo_open=True),
     "perturbation": check_positive,
     "jacobian_samples": functools.partial(check_int, minimum=0),
+    "dense_max_n": functools.partial(check_int, minimum=0),
+    "seed": functools.partial(check_int, minimum=0, maximum=2**32 - 2),
 }
 
 
@@ -110,7 +113,9 @@ class AuditOptions:
     ``rho(I + h A)`` of conv blocks at their resolution (Arnoldi; dense eigvals up to
     ``dense_max_n``). ``relaxed``: Algorithm 1's bound for in-memory audits (a checkpoint's
     metadata says its own). ``input_shape``: for :func:`audit_model` without ``inputs``.
-    ``apply_kwargs``: passed to ``model.apply``.
+    ``apply_kwargs``: passed to ``model.apply`` (``{}`` for a model that takes no ``train``).
+    ``seed``: of the random draws (Arnoldi start vectors, perturbations, ``data="random"``).
+    Every field is checked here; a bad value raises ValueError naming it.
     """
 
     samples: int = 64
@@ -130,6 +135,51 @@ class AuditOptions:
         for field in OPTION_CHECKS:
             check_option(field, getattr(self, field))
         check_data(self.data)
+        if self.data_dir is not None and not isinstance(self.data_dir, (str, os.PathLike)):
+            raise ValueError(f"data_dir={self.data_dir!r} must be a directory (a path string) or None.")
+        for field in ("estimate_conv_radius", "relaxed"):
+            check_bool(field, getattr(self, field))
+        if self.input_shape is not None:
+            object.__setattr__(self, "input_shape", _check_input_shape(self.input_shape))
+        kwargs = self.apply_kwargs
+        if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+            raise ValueError(
+                f"apply_kwargs={kwargs!r} must be a dict of keyword arguments for model.apply, such as "
+                "{'train': False} ({} for none)."
+            )
+        if "mutable" in kwargs:
+            raise ValueError(
+                f"apply_kwargs={dict(kwargs)!r} sets 'mutable', which the audit sets itself "
+                f"(mutable=[{AUDIT_COLLECTION!r}])."
+            )
+
+
+def _check_input_shape(value: Any) -> tuple[int, ...]:
+    """``value`` is a non-empty sequence of positive integers (the shape of one input); as a tuple."""
+    try:
+        shape = () if isinstance(value, (str, bytes)) else tuple(value)
+    except TypeError:
+        shape = ()
+    if not shape:
+        raise ValueError(
+            f"input_shape={value!r} must be None or a non-empty sequence of positive integers "
+            "(the shape of one input, such as (28, 28, 1))."
+        )
+    for i, d in enumerate(shape):
+        check_int(f"input_shape[{i}]", d)
+    return tuple(int(d) for d in shape)
+
+
+def check_options(options: Any) -> AuditOptions:
+    """``options`` is an :class:`AuditOptions` (returned) or ``None`` (the defaults)."""
+    if options is None:
+        return AuditOptions()
+    if isinstance(options, AuditOptions):
+        return options
+    hint = ": pass AuditOptions(**options)" if isinstance(options, Mapping) else ""
+    raise TypeError(
+        f"options={_describe(options)} must be an AuditOptions or None; got a {type(options).__name__}{hint}"
+    )
 
 
 # ------------------------------------------------------------------ discovery
@@ -147,9 +197,16 @@ def _probes(model, variables, x, apply_kwargs) -> list[tuple[str, BlockProbe]]:
     try:
         _, state = _apply(model, dict(apply_kwargs))(variables, x)
     except (flax.errors.FlaxError, TypeError, ValueError) as e:
+        hint = ""
+        if isinstance(e, TypeError) and "unexpected keyword argument" in str(e) and apply_kwargs:
+            hint = (
+                f"; the audit calls model.apply(variables, x, **apply_kwargs) with the option "
+                f"apply_kwargs={dict(apply_kwargs)!r}: pass AuditOptions(apply_kwargs=...) with the call "
+                "arguments your model takes ({} for none)"
+            )
         raise ModelApplyError(
             f"cannot apply {type(model).__name__} to these variables and inputs of shape "
-            f"{tuple(x.shape)}: {type(e).__name__}: {e}"
+            f"{tuple(x.shape)}: {type(e).__name__}: {e}{hint}"
         ) from e
     tree = state.get(AUDIT_COLLECTION, {})
     found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda v: isinstance(v, BlockProbe))[0]
@@ -188,6 +245,10 @@ def audit_model(model, variables, *, inputs=None, options: AuditOptions | None =
     the trajectory figures, or ``None`` for the parameter-level audit only (then
     ``options.input_shape`` gives the shape of one input). Runs in float64 inside
     :func:`naisnet_jax.verify._numerics.x64_scope`: JAX's global x64 setting is left as it was.
+
+    Refused: a ``model`` that is not a Flax module, ``variables`` that are not a dict and
+    ``options`` that are not an :class:`AuditOptions` (TypeError); variables or inputs holding
+    NaN or inf, an empty batch (ValueError); a model that cannot be applied (ModelApplyError).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -195,7 +256,12 @@ def audit_model(model, variables, *, inputs=None, options: AuditOptions | None =
             "naisnet-jax blocks (for example naisnet_jax.models.get_model(...)), with its variables as the second "
             "argument. To audit a checkpoint directory, use audit(path)."
         )
-    options = options or AuditOptions()
+    options = check_options(options)
+    if not isinstance(variables, Mapping):
+        raise TypeError(
+            f"variables={_describe(variables)}; expected the model's variables, a dict such as "
+            "{'params': ...} (what model.init returns)"
+        )
     check_finite_variables(variables)
     if inputs is not None:
         if not np.ndim(inputs) or np.shape(inputs)[0] == 0:
@@ -214,6 +280,14 @@ def audit_model(model, variables, *, inputs=None, options: AuditOptions | None =
             Source(kind="in-memory", model=type(model).__name__),
             "in-memory inputs" if inputs is not None else "none",
         )
+
+
+def _describe(value: Any) -> str:
+    """``repr(value)`` (cut short), or an array's shape and dtype."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"<array of shape {tuple(value.shape)}, {value.dtype}>"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_finite_variables(variables) -> None:
@@ -557,9 +631,10 @@ def audit(checkpoint_dir: str, options: AuditOptions | None = None, *, step: int
     return its :class:`Certificate`.
 
     Raises :class:`naisnet_jax.checkpoint.CheckpointError` when the directory is not a usable
-    naisnet-jax checkpoint or its arrays do not fit the model its metadata describes.
+    naisnet-jax checkpoint or its arrays do not fit the model its metadata describes, and
+    TypeError when ``options`` is not an :class:`AuditOptions`.
     """
-    options = options or AuditOptions()
+    options = check_options(options)
     checkpoint_dir = ckpt.run_checkpoint_dir(checkpoint_dir) or checkpoint_dir
     t0 = time.perf_counter()
     with x64_scope():

@@ -28,7 +28,7 @@ import sys
 from naisnet_jax.checkpoint import CheckpointError, run_checkpoint_dir
 from naisnet_jax.checks import check_output_dir, check_output_file
 
-from .certify import AuditDataError, AuditOptions, audit
+from .certify import AuditDataError, AuditOptions, audit, check_options
 
 
 def write_json(cert, path: str) -> None:
@@ -89,7 +89,7 @@ def audit_and_report(
     ``error:`` line and status 2.
     """
     del progress  # the audit reports its phases in the certificate's timings
-    options = options or AuditOptions()
+    options = check_options(options)
     try:  # every output can be written, checked before the audit (which writes nothing else)
         if json_path:
             check_output_file("--json", json_path)

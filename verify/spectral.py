@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from naisnet_jax.cell import check_kernel_shape
-from naisnet_jax.checks import check_choice, check_finite, check_int
+from naisnet_jax.checks import check_choice, check_finite, check_int, check_number, check_positive
 
 from .arnoldi import ArnoldiResult as ArnoldiResult
 from .arnoldi import arnoldi_eigs
@@ -118,12 +118,21 @@ def spectral_radius_info(
     out as a matrix, `n` applications); `"arnoldi"`: `arnoldi_eigs` to relative tolerance `tol`
     (its default: 1e-10 in float64);
     `"auto"`: dense when `n <= dense_max_n`, Arnoldi otherwise.
+
+    Refused (ValueError): an empty or non-square matrix, one holding NaN or inf, and counts that
+    are not integers in range (`n >= 1`, `dense_max_n >= 0`, `krylov_dim >= 1`,
+    `max_restarts >= 0`; `tol > 0`).
     """
     check_choice("method", method, _METHODS)
+    _check_counts(n=n, dense_max_n=dense_max_n, krylov_dim=krylov_dim, max_restarts=max_restarts, tol=tol)
     if _is_matrix(op):
         shape = tuple(np.shape(op))
         if len(shape) != 2 or shape[0] != shape[1]:
             raise ValueError(f"a matrix operand must be square; got shape {shape}")
+        if shape[0] == 0:
+            raise ValueError(
+                f"op has shape {shape}: an empty matrix has no eigenvalues; expected a square matrix of size n >= 1"
+            )
         if n is not None and n != shape[0]:
             raise ValueError(f"n={n} disagrees with the matrix of shape {shape}")
         n = shape[0]
@@ -141,6 +150,18 @@ def spectral_radius_info(
     res = arnoldi_eigs(fn, n, k=1, krylov_dim=krylov_dim, tol=tol, max_restarts=max_restarts, key=key)
     eigenvalue = complex(res.eigenvalues[0])
     return SpectralResult(abs(eigenvalue), eigenvalue, res.residual, res.matvecs, "arnoldi", res.converged)
+
+
+def _check_counts(*, n, dense_max_n, krylov_dim, max_restarts, tol) -> None:
+    """The counts and the tolerance of `spectral_radius_info` (`None`: its default)."""
+    if n is not None:
+        check_int("n", n)
+    check_int("dense_max_n", dense_max_n, 0)
+    if krylov_dim is not None:
+        check_int("krylov_dim", krylov_dim)
+    check_int("max_restarts", max_restarts, 0)
+    if tol is not None:
+        check_positive("tol", tol)
 
 
 def spectral_radius(
@@ -224,7 +245,12 @@ def power_norm_estimate(
     A norm is not a spectral radius: `rho(A) <= ||A||_2`, with equality for normal `A` only; for
     the non-normal operators of conv blocks it can be far above `rho`, so a value >= 1 proves
     nothing about instability.
+
+    Refused (ValueError): `n` or `max_iters` not a positive integer, `tol` not a finite number >= 0.
     """
+    check_int("n", n)
+    check_int("max_iters", max_iters)
+    check_number("tol", tol, 0.0)
     op = as_operator(matvec)
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.zeros((), float).dtype
     key = jax.random.PRNGKey(1) if key is None else key

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from naisnet_jax.checks import check_choice, check_number
 
@@ -90,10 +91,9 @@ def fc_step(
     """
     check_step_size(h)
     act = ACTIVATIONS[check_activation(activation)]
-    if A.ndim != 2 or A.shape[0] != A.shape[1]:
-        raise ValueError(f"state matrix A must be square (n, n); got shape {A.shape}.")
-    if x.shape[-1] != A.shape[0]:
-        raise ValueError(f"state x has {x.shape[-1]} features but A has shape {A.shape}.")
+    x, drive, A = jnp.asarray(x), jnp.asarray(drive), jnp.asarray(A)
+    check_dense_state(x.shape, A.shape)
+    check_drive(x.shape, drive.shape)
     return x + h * act(jnp.matmul(x, A.T, precision=precision) + drive)
 
 
@@ -118,10 +118,47 @@ def conv_step(
     """
     check_step_size(h)
     act = ACTIVATIONS[check_activation(activation)]
-    check_kernel_shape(kernel.shape)
-    if x.shape[-1] != kernel.shape[-1]:
-        raise ValueError(f"state x has {x.shape[-1]} channels but the state kernel has shape {kernel.shape}.")
+    x, drive, kernel = jnp.asarray(x), jnp.asarray(drive), jnp.asarray(kernel)
+    check_conv_state(x.shape, kernel.shape)
+    check_drive(x.shape, drive.shape)
     return x + h * act(conv_same(x, kernel, precision=precision) + drive)
+
+
+def check_dense_state(x_shape: tuple[int, ...], A_shape: tuple[int, ...]) -> None:
+    """A dense step's state ``x`` (``(..., n)``) and square state matrix ``A`` (``(n, n)``) fit."""
+    if len(A_shape) != 2 or A_shape[0] != A_shape[1]:
+        raise ValueError(f"state matrix A must be square (n, n); got shape {tuple(A_shape)}.")
+    if len(x_shape) < 1:
+        raise ValueError(f"state x of shape {tuple(x_shape)} has no feature axis; expected (..., {A_shape[0]}).")
+    if x_shape[-1] != A_shape[0]:
+        raise ValueError(f"state x has {x_shape[-1]} features but A has shape {tuple(A_shape)}.")
+
+
+def check_conv_state(x_shape: tuple[int, ...], kernel_shape: tuple[int, ...]) -> None:
+    """A conv step's state ``x`` is NHWC and has the state kernel's ``C`` channels."""
+    check_kernel_shape(kernel_shape)
+    if len(kernel_shape) != 4:  # per-step kernels: a step takes one of them
+        check_kernel_shape(kernel_shape, leading_axes=False)
+    if len(x_shape) != 4:
+        raise ValueError(f"state x must be NHWC (batch, H, W, C); got shape {tuple(x_shape)}.")
+    if x_shape[-1] != kernel_shape[-1]:
+        raise ValueError(
+            f"state x of shape {tuple(x_shape)} has {x_shape[-1]} channels but the state kernel has shape "
+            f"{tuple(kernel_shape)}."
+        )
+
+
+def check_drive(x_shape: tuple[int, ...], drive_shape: tuple[int, ...]) -> None:
+    """The drive broadcasts to the state's shape (a step keeps the state's shape)."""
+    try:
+        shape = np.broadcast_shapes(tuple(x_shape), tuple(drive_shape))
+    except ValueError:
+        shape = None
+    if shape != tuple(x_shape):
+        raise ValueError(
+            f"drive of shape {tuple(drive_shape)} does not broadcast to the state x of shape {tuple(x_shape)} "
+            f"(a step keeps the state's shape)."
+        )
 
 
 def check_kernel_shape(shape: tuple[int, ...], *, square_channels: bool = True, leading_axes: bool = True) -> None:

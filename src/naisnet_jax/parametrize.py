@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from naisnet_jax.cell import check_kernel_shape
-from naisnet_jax.checks import check_number
+from naisnet_jax.checks import check_finite, check_number
 
 Array = jax.Array
 
@@ -56,8 +56,10 @@ def check_eps(eps: float, name: str = "eps") -> float:
 def fc_state_matrix(R: Array, eps: float) -> Array:
     """``A = -R^T R - eps I`` for ``R`` of shape ``(..., r, n)``; returns ``(..., n, n)``."""
     check_eps(eps)
+    R = jnp.asarray(R)
     if R.ndim < 2:
         raise ValueError(f"R must have shape (..., r, n); got shape {R.shape}.")
+    check_finite("R", R)
     n = R.shape[-1]
     gram = jnp.einsum("...ri,...rj->...ij", R, R, precision=jax.lax.Precision.HIGHEST)
     return -gram - eps * jnp.eye(n, dtype=R.dtype)

@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from naisnet_jax.cell import check_kernel_shape
-from naisnet_jax.checks import check_finite, check_number
+from naisnet_jax.checks import check_bool, check_finite, check_number
 from naisnet_jax.parametrize import centre_mask, check_eps, zero_delta
 
 Array = jax.Array
@@ -42,6 +42,7 @@ CONV_DELTA_KEY = "delta"
 def fc_delta(eps: float, relaxed: bool = False) -> float:
     """Algorithm 1's bound on ``||R^T R||_F``: ``1 - 2 eps``, or ``2 (1 - eps)`` relaxed."""
     check_eps(eps)
+    check_bool("relaxed", relaxed)
     return 2.0 * (1.0 - eps) if relaxed else 1.0 - 2.0 * eps
 
 
@@ -132,6 +133,20 @@ def _nan_unless_finite(out: Array, *inputs: Array) -> Array:
     return jnp.where(ok, out, jnp.nan)
 
 
+def _float_array(name: str, x: Any) -> Array:
+    """``x`` as a JAX array of float32 or float64, the formats whose rounding the projections'
+    bounds are proven for (a 16-bit float's unit round-off is too coarse for them)."""
+    x = jnp.asarray(x)
+    if x.dtype not in (jnp.float32, jnp.float64):
+        why = (
+            " (keep the parameters in float32: a 16-bit copy of a projected one may round outside the set)"
+            if jnp.issubdtype(x.dtype, jnp.floating)
+            else ""
+        )
+        raise ValueError(f"{name} has dtype {x.dtype}; the projection needs float32 or float64{why}.")
+    return x
+
+
 def project_fc(R: Array, *, eps: float, relaxed: bool = False) -> Array:
     """Algorithm 1: project ``R`` onto ``{R : ||R^T R||_F <= delta}``.
 
@@ -155,10 +170,10 @@ def project_fc(R: Array, *, eps: float, relaxed: bool = False) -> Array:
     ``ValueError`` outside ``jit``; under ``jit`` the output is NaN.
     """
     delta = fc_delta(eps, relaxed)
+    R = _float_array("R", R)
     if R.ndim < 2:
         raise ValueError(f"R must have shape (..., r, n); got shape {R.shape}.")
     check_finite("R", R, _FINITE_WHY)
-    R = jnp.asarray(R)
     return _project_fc(R, jnp.asarray(_round_down(delta, R.dtype), R.dtype))
 
 
@@ -220,6 +235,7 @@ def project_conv(kernel: Array, delta: Array, *, eps: float, eta: float) -> tupl
     """
     check_eps(eps)
     check_eta(eta, eps)
+    kernel, delta = _float_array("kernel", kernel), _float_array("delta", delta)
     check_kernel_shape(kernel.shape)
     c = kernel.shape[-1]
     if delta.shape != kernel.shape[:-4] + (c,):
@@ -229,7 +245,6 @@ def project_conv(kernel: Array, delta: Array, *, eps: float, eta: float) -> tupl
         )
     check_finite("kernel", kernel, _FINITE_WHY)
     check_finite("delta", delta, _FINITE_WHY)
-    kernel, delta = jnp.asarray(kernel), jnp.asarray(delta)
     dtype = kernel.dtype
     return _project_conv(
         kernel,
@@ -433,8 +448,9 @@ def stability_projection(
     ``expect_blocks=False`` where no block is the intent: one optimiser shared by NAIS-Nets and
     the plain ResNet baselines.
     """
-    check_eps(eps)
+    fc_delta(eps, relaxed)
     check_eta(eta, eps)
+    check_bool("expect_blocks", expect_blocks)
 
     def init_fn(params):
         if expect_blocks and params is not None and count_projected_blocks(params) == 0:

@@ -59,6 +59,7 @@ def unroll(
     the result.
     """
     check_int("steps", steps)
+    check_bool("trajectory", trajectory)
     check_scan_unroll(scan_unroll)
     if xs is not None:
         lengths = {leaf.shape[0] for leaf in jax.tree_util.tree_leaves(xs)}
@@ -101,7 +102,7 @@ def _masked_chunk(step, tol, max_steps, length):
         for _ in range(length):
             if active[i]:
                 x_new = step(x[i], inputs[i]); depth[i] += 1
-                active[i] = norm(x_new - x[i]) >= tol and depth[i] < max_steps
+                active[i] = not norm(x_new - x[i]) < tol and depth[i] < max_steps
                 x[i] = x_new
     """
 
@@ -112,7 +113,7 @@ def _masked_chunk(step, tol, max_steps, length):
             moved = _pattern_norm(x_new - x)
             depth = depth + active.astype(depth.dtype)
             x = _freeze(active, x_new, x)
-            active = active & (moved >= tol) & (depth < max_steps)
+            active = active & ~(moved < tol) & (depth < max_steps)  # a NaN move is no convergence
             return (x, active, depth), None
 
         (x, active, depth), _ = lax.scan(
@@ -219,6 +220,9 @@ def unroll_adaptive(
             if done:
                 break
 
+    A pattern whose state becomes NaN or infinite never meets the test (a NaN
+    compares false), so it runs all ``max_steps`` steps: ``depth == max_steps``
+    with a non-finite state, never a depth that reads as converged.
     A pattern that has stopped is frozen while the others go on; the loop
     (``lax.while_loop``) ends when every pattern has stopped or after
     ``max_steps`` steps. Returns ``(x, depth)`` with ``depth`` an int32 array
@@ -354,6 +358,7 @@ def unroll_adaptive_bounded(
     """
     tol = float(check_positive("tol", tol))
     check_int("max_steps", max_steps)
+    check_bool("trajectory", trajectory)
     check_scan_unroll(scan_unroll)
     batch = x0.shape[0]
 
@@ -363,7 +368,7 @@ def unroll_adaptive_bounded(
         moved = _pattern_norm(x_new - x)
         depth = depth + active.astype(depth.dtype)
         x = _freeze(active, x_new, x)
-        active = jnp.logical_and(active, lax.stop_gradient(moved) >= tol)
+        active = jnp.logical_and(active, ~(lax.stop_gradient(moved) < tol))  # a NaN move runs on
         return (x, active, depth), (x if trajectory else None)
 
     init = (x0, jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.int32))

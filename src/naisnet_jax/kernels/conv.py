@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from naisnet_jax.cell import check_conv_state, check_drive
 from naisnet_jax.kernels import triton_conv
 from naisnet_jax.kernels.common import check_tied, sum_to_shape, taps_of
 from naisnet_jax.kernels.policy import DEFAULT, ConvPlan, KernelPolicy, check_policy, conv_plan
@@ -168,6 +169,8 @@ def unroll_tied_conv(
     wgmma engine splits them in bfloat16 halves (about 16 significant bits).
     """
     x0, drive, kernel, h = check_tied("unroll_tied_conv", x0, drive, kernel, steps, h, activation, scan_unroll)
+    check_conv_state(x0.shape, kernel.shape)
+    check_drive(x0.shape, drive.shape)
     plan = conv_plan(x0, kernel, activation, check_policy(policy))
     if plan is None:
         return unroll_tied(conv_op, x0, drive, kernel, steps=steps, h=h, activation=activation, scan_unroll=scan_unroll)

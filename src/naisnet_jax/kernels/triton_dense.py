@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from naisnet_jax.cell import check_dense_state, check_drive
 from naisnet_jax.kernels import common
 from naisnet_jax.kernels.common import act, check_tied, index, kernel_mode, pallas_triton, scaled_slope, sum_to_shape
 from naisnet_jax.kernels.policy import DEFAULT, KernelPolicy, check_policy
@@ -252,6 +253,8 @@ def unroll_tied_dense(
     ``"highest"`` makes them float32).
     """
     x0, drive, A, h = check_tied("unroll_tied_dense", x0, drive, A, steps, h, activation, scan_unroll)
+    check_dense_state(x0.shape, A.shape)
+    check_drive(x0.shape, drive.shape)
     policy = check_policy(policy)
     why = kernel_supported(x0, A)
     runs_here = common.gpu_kernels_available(x0)

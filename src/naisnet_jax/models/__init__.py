@@ -262,7 +262,9 @@ def model_spec(name: str, kwargs, *, fast_path: bool = False, where: str = "kwar
 
 
 def get_model(name: str, **overrides) -> nn.Module:
-    """``MODELS[name](**overrides)``; an unknown name raises ``ValueError`` listing them all."""
-    if name not in MODELS:
+    """``MODELS[name](**overrides)``; an unknown name raises ``ValueError`` listing them all, and
+    a keyword the model does not take ``ValueError`` listing those it takes."""
+    if not isinstance(name, str) or name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid names: {', '.join(sorted(MODELS))}.")
+    model_spec(name, overrides, where="get_model(...)")
     return MODELS[name](**overrides)

@@ -383,7 +383,7 @@ class NaisNetFC(DenseOptions, Classifier, kw_only=True):
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
-        u = x.reshape(x.shape[0], -1)
+        u = self._patterns(x)
         block = NaisDenseBlock(self.features, name="block", **options_of(self, DenseOptions))
         classifier = nn.Dense(self.num_classes, name="classifier")
         if not return_aux:
@@ -421,6 +421,7 @@ class NaisNetConv(ConvOptions, DriveNorm, Classifier, Stages, kw_only=True):
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
+        self._check_images(x)
         dtype = compute_dtype(self.dtype)
         x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype, name="stem")(x)
         x = ACTIVATIONS[self.activation](batch_norm(train, "stem_bn", self.dtype, axis_name=self.batch_axis)(x))

@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -108,6 +110,20 @@ class Classifier(HyperParameters, kw_only=True):
     @nn.nowrap
     def _check_fields(self):
         check_int("num_classes", self.num_classes)
+
+    @nn.nowrap
+    def _patterns(self, x) -> Any:
+        """A dense net's input ``(batch, ...)`` flattened to ``(batch, features)`` (an empty
+        batch too); anything without a batch axis is refused, naming the net."""
+        if x.ndim < 2:
+            raise ValueError(f"{type(self).__name__} input must be batched, (batch, ...); got shape {x.shape}.")
+        return x.reshape(x.shape[0], math.prod(x.shape[1:]))
+
+    @nn.nowrap
+    def _check_images(self, x) -> None:
+        """A convolutional net's input is a batch of images, NHWC."""
+        if x.ndim != 4:
+            raise ValueError(f"{type(self).__name__} input must be NHWC (batch, H, W, C); got shape {x.shape}.")
 
 
 class ComputeDtype(HyperParameters, kw_only=True):

@@ -70,7 +70,7 @@ class ResNetFC(StepOptions, BatchAxis, Classifier, kw_only=True):
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
-        u = x.reshape(x.shape[0], -1)
+        u = self._patterns(x)
         n, L, batch = self.features, self.depth, u.shape[0]
         per_layer = () if self.shared else (L,)
         if self.stable:
@@ -203,6 +203,7 @@ class ResNetConv(ResNetConvOptions, Classifier, Stages, kw_only=True):
 
     @nn.compact
     def __call__(self, x: Array, *, train: bool = False, return_aux: bool = False):
+        self._check_images(x)
         dtype = compute_dtype(self.dtype)
         x = nn.Conv(self.filters[0], (3, 3), padding="SAME", use_bias=False, dtype=dtype, name="stem")(x)
         x = nn.relu(batch_norm(train, "stem_bn", self.dtype, axis_name=self.batch_axis)(x))
