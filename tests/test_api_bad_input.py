@@ -188,3 +188,42 @@ def test_a_net_names_an_input_without_a_batch_axis_and_scores_an_empty_batch():
 
 def re_shape(shape):
     return str(tuple(shape)).replace("(", r"\(").replace(")", r"\)")
+
+
+D24 = jnp.ones((2, 4))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: nj.unroll(lambda x: x + D24, jnp.zeros((1, 4)), steps=3),
+        lambda: nj.unroll(lambda x, a: x + a, jnp.zeros((1, 4)), steps=2, xs=jnp.ones((2, 2, 4))),
+        lambda: nj.unroll_adaptive(lambda x: x + D24, jnp.zeros((1, 4)), tol=1e-3, max_steps=5),
+        lambda: nj.unroll_adaptive_bounded(lambda x: x + D24, jnp.zeros((1, 4)), tol=1e-3, max_steps=5),
+        lambda: nj.unroll_adaptive_stream(
+            lambda x, i: x + D24, jnp.zeros((1, 4)), jnp.zeros((1, 4)), tol=1e-3, max_steps=5, slots=1
+        ),
+    ],
+)
+def test_a_step_that_changes_the_state_shape_is_named(call):
+    """``lax``'s loops would say that their carry changed type; the message names the step."""
+    with pytest.raises(ValueError, match=r"^step maps the state x0 of shape \(1, 4\) \(float\d+\) to shape \(2, 4\)"):
+        call()
+
+
+def test_an_adaptive_unroll_needs_a_batch_axis():
+    for call in (
+        lambda: nj.unroll_adaptive(lambda x: 0.5 * x, jnp.float32(1), tol=1e-3, max_steps=5),
+        lambda: nj.unroll_adaptive_bounded(lambda x: 0.5 * x, jnp.float32(1), tol=1e-3, max_steps=5),
+    ):
+        with pytest.raises(
+            ValueError, match=r"^x0 must have a leading batch axis \(patterns, \.\.\.\); got shape \(\)"
+        ):
+            call()
+
+
+def test_a_stage_list_and_a_stride_are_checked():
+    with pytest.raises(ValueError, match=r"^stage_sizes=2 must be a sequence of positive integers, one a stage"):
+        models.get_model("naisnet_conv_tiny", stage_sizes=2)
+    with pytest.raises(ValueError, match=r"^stride=0 must be a positive integer"):
+        nj.conv_same(jnp.zeros((1, 5, 5, 2)), K3, stride=0)

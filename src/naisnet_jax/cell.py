@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from naisnet_jax.checks import check_choice, check_number
+from naisnet_jax.checks import check_choice, check_int, check_number
 
 Array = jax.Array
 
@@ -61,6 +61,7 @@ def activation_slope(activation: str, z: Array) -> Array:
 
 def conv_same(x: Array, kernel: Array, *, stride: int = 1, precision=None) -> Array:
     """Cross-correlation of NHWC ``x`` with an HWIO ``kernel``, SAME zero padding."""
+    check_int("stride", stride)
     return jax.lax.conv_general_dilated(
         x,
         kernel,

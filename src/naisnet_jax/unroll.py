@@ -72,7 +72,14 @@ def unroll(
         x = step(x) if xs is None else step(x, p)
         return x, (x if trajectory else None)
 
-    x, traj = lax.scan(body, x0, xs, length=steps, unroll=scan_unroll)
+    try:
+        x, traj = lax.scan(body, x0, xs, length=steps, unroll=scan_unroll)
+    except TypeError:  # a step that changes the state's shape or dtype: say so in the step's terms
+        if xs is None:
+            _check_state(x0, step)
+        else:
+            _check_state(x0, step, jax.tree.map(lambda a: a[0], xs))
+        raise
     return (x, traj) if trajectory else x
 
 
@@ -188,6 +195,30 @@ def _adaptive_bwd(step, tol, max_steps, check_every, compact, residuals, cotange
 _adaptive.defvjp(_adaptive_fwd, _adaptive_bwd)
 
 
+def _check_state(x0: Array, step: Callable, *args) -> None:
+    """``step(x0, *args)`` keeps the state's shape and dtype (``lax``'s loops need it; their own
+    message names the loop's carry, not the step)."""
+    out = jax.eval_shape(step, x0, *args)
+    got = (getattr(out, "shape", None), getattr(out, "dtype", None))
+    if got != (jnp.shape(x0), jnp.result_type(x0)):
+        raise ValueError(
+            f"step maps the state x0 of shape {jnp.shape(x0)} ({jnp.result_type(x0)}) to "
+            f"{_describe(out)}; a step must keep the state's shape and dtype."
+        )
+
+
+def _check_batch(x0: Array) -> None:
+    """An adaptive unroll's state has a leading pattern axis (each pattern stops on its own)."""
+    if jnp.ndim(x0) < 1:
+        raise ValueError(f"x0 must have a leading batch axis (patterns, ...); got shape {jnp.shape(x0)}.")
+
+
+def _describe(out) -> str:
+    if hasattr(out, "shape") and hasattr(out, "dtype"):
+        return f"shape {tuple(out.shape)} ({out.dtype})"
+    return f"{type(out).__name__} {jax.tree.map(lambda a: getattr(a, 'shape', a), out)}"
+
+
 def _check_inputs(inputs, batch: int, what: str) -> None:
     sizes = {leaf.shape[0] if leaf.ndim else None for leaf in jax.tree.leaves(inputs)}
     if sizes and sizes != {batch}:
@@ -252,8 +283,10 @@ def unroll_adaptive(
             "compact=True moves patterns between buffers, so their per-pattern data must be "
             "passed as inputs=... (step(x, inputs)), not closed over by step."
         )
-    _check_inputs(inputs, x0.shape[0], "x0")
     fn = step if inputs is not None else (lambda x, _: step(x))
+    _check_batch(x0)
+    _check_inputs(inputs, x0.shape[0], "x0")
+    _check_state(x0, fn, inputs)
     # closure_convert hoists closed-over arrays (weights, tracers) into arguments, so that
     # the custom VJP can refuse reverse mode; its function is traced for one shape, so
     # each buffer size of the compacting loop gets its own.
@@ -301,8 +334,10 @@ def unroll_adaptive_stream(
     check_int("max_steps", max_steps)
     check_int("check_every", check_every)
     check_int("slots", slots)
+    _check_batch(x0)
     n = x0.shape[0]
     _check_inputs(inputs, n, "x0")
+    _check_state(x0, step, inputs)
     s = min(slots, n)
     chunk = _masked_chunk(step, tol, max_steps, check_every)
 
@@ -360,6 +395,8 @@ def unroll_adaptive_bounded(
     check_int("max_steps", max_steps)
     check_bool("trajectory", trajectory)
     check_scan_unroll(scan_unroll)
+    _check_batch(x0)
+    _check_state(x0, step)
     batch = x0.shape[0]
 
     def body(carry, _):
