@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import shutil
 import types
 
@@ -234,8 +235,13 @@ def test_load_a_step_directory_and_pick_steps(tmp_path):
     assert_trees_equal(state, sample_tree(seed=2), structure=False)
     assert ckpt.load(str(tmp_path), step=2)[1]["epoch"] == 2
     assert ckpt.load(str(tmp_path))[1]["epoch"] == 3
-    with pytest.raises(ckpt.CheckpointError, match=str(tmp_path)):
+    with pytest.raises(
+        ckpt.CheckpointError, match=rf"^{re.escape(str(tmp_path))} has no step 1; its steps: \[2, 3\]\.$"
+    ):
         ckpt.load(str(tmp_path), step=1)  # deleted by max_to_keep
+    for bad in (-1, "x", 2.5):
+        with pytest.raises(ValueError, match=rf"^step={bad!r} must be a non-negative integer"):
+            ckpt.load(str(tmp_path), step=bad)
 
 
 def test_metadata_that_is_not_json_is_refused_before_writing(tmp_path):

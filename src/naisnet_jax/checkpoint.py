@@ -36,6 +36,7 @@ import numpy as np
 from naisnet_jax import distributed
 from naisnet_jax.checkpoint_metadata import METADATA_VERSION as METADATA_VERSION
 from naisnet_jax.checkpoint_metadata import CheckpointError, CheckpointMetadata
+from naisnet_jax.checks import check_int
 
 FORMAT = "naisnet-jax"
 #: 2: a training run's augmentation keys come from the step (``fold_in(epoch_key, step)``); 1 split
@@ -549,8 +550,12 @@ def load(path: str, step: int | None = None) -> tuple[dict, dict]:
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{path}: not a checkpoint directory ({short_reason(e)}).") from e
     try:
-        if not mngr.all_steps():
+        steps = sorted(mngr.all_steps())
+        if not steps:
             raise CheckpointError(f"{path}: no checkpoint steps found (not a {FORMAT} checkpoint directory).")
+        if step is not None and step not in steps:
+            check_int("step", step, minimum=0)
+            raise CheckpointError(f"{path} has no step {step}; its steps: {steps}.")
         state, meta = restore(mngr, step)
     finally:
         mngr.close()
