@@ -360,11 +360,13 @@ class Certificate:
         data["source"] = data.pop("checkpoint")
         data.pop("figure_status", None)
         if not isinstance(data["blocks"], (list, tuple)):
-            raise ValueError(f"not a certificate: blocks={_short(data['blocks'])} must be a list of block reports")
+            raise ValueError(f"not a certificate: blocks={short_repr(data['blocks'])} must be a list of block reports")
         blocks = []
         for i, b in enumerate(data.pop("blocks")):
             if not isinstance(b, Mapping):
-                raise ValueError(f"not a certificate: block {i} is {_short(b)}; expected a block report (an object)")
+                raise ValueError(
+                    f"not a certificate: block {i} is {short_repr(b)}; expected a block report (an object)"
+                )
             _require(b, _BLOCK_FIELDS, f"not a certificate: block {i}")
             b = dict(b)
             b.pop("certified", None)
@@ -494,7 +496,7 @@ _FIELDS = (
 _BLOCK_FIELDS = ("name", "kind", "verdict", "reason", "parameter")
 
 
-def _short(value, limit: int = 60) -> str:
+def short_repr(value, limit: int = 60) -> str:
     """``repr(value)``, cut to ``limit`` characters."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -506,18 +508,20 @@ def _certificate_dict(text) -> Mapping:
     if isinstance(text, Mapping):
         return text
     if not isinstance(text, (str, bytes, bytearray)):
-        raise TypeError(f"{expects}; got {_short(text)} ({type(text).__name__})")
+        raise TypeError(f"{expects}; got {short_repr(text)} ({type(text).__name__})")
     if not text.strip():
         raise ValueError(f"{expects}; got an empty string")
     try:
         data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ValueError(
-            f"{expects}; got a string that is not JSON, {_short(text)} "
+            f"{expects}; got a string that is not JSON, {short_repr(text)} "
             "(a path? read the file first: Certificate.from_json(open(path).read()))"
         ) from None
     if not isinstance(data, Mapping):
-        raise ValueError(f"{expects}; the JSON text holds {_short(data)} ({type(data).__name__}), not a certificate")
+        raise ValueError(
+            f"{expects}; the JSON text holds {short_repr(data)} ({type(data).__name__}), not a certificate"
+        )
     return data
 
 

@@ -56,6 +56,7 @@ from .certificate import (
     Summary,
     Trajectory,
     Verdict,
+    short_repr,
 )
 
 # The numeric audit options and their ranges, stated once: AuditOptions and naisnet-verify's flags
@@ -286,8 +287,7 @@ def _describe(value: Any) -> str:
     """``repr(value)`` (cut short), or an array's shape and dtype."""
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return f"<array of shape {tuple(value.shape)}, {value.dtype}>"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return short_repr(value, 80)
 
 
 def check_finite_variables(variables) -> None:

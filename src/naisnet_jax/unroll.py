@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -72,14 +73,9 @@ def unroll(
         x = step(x) if xs is None else step(x, p)
         return x, (x if trajectory else None)
 
-    try:
+    args = () if xs is None else (jax.tree.map(lambda a: a[0], xs),)
+    with _step_named(x0, step, *args):
         x, traj = lax.scan(body, x0, xs, length=steps, unroll=scan_unroll)
-    except TypeError:  # a step that changes the state's shape or dtype: say so in the step's terms
-        if xs is None:
-            _check_state(x0, step)
-        else:
-            _check_state(x0, step, jax.tree.map(lambda a: a[0], xs))
-        raise
     return (x, traj) if trajectory else x
 
 
@@ -195,16 +191,22 @@ def _adaptive_bwd(step, tol, max_steps, check_every, compact, residuals, cotange
 _adaptive.defvjp(_adaptive_fwd, _adaptive_bwd)
 
 
-def _check_state(x0: Array, step: Callable, *args) -> None:
-    """``step(x0, *args)`` keeps the state's shape and dtype (``lax``'s loops need it; their own
-    message names the loop's carry, not the step)."""
-    out = jax.eval_shape(step, x0, *args)
-    got = (getattr(out, "shape", None), getattr(out, "dtype", None))
-    if got != (jnp.shape(x0), jnp.result_type(x0)):
-        raise ValueError(
-            f"step maps the state x0 of shape {jnp.shape(x0)} ({jnp.result_type(x0)}) to "
-            f"{_describe(out)}; a step must keep the state's shape and dtype."
-        )
+@contextlib.contextmanager
+def _step_named(x0: Array, step: Callable, *args):
+    """Where a ``lax`` loop refuses its carry (its message names the loop's carry, not the step),
+    say whether ``step(x0, *args)`` changes the state's shape or dtype; only on that failure is
+    the step traced again, so a working unroll pays nothing."""
+    try:
+        yield
+    except TypeError:
+        out = jax.eval_shape(step, x0, *args)
+        got = (getattr(out, "shape", None), getattr(out, "dtype", None))
+        if got != (jnp.shape(x0), jnp.result_type(x0)):
+            raise ValueError(
+                f"step maps the state x0 of shape {jnp.shape(x0)} ({jnp.result_type(x0)}) to "
+                f"{_describe(out)}; a step must keep the state's shape and dtype."
+            ) from None
+        raise
 
 
 def _check_batch(x0: Array) -> None:
@@ -286,7 +288,6 @@ def unroll_adaptive(
     fn = step if inputs is not None else (lambda x, _: step(x))
     _check_batch(x0)
     _check_inputs(inputs, x0.shape[0], "x0")
-    _check_state(x0, fn, inputs)
     # closure_convert hoists closed-over arrays (weights, tracers) into arguments, so that
     # the custom VJP can refuse reverse mode; its function is traced for one shape, so
     # each buffer size of the compacting loop gets its own.
@@ -296,7 +297,8 @@ def unroll_adaptive(
         closed, phase_consts = jax.closure_convert(fn, *example)
         steps.append((closed, len(phase_consts)))
         consts.extend(phase_consts)
-    return _adaptive(tuple(steps), tol, max_steps, check_every, compact, x0, inputs, *consts)
+    with _step_named(x0, fn, inputs):
+        return _adaptive(tuple(steps), tol, max_steps, check_every, compact, x0, inputs, *consts)
 
 
 def unroll_adaptive_stream(
@@ -337,7 +339,6 @@ def unroll_adaptive_stream(
     _check_batch(x0)
     n = x0.shape[0]
     _check_inputs(inputs, n, "x0")
-    _check_state(x0, step, inputs)
     s = min(slots, n)
     chunk = _masked_chunk(step, tol, max_steps, check_every)
 
@@ -368,7 +369,8 @@ def unroll_adaptive_stream(
         x0,
         jnp.zeros((n,), jnp.int32),
     )
-    out = lax.while_loop(lambda c: jnp.any(c[3]), body, init)
+    with _step_named(x0, step, inputs):
+        out = lax.while_loop(lambda c: jnp.any(c[3]), body, init)
     return out[6], out[7]
 
 
@@ -396,7 +398,6 @@ def unroll_adaptive_bounded(
     check_bool("trajectory", trajectory)
     check_scan_unroll(scan_unroll)
     _check_batch(x0)
-    _check_state(x0, step)
     batch = x0.shape[0]
 
     def body(carry, _):
@@ -409,5 +410,6 @@ def unroll_adaptive_bounded(
         return (x, active, depth), (x if trajectory else None)
 
     init = (x0, jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.int32))
-    (x, _, depth), traj = lax.scan(body, init, None, length=max_steps, unroll=scan_unroll)
+    with _step_named(x0, step):
+        (x, _, depth), traj = lax.scan(body, init, None, length=max_steps, unroll=scan_unroll)
     return (x, depth, traj) if trajectory else (x, depth)

@@ -182,10 +182,9 @@ class Stages(HyperParameters, kw_only=True):
     @nn.nowrap
     def _check_fields(self):
         for name in ("stage_sizes", "filters"):
-            if not isinstance(getattr(self, name), Sequence) or isinstance(getattr(self, name), str):
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} must be a sequence of positive integers, one a stage."
-                )
+            value = getattr(self, name)
+            if not isinstance(value, Sequence) or isinstance(value, str):
+                raise ValueError(f"{name}={value!r} must be a sequence of positive integers, one a stage.")
         if len(self.stage_sizes) == 0 or len(self.stage_sizes) != len(self.filters):
             raise ValueError(
                 f"stage_sizes={tuple(self.stage_sizes)} and filters={tuple(self.filters)} must be "
