@@ -227,3 +227,18 @@ def test_a_stage_list_and_a_stride_are_checked():
         models.get_model("naisnet_conv_tiny", stage_sizes=2)
     with pytest.raises(ValueError, match=r"^stride=0 must be a positive integer"):
         nj.conv_same(jnp.zeros((1, 5, 5, 2)), K3, stride=0)
+
+
+@pytest.mark.parametrize(
+    "params, where",
+    [
+        ({"block": {"R": [[3.0, 0.0], [0.0, 4.0]]}}, r"\['block'\]\['R'\]"),
+        ([{"state_kernel": (1.0, 2.0)}], r"\[0\]\['state_kernel'\]"),
+    ],
+)
+def test_a_state_parameter_given_as_a_list_is_refused_not_left_unprojected(params, where):
+    """Flattened, a nested list is many leaves and none is named R: it would come back as it went."""
+    with pytest.raises(TypeError, match=f"^params{where} is a nested list or tuple; a NAIS block's"):
+        nj.project_params(params, eps=0.1)
+    with pytest.raises(TypeError, match=f"^params{where} is a nested list or tuple"):
+        nj.count_projected_blocks(params)
