@@ -63,7 +63,7 @@ CONTAINERS = {
 def _to_dict(tree):
     """Any of the containers above as a plain nested dict of numpy arrays."""
     if isinstance(tree, nnx.State):
-        tree = tree.to_pure_dict()
+        tree = nnx.to_pure_dict(tree)
     elif isinstance(tree, FrozenDict):
         tree = tree.unfreeze()
     return jax.tree.map(np.asarray, _unbox(tree))
