@@ -7,9 +7,10 @@ the per-iteration loss plot as PNG files, and ends with the verifier's audit
 of the checkpoint it wrote.
 
 ``--fresh`` starts over: it deletes what a run and this demo write in the workdir
-(:func:`run_outputs`) and nothing else. It refuses, deleting nothing, a workdir
-that holds anything else or no run at all, and one whose lock another trainer
-holds. A bad command line (``--epochs=0``, a workdir that is a file or cannot be
+(:func:`run_outputs`) and nothing else (an empty or missing workdir: nothing to
+delete). It refuses, deleting nothing, a workdir that holds anything else, one that
+holds a run's files but no run (no checkpoints and no metrics log), and one whose
+lock another trainer holds. A bad command line (``--epochs=0``, a workdir that is a file or cannot be
 written, a workdir in use) ends in one line ``error: ...`` on stderr with exit
 status 2, before any data is read. The workdir goes through
 ``os.path.expanduser`` once, as ``naisnet-train``'s does.
@@ -95,8 +96,9 @@ def check_command_line(workdir: str, epochs: int | None) -> None:
 def run_outputs_in(workdir: str) -> list[str]:
     """The entries of ``workdir`` that ``--fresh`` deletes (see :func:`run_outputs`).
 
-    Raises :class:`UsageError`, having deleted nothing, when ``workdir`` holds anything a run
-    does not write (a symbolic link counts as that, even under a run's name), or holds entries
+    Raises :class:`UsageError`, having deleted nothing, when ``workdir`` holds anything else (a
+    file of the user's, a symbolic link even under a run's name, or an earlier log a run kept
+    beside its own: ``metrics.1.jsonl``, ``scalars.1.jsonl``), or holds entries
     but no run (neither ``checkpoints/`` nor ``metrics.jsonl``). A missing or empty workdir gives
     ``[]``."""
     from naisnet_jax import engine
@@ -118,8 +120,9 @@ def run_outputs_in(workdir: str) -> list[str]:
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise UsageError(
-            f"--fresh: --workdir={workdir!r} holds {shown}, which no run writes; --fresh deletes only a run's "
-            f"files ({', '.join(outputs)}). Nothing was deleted: move those away or use another workdir."
+            f"--fresh: --workdir={workdir!r} holds {shown}, which --fresh does not delete (a file of yours, or an "
+            f"earlier log a run kept beside its own); it deletes only a run's files ({', '.join(outputs)}). "
+            "Nothing was deleted: move those away or use another workdir."
         )
     removable = [n for n in names if n != engine.LOCK_FILE]
     if removable and engine.CHECKPOINT_DIR not in names and engine.METRICS_FILE not in names:

@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from experiments.sweep_report import USER_ERRORS, exit_with_error, join_cluster, script_version
+from experiments.sweep_report import USER_ERRORS, check_workdir, exit_with_error, join_cluster, script_version
 from naisnet_jax import distributed
 
 TOL = 1e-4
@@ -528,6 +528,7 @@ def main(argv=None) -> None:
     for name, (kind, help_text) in distributed.CLUSTER_FLAGS.items():
         parser.add_argument(f"--{name}", type=kind, default=None, help=help_text)
     args = parser.parse_args(argv)
+    check_workdir(args.workdir)
     try:
         join_cluster(args, args.workdir)
     except ValueError as e:

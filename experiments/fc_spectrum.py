@@ -362,6 +362,7 @@ def _define_flags() -> None:
 
 def _main(argv):
     del argv
+    sweep_report.check_workdir(FLAGS.workdir)
     try:
         if FLAGS.drive_probe:
             run_drive_probe(

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.sweep_report import USER_ERRORS, exit_with_error, script_version
+from experiments.sweep_report import USER_ERRORS, check_workdir, exit_with_error, script_version
 from naisnet_jax.cell import fc_step
 from naisnet_jax.unroll import unroll, unroll_adaptive, unroll_adaptive_bounded
 
@@ -396,6 +396,7 @@ def main(argv=None) -> None:
     parser.add_argument("--workdir", default="runs/one_d")
     parser.add_argument("--smoke", action="store_true", help="121 grid points, K up to 20")
     args = parser.parse_args(argv)
+    check_workdir(args.workdir)
     try:
         run(args.workdir, smoke=args.smoke)
     except USER_ERRORS as e:  # --workdir names a file

@@ -571,11 +571,12 @@ def check_record(path: str, wanted: dict) -> None:
 def _main(argv):
     from absl import flags, logging
 
-    from experiments.sweep_report import USER_ERRORS, enable_compilation_cache, exit_with_error
+    from experiments.sweep_report import USER_ERRORS, check_workdir, enable_compilation_cache, exit_with_error
 
     del argv
     F = flags.FLAGS
     logging.set_verbosity(logging.WARNING)
+    check_workdir(F.workdir)
     unknown = sorted(set(F.variants or ()) - set(VARIANTS))
     if unknown:
         exit_with_error(ValueError(f"--variants {unknown} unknown; choose from {list(VARIANTS)}."))
@@ -602,7 +603,10 @@ def _main(argv):
                 measure(variant, workdir=F.workdir, smoke=F.smoke, **wanted)
         except USER_ERRORS as e:  # an unknown dataset, a missing data folder
             exit_with_error(e)
-    report(F.workdir)
+    try:
+        report(F.workdir)
+    except ValueError as e:  # --report on a workdir without records
+        exit_with_error(e)
 
 
 def _define_flags() -> None:

@@ -196,6 +196,7 @@ def start_experiment(values) -> None:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)
+    check_workdir(values.workdir)
     try:
         join_cluster(values, values.workdir)
     except ValueError as e:
@@ -206,6 +207,18 @@ def start_experiment(values) -> None:
         missing += [p for p in _missing_folders(os.path.expanduser(cache)) if p not in missing]
     enable_compilation_cache(values.compilation_cache, values.workdir)
     _MADE_AT_START[:] = [p for p in missing if os.path.isdir(p)]
+
+
+def check_workdir(path: str) -> None:
+    """An experiment's ``--workdir`` is a directory it can write into, or can be created as one:
+    checked before any work (a file there was found only when the first record was written, after
+    the training), else the command ends in one line naming the flag (:func:`exit_with_error`)."""
+    from naisnet_jax.checks import check_output_dir
+
+    try:
+        check_output_dir("--workdir", os.path.expanduser(path))
+    except ValueError as e:
+        exit_with_error(e)
 
 
 #: The folders :func:`start_experiment` made (the workdir, its compilation cache), deepest first:

@@ -377,12 +377,20 @@ def rank_among_ten(rows: list[dict]) -> dict[str, int]:
 
 def literal_rows(path: str) -> dict[str, dict]:
     """The literal protocol's rows (learning rate 0.1, h = 1) by paper label, from the stored
-    ``results_h.json`` of ``experiments/ablation.py --hs``; empty when the file is absent."""
-    if not path or not os.path.exists(path):
+    ``results_h.json`` of ``experiments/ablation.py --hs``; none for ``path=''``. A path that is
+    not such a file is refused in one line (a mistyped path dropped the column without a word)."""
+    if not path:
         return {}
-    with open(path) as f:
-        by_h = json.load(f)["by_h"]
-    return {r["label"]: r for r in by_h.get("1", [])}
+    try:
+        with open(path) as f:
+            by_h = json.load(f)["by_h"]
+        return {r["label"]: r for r in by_h.get("1", [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        raise ValueError(
+            f"--literal={path!r} is not a results_h.json of `experiments.ablation --hs` ({why}); "
+            "give that file, or --literal='' for no literal rows."
+        ) from None
 
 
 def ci_text(ci: dict) -> str:
@@ -549,6 +557,7 @@ def run(
     for v in variants:  # every model's configs checked before anything is written (a bad --h, say)
         schema.validate(choice_config(v, lr=GRID[0], seeds=choice_seeds, epochs=choice_epochs, h=h, smoke=smoke))
         schema.validate(final_config(v, lr=GRID[0], seeds=seeds, epochs=epochs, h=h, smoke=smoke))
+    literal_by = literal_rows(literal) if not smoke else {}  # read before anything is trained
     os.makedirs(workdir, exist_ok=True)
     settings = dict(
         seeds=seeds, epochs=epochs, choice_seeds=choice_seeds, choice_epochs=choice_epochs, h=h, smoke=smoke
@@ -574,7 +583,6 @@ def run(
     ordered = [rows[v.key] for v in variants]
     if not distributed.is_primary():  # of several processes, the primary one writes the report
         return ordered
-    literal_by = literal_rows(literal) if not smoke else {}
     report(ordered, workdir, literal=literal_by, literal_path=literal, h=h, settings=settings)
     rank = rank_among_ten(ordered)
     print(f"\n{'model':<34} {'lr':>7} {'test acc (%)':>16} {'95% CI':>16} {'rank':>5} {'sat.':>6} {'lr 0.1':>16}")

@@ -934,7 +934,7 @@ def test_40_demo_fresh_deletes_only_a_run_and_refuses_anything_else(tmp_path):
     code, out, err = demo("--fresh", f"--workdir={mixed}", env=env)
     assert code == 2 and out == "", err
     line = one_error_line(err)
-    assert line.startswith(f"error: --fresh: --workdir='{mixed}' holds 'notes.txt', which no run writes; ")
+    assert line.startswith(f"error: --fresh: --workdir='{mixed}' holds 'notes.txt', which --fresh does not delete ")
     assert line.endswith("Nothing was deleted: move those away or use another workdir.")
     assert snapshot(mixed) == before
 

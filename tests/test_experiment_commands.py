@@ -60,11 +60,23 @@ def test_a_missing_dataset_is_one_line(tmp_path):
     assert str(tmp_path / "nowhere") in line
 
 
-def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
+@pytest.mark.parametrize(
+    "command", [["experiments.one_d"], ["experiments.signal", "--smoke", "--variants=nais1"], ["experiments.conv"]]
+)
+def test_a_workdir_that_is_a_file_is_one_line_before_any_work(tmp_path, command):
+    """Named as the flag, before anything is trained (signal found it when it wrote its first
+    record, after the training; the others said only 'File exists')."""
     afile = tmp_path / "afile"
     afile.write_text("notes\n")
-    line = _one_error_line(*_run("-m", "experiments.one_d", f"--workdir={afile}")[::2])
-    assert str(afile) in line and afile.read_text() == "notes\n"
+    line = _one_error_line(*_run("-m", *command, f"--workdir={afile}")[::2])
+    assert line == f"error: --workdir='{afile}' exists and is not a directory."
+    assert afile.read_text() == "notes\n"
+
+
+def test_a_signal_report_without_records_is_one_line(tmp_path):
+    workdir = tmp_path / "signal"
+    line = _one_error_line(*_run("-m", "experiments.signal", "--report", f"--workdir={workdir}")[::2])
+    assert line == f"error: no variant results in '{workdir}'; run the experiment first."
 
 
 def test_default_accuracy_refuses_zero_seeds_before_writing(tmp_path):
@@ -127,3 +139,14 @@ def test_a_bad_tuned_value_writes_nothing(tmp_path, flag):
     workdir = tmp_path / "tuned"
     _one_error_line(*_run("-m", "experiments.tuned", "--smoke", flag, f"--workdir={workdir}")[::2])
     assert not workdir.exists()
+
+
+def test_a_literal_table_that_is_not_there_is_refused_before_any_training(tmp_path):
+    """A mistyped --literal dropped the table's rate-0.1 column without a word, after the run."""
+    from experiments import tuned
+
+    workdir = tmp_path / "tuned"
+    with pytest.raises(ValueError, match=r"^--literal='/nowhere/results_h.json' is not a results_h.json of"):
+        tuned.run(workdir=str(workdir), keys=["naisnet_mnist"], literal="/nowhere/results_h.json")
+    assert not workdir.exists()
+    assert "NAIS-Net" in tuned.literal_rows(tuned.LITERAL)  # the stored one is read as before

@@ -716,6 +716,37 @@ def test_an_old_log_without_a_checkpoint_is_kept_beside_the_new(tmp_path, capsys
     assert f"kept as {kept}" in capsys.readouterr().err
 
 
+def test_a_scalars_log_already_there_on_a_fresh_start_is_kept_beside_not_emptied(tmp_path, capsys):
+    """A run without a checkpoint (deleted, or never saved) left its scalars; or the file is the
+    user's own, not even JSON. Neither is emptied: it is renamed, and said, as the metrics log is."""
+    from naisnet_jax import metric_writers
+
+    old = [{"step": 4, "train_loss": 1.0}, {"step": 8, "train_loss": 0.5}]
+    scalars = tmp_path / metric_writers.SCALARS_FILE
+    scalars.write_text("".join(json.dumps(r) + "\n" for r in old))
+    train.train_and_evaluate(get_config(num_epochs=1), str(tmp_path))
+    kept = tmp_path / "scalars.1.jsonl"
+    assert [json.loads(line) for line in kept.read_text().splitlines()] == old
+    assert all(json.loads(line)["step"] <= 4 for line in scalars.read_text().splitlines())  # the new run's own
+    assert f"{scalars} was there before this run, which has no checkpoint; kept as {kept}" in capsys.readouterr().err
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.jsonl").write_text("precious\n")
+    train.train_and_evaluate(
+        get_config(num_epochs=1), str(mine), writer=metric_writers.JsonlWriter(mine / "notes.jsonl")
+    )
+    assert (mine / "notes.1.jsonl").read_text() == "precious\n"
+
+
+def test_a_metrics_log_that_is_not_ours_is_refused_before_the_checkpoint_folder_is_made(tmp_path):
+    (tmp_path / train.METRICS_FILE).write_text('{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"record 1: \{\"step\": 3\} is not an epoch record"):
+        train.train_and_evaluate(get_config(num_epochs=1), str(tmp_path))
+    assert not (tmp_path / train.CHECKPOINT_DIR).exists()
+    assert (tmp_path / train.METRICS_FILE).read_text() == '{"step": 3}\n'
+
+
 def test_a_log_deleted_during_the_run_is_written_anew(tmp_path, capsys):
     from naisnet_jax import engine
 

@@ -148,6 +148,7 @@ class RunDirectory:
                 self._lock = workdir_lock(self.workdir)
                 self._lock.__enter__()
                 self.refuse_other_kind()
+                read_metrics(self.metrics_path, self.record_keys)  # a log that is not ours: refused, nothing made
                 ckpt.check_writable(self.checkpoint_dir)  # before any training: Orbax would hang on it
                 ckpt.check_step_entries(self.checkpoint_dir)
             except BaseException as e:  # noqa: BLE001 - re-raised below, after the others know
@@ -541,9 +542,33 @@ def finite_or_none(value: float):
 
 
 def rewind(writer, step: int) -> None:
-    """Drop what a writer holds after ``step`` (steps a resumed run repeats), if it can."""
+    """Drop what a writer holds after ``step`` (steps a resumed run repeats), if it can. On a fresh
+    start (``step < 0``) a JSON-lines log that already holds something (a run without a checkpoint,
+    or a file of the user's) is kept beside the new one, renamed, and said in one line, as the
+    metrics log is: nothing a run did not write is emptied."""
+    if step < 0:
+        for w in getattr(writer, "writers", [writer]):
+            if isinstance(w, metric_writers.JsonlWriter):
+                _keep_beside(w)
     if callable(getattr(writer, "truncate_after", None)):
         writer.truncate_after(step)
+
+
+def _keep_beside(writer: metric_writers.JsonlWriter) -> None:
+    writer.close()
+    try:
+        held = os.path.getsize(writer.path) > 0
+    except OSError:  # no file yet
+        return
+    if held:
+        kept = _free_name(writer.path)
+        os.replace(writer.path, kept)
+        print(
+            f"notice: {writer.path} was there before this run, which has no checkpoint; kept as {kept}, "
+            "and this run starts a new log.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def stop_diverged(mngr, what: str):

@@ -540,7 +540,8 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     ``writer``, any object with ``write_scalars(step, scalars)`` (see
     :mod:`naisnet_jax.metric_writers`); by default ``workdir/scalars.jsonl``.
     A writer with ``truncate_after(step)`` (``JsonlWriter``) is rewound to the
-    checkpoint's step on resume (emptied on a fresh start), so a resumed run's
+    checkpoint's step on resume (on a fresh start, a log file already there is kept beside,
+    renamed, as the metrics log is), so a resumed run's
     log equals an uninterrupted run's.
     Nothing is written before the config, data and model are known to be good.
     ``stop_after_epochs`` ends this call early (as an interruption would), for

@@ -142,7 +142,7 @@ def _help() -> str:
         "Several processes (one per host or per accelerator): run the same command in each, with "
         "--coordinator_address, --num_processes and --process_id, or under srun / mpirun / a TPU pod without "
         "them. Process 0 prints, writes the metrics and holds the workdir; every process saves the checkpoints. "
-        "A lost process ends the others within a minute (exit 1); the same command resumes."
+        "A lost process ends the others within about 20 s (exit 1); the same command resumes."
     )
 
 
