@@ -706,6 +706,22 @@ def test_resuming_another_seed_is_refused(tmp_path):
         train.train_and_evaluate(get_config(num_epochs=2, seed=5), str(tmp_path))
 
 
+def test_naming_a_model_default_resumes_the_same_network_and_another_value_is_refused(tmp_path):
+    """The model is compared as built (its class's and its name's values under the run's keyword
+    arguments), not as the keyword arguments spell it: naming tanh and x(0) = 0, the defaults, is
+    the same run."""
+    train.train_and_evaluate(get_config(num_epochs=1), str(tmp_path))
+    same = get_config(num_epochs=2)
+    same.model_kwargs.activation = "tanh"
+    same.model_kwargs.initial_state = "zero"
+    train.train_and_evaluate(same, str(tmp_path))
+    assert [r["epoch"] for r in read_metrics(tmp_path)] == [1, 2]
+    other = get_config(num_epochs=3)
+    other.model_kwargs.activation = "relu"
+    with pytest.raises(ValueError, match=r"differs from this one \(model_kwargs: checkpoint"):
+        train.train_and_evaluate(other, str(tmp_path))
+
+
 def test_an_old_log_without_a_checkpoint_is_kept_beside_the_new(tmp_path, capsys):
     old = [{"epoch": 1, "step": 4}, {"epoch": 2, "step": 8}, {"epoch": 3, "step": 12}]
     (tmp_path / train.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in old))

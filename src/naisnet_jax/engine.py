@@ -93,6 +93,17 @@ def resume_view(config, model_kwargs: dict, seeds) -> dict:
     return json.loads(json.dumps(view))
 
 
+def _settings(model, kwargs) -> dict:
+    """What a resumed run's model must match: :func:`naisnet_jax.models.model_settings` for a
+    model of this version, the keyword arguments less the speed options for one it does not know."""
+    if model in models.MODELS and isinstance(kwargs, dict):
+        try:
+            return models.model_settings(model, kwargs)
+        except TypeError:  # a keyword the class does not take: compared as written
+            pass
+    return models.without_speed_options(kwargs)
+
+
 def checkpoint_view(meta: dict) -> dict:
     """:func:`resume_view` of the run that wrote a checkpoint, from its stored metadata: the model
     as the metadata rebuilds it, the dataset, the other resume fields of its stored config (a
@@ -210,7 +221,7 @@ class RunDirectory:
 
         def same(k):
             if k == "model_kwargs":
-                return models.without_speed_options(theirs.get(k)) == models.without_speed_options(self.view[k])
+                return _settings(theirs.get("model"), theirs.get(k)) == _settings(self.view.get("model"), self.view[k])
             return theirs.get(k) == self.view[k]
 
         differ = [f"{k}: checkpoint {theirs.get(k)!r}, now {self.view[k]!r}" for k in RESUME_FIELDS if not same(k)]

@@ -167,6 +167,7 @@ __all__ = [
     "model_spec",
     "options_of",
     "without_speed_options",
+    "model_settings",
 ]
 
 # -------------------------------------------------------------------- aliases
@@ -234,6 +235,26 @@ def accepted_fields(name: str) -> frozenset[str]:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid names: {', '.join(sorted(MODELS))}.")
     return frozenset(f.name for f in dataclasses.fields(MODELS[name].func)) - {"parent", "name"}
+
+
+def model_settings(name: str, kwargs) -> dict:
+    """Every option of model ``name`` as ``kwargs`` sets it over the name's own values and its
+    class's defaults, less :data:`SPEED_OPTIONS` and what the trainer sets for the data and the
+    devices (``num_classes``, ``batch_axis``), as JSON reads it back: two runs whose settings are
+    equal train the same network, whether or not their keyword arguments name a default."""
+    import json
+
+    alias = MODELS[name]
+    settings = {}
+    for f in dataclasses.fields(alias.func):
+        if f.default is not dataclasses.MISSING:
+            settings[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            settings[f.name] = f.default_factory()
+    settings.update(alias.keywords, **dict(kwargs or {}))
+    for field in ("parent", "name", "num_classes", "batch_axis"):
+        settings.pop(field, None)
+    return json.loads(json.dumps(without_speed_options(settings), default=repr))
 
 
 #: The speed options of a NAIS net on a GPU by default (same values and gradients as the plain
