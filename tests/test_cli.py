@@ -305,6 +305,21 @@ def test_print_config_shows_the_overridden_config_and_needs_no_workdir(capsys, t
     assert list(tmp_path.iterdir()) == []
 
 
+def test_print_config_into_a_reader_that_stops_early_is_no_error(tmp_path):
+    """``naisnet-train --print_config | head -3``: the reader closes the pipe; that is not a
+    traceback (Python's BrokenPipeError at the write, then again at exit's flush)."""
+    proc = subprocess.Popen(
+        [str(COMMAND), "--config=default", "--print_config"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    proc.stdout.close()  # before the command has imported anything: its first write meets a closed pipe
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and err == b"", err.decode()[-2000:]
+
+
 # ----------------------------------------------------------------- through a process, from the declaration
 
 SUBPROCESS_BAD = {

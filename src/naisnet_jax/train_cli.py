@@ -357,7 +357,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"error: {_one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     if args.print_config:
-        print(config)
+        try:
+            print(config, flush=True)
+        except BrokenPipeError:  # `| head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
         return
 
     from absl import logging
