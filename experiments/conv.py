@@ -432,6 +432,7 @@ def run(
     from naisnet_jax.verify import AuditOptions
 
     from naisnet_jax import distributed, sweep, train
+    from naisnet_jax.configs import schema
 
     variants = list(variants or VARIANTS)
     unknown = set(variants) - set(VARIANTS)
@@ -457,6 +458,8 @@ def run(
         for d in datasets
         for v in variants
     ]
+    for _, config in configs:  # every config checked before anything runs or is said (a bad --epochs, say)
+        schema.validate(config)
 
     if time_steps:
         rows = []
