@@ -413,12 +413,11 @@ def test_scaled_up_state_parameters_fail_naming_the_block(which, scaled, certifi
 
 
 def _data_files(directory):
-    """The OCDBT data files holding array bytes: under ``ocdbt.process_*/d/`` where the writer
-    made one (the top-level ``d/`` holds the merged index, parts of which a read may never open,
-    so damaging it need not be seen), else under ``d/``. All of them are damaged: some are
-    never read by a restore, and which one is largest varies by run."""
-    files = [p for p in pathlib.Path(directory).rglob("*") if p.is_file() and p.parent.name == "d"]
-    return [p for p in files if p.parent.parent.name.startswith("ocdbt.process")] or files
+    """Every OCDBT data file: those under ``ocdbt.process_*/d/`` and the merged ``d/`` beside them.
+    All of them are damaged: some are never read by a restore, which ones varies by run, and
+    under load a small array's bytes can sit in the merged file alone (damaging the process
+    files only was then restored without a fault, and certified)."""
+    return [p for p in pathlib.Path(directory).rglob("*") if p.is_file() and p.parent.name == "d"]
 
 
 def _flip(path):

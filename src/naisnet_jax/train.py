@@ -539,10 +539,9 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     chunk, learning rate, steps per second, and every epoch's record) go to
     ``writer``, any object with ``write_scalars(step, scalars)`` (see
     :mod:`naisnet_jax.metric_writers`); by default ``workdir/scalars.jsonl``.
-    A writer with ``truncate_after(step)`` (``JsonlWriter``) is rewound to the
-    checkpoint's step on resume (on a fresh start, a log file already there is kept beside,
-    renamed, as the metrics log is), so a resumed run's
-    log equals an uninterrupted run's.
+    A writer with ``truncate_after(step)`` (``JsonlWriter``) is rewound to the checkpoint's step
+    on resume, so a resumed run's log equals an uninterrupted run's (on a fresh start, a log file
+    already there is kept beside, renamed, as the metrics log is).
     Nothing is written before the config, data and model are known to be good.
     ``stop_after_epochs`` ends this call early (as an interruption would), for
     tests. Returns the final record plus ``"state"`` (the final ``TrainState``).
