@@ -568,10 +568,12 @@ def run(
             f"{r['diverged']:>4} {cert:>5}"
         )
     print("\n" + claims_table(rows))
-    print(
-        f"\nwrote {workdir}/results.md, results.json and the figures; wall time {wall:.1f} s on "
-        f"{sweep.device_description()}"
+    where = (
+        "from the finished sweeps' records (each row's device and times are in results.md)"
+        if report_only
+        else f"wall time {wall:.1f} s on {sweep.device_description()}"
     )
+    print(f"\nwrote {workdir}/results.md, results.json and the figures; {where}")
     return rows
 
 

@@ -117,7 +117,7 @@ def test_conv_smoke_writes_the_table_and_figures(tmp_path):
     assert "same fractions of the run" in text and "| digits | NAIS-Net1 |" in text  # the headline: x(0) = 0
 
 
-def test_conv_report_only_tables_the_finished_sweeps_and_trains_nothing(tmp_path):
+def test_conv_report_only_tables_the_finished_sweeps_and_trains_nothing(tmp_path, capsys):
     """Sweeps gathered from several machines: the report reads the finished ones, names the rest,
     and refuses when none has finished."""
     from experiments import conv, sweep_report
@@ -138,6 +138,8 @@ def test_conv_report_only_tables_the_finished_sweeps_and_trains_nothing(tmp_path
     )
     assert rows == [row]
     assert sorted(os.listdir(os.path.join(workdir, "digits"))) == ["naisnet1"]  # nothing trained
+    last = capsys.readouterr().out.splitlines()[-1]  # not this call's time and CPU, as if it had trained
+    assert last.endswith("from the finished sweeps' records (each row's device and times are in results.md)")
     with open(os.path.join(workdir, "results.md")) as f:
         text = f.read()
     assert "- not yet run: digits/resnet" in text and sweep_report.pm(row["test_accuracy"]) in text
