@@ -296,6 +296,43 @@ def test_the_lost_process_is_read_from_the_runtime_report(report, lost):
     assert distributed.lost_processes(report) == lost
 
 
+FATAL_REPORT = (
+    "E1129 coordination_service.cc:1549] Use error polling to propagate the following error to all tasks: "
+    "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have crashed.\n"
+    "F1129 client.h:80] Terminating process because the JAX distributed service detected fatal errors.\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("child_err", "lines"),
+    [
+        (  # the lost process died during a checkpoint save: the save's barrier fails first
+            "error: cannot write checkpoints to W/checkpoints (step 16): JaxRuntimeError: INTERNAL: Barrier failed "
+            "because: task is set to ERROR: UNAVAILABLE: Task 1 heartbeat timeout.; the steps saved before are "
+            "intact." + FATAL_REPORT,
+            ["error: process 1 of 2 was lost, and JAX's runtime stopped process 0; the checkpoints in W are intact"],
+        ),
+        (  # a full disk is the child's own error, said as it is
+            "error: cannot write checkpoints to W/checkpoints (step 16): No space left on device; the steps saved "
+            "before are intact.\n",
+            ["error: cannot write checkpoints to W/checkpoints (step 16): No space left on device"],
+        ),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # about this test process, which has JAX loaded
+def test_a_lost_process_during_a_save_is_said_once(child_err, lines, capsys, monkeypatch):
+    """Killed while the others wait at a checkpoint save's barrier, a process shows first as the
+    save's failure, then in the runtime's report: one line names it, not the save's error too."""
+    import signal
+
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # pytest keeps its own Ctrl-C
+    child = [sys.executable, "-c", f"import sys; sys.stderr.write({child_err!r}); sys.exit(1)"]
+    status = distributed.supervise(child, distributed.Cluster("host:1", 2, 0), workdir="W")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == len(lines) and all(e.startswith(w) for e, w in zip(err, lines)), err
+    assert status == (distributed.EXIT_PEER_LOST if "lost" in lines[0] else 1)
+
+
 @pytest.mark.parametrize(
     ("cluster", "message"),
     [

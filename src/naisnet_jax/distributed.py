@@ -223,6 +223,9 @@ _COORDINATOR_GONE = re.compile(r"coordination_service.*(Socket closed|Connection
 #: coordination or preemption code
 _RUNTIME_ERROR = re.compile(r"[WEF]\d{4} .*(coordination|preemption)", re.I)
 _FATAL = "Terminating process because the JAX distributed service detected fatal errors"
+#: a line of the child's own that a lost process caused (a checkpoint save's barrier that failed on
+#: the lost process's heartbeat, say): held with the runtime's report, said as the lost process
+_LOST_PEER_SYMPTOM = re.compile(r"heartbeat timeout|stopped sending heartbeats|Barrier failed", re.I)
 
 
 def lost_processes(text: str) -> list[int] | None:
@@ -320,9 +323,9 @@ def supervise(command: Sequence[str], cluster: Cluster, *, workdir: str) -> int:
         signal.signal(signum, lambda s, f: child.send_signal(s))
     out = threading.Thread(target=_pass_through, args=(child.stdout, sys.stdout), daemon=True)
     out.start()
-    held: list[str] = []  # the runtime's report, from its first line on
+    held: list[str] = []  # the runtime's report (or a line a lost process caused), from its first line on
     for line in child.stderr:
-        if held or _FATAL in line or _RUNTIME_ERROR.match(line):
+        if held or _FATAL in line or _RUNTIME_ERROR.match(line) or _LOST_PEER_SYMPTOM.search(line):
             held.append(line)
         else:
             sys.stderr.write(line)
