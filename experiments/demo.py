@@ -10,9 +10,9 @@ of the checkpoint it wrote.
 (:func:`run_outputs`) and nothing else (an empty or missing workdir: nothing to
 delete). It refuses, deleting nothing, a workdir that holds anything else, one that
 holds a run's files but no run (no checkpoints and no metrics log), and one whose
-lock another trainer holds. A bad command line (``--epochs=0``, a workdir that is a file or cannot be
-written, a workdir in use) ends in one line ``error: ...`` on stderr with exit
-status 2, before any data is read. The workdir goes through
+lock another trainer holds. A bad command line (``--epochs=0``, a workdir that is a
+file or cannot be written, a workdir in use) ends in one line ``error: ...`` on
+stderr with exit status 2, before any data is read. The workdir goes through
 ``os.path.expanduser`` once, as ``naisnet-train``'s does.
 """
 

@@ -399,7 +399,7 @@ def main(argv=None) -> None:
     check_workdir(args.workdir)
     try:
         run(args.workdir, smoke=args.smoke)
-    except USER_ERRORS as e:  # --workdir names a file
+    except USER_ERRORS as e:  # a folder under --workdir that cannot be written, say
         exit_with_error(e)
     print(f"results: {args.workdir}/results.md, {args.workdir}/one_d_*.png")
 

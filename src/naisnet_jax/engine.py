@@ -97,10 +97,7 @@ def _settings(model, kwargs) -> dict:
     """What a resumed run's model must match: :func:`naisnet_jax.models.model_settings` for a
     model of this version, the keyword arguments less the speed options for one it does not know."""
     if model in models.MODELS and isinstance(kwargs, dict):
-        try:
-            return models.model_settings(model, kwargs)
-        except TypeError:  # a keyword the class does not take: compared as written
-            pass
+        return models.model_settings(model, kwargs)
     return models.without_speed_options(kwargs)
 
 
@@ -308,14 +305,7 @@ class RunDirectory:
         records = read_metrics(self.metrics_path, self.record_keys)
         if epoch == 0:
             if records:
-                kept = _free_name(self.metrics_path)
-                os.replace(self.metrics_path, kept)
-                print(
-                    f"notice: {self.metrics_path} holds {len(records)} records of a run without a checkpoint; "
-                    f"kept as {kept}, and this run starts a new log.",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                _keep_beside(self.metrics_path, f"holds {len(records)} records of a run without a checkpoint")
             elif os.path.exists(self.metrics_path):
                 os.remove(self.metrics_path)  # empty, or one line cut short
             self.records = []
@@ -443,6 +433,14 @@ def epoch_record(
     return record
 
 
+def _keep_beside(path: str, why: str) -> None:
+    """Rename the log ``path`` to a free ``<stem>.<n>.jsonl`` beside it, said in one line with ``why``
+    it is not this run's: a new run starts a new log and loses none."""
+    kept = _free_name(path)
+    os.replace(path, kept)
+    print(f"notice: {path} {why}; kept as {kept}, and this run starts a new log.", file=sys.stderr, flush=True)
+
+
 def _free_name(path: str) -> str:
     """``<stem>.<n>.jsonl`` beside ``path``, the first ``n`` not taken."""
     stem, ext = os.path.splitext(path)
@@ -559,27 +557,11 @@ def rewind(writer, step: int) -> None:
     metrics log is: nothing a run did not write is emptied."""
     if step < 0:
         for w in getattr(writer, "writers", [writer]):
-            if isinstance(w, metric_writers.JsonlWriter):
-                _keep_beside(w)
+            if isinstance(w, metric_writers.JsonlWriter) and os.path.isfile(w.path) and os.path.getsize(w.path):
+                w.close()
+                _keep_beside(w.path, "was there before this run, which has no checkpoint")
     if callable(getattr(writer, "truncate_after", None)):
         writer.truncate_after(step)
-
-
-def _keep_beside(writer: metric_writers.JsonlWriter) -> None:
-    writer.close()
-    try:
-        held = os.path.getsize(writer.path) > 0
-    except OSError:  # no file yet
-        return
-    if held:
-        kept = _free_name(writer.path)
-        os.replace(writer.path, kept)
-        print(
-            f"notice: {writer.path} was there before this run, which has no checkpoint; kept as {kept}, "
-            "and this run starts a new log.",
-            file=sys.stderr,
-            flush=True,
-        )
 
 
 def stop_diverged(mngr, what: str):

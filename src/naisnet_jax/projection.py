@@ -319,14 +319,14 @@ def _state_leaves(tree: Any):
     blocks: dict[tuple[str, ...], dict[str, int]] = {}
     named = [(_leaf_names(path), i) for i, (path, _) in enumerate(flat)]
     for path, _ in flat:  # a state leaf given as a list of numbers would be skipped, unprojected
-        for j, entry in enumerate(path[:-1]):
-            rest = path[j + 1 :]
-            if _entry_name(entry) in _STATE_NAMES and all(isinstance(e, jax.tree_util.SequenceKey) for e in rest):
-                where, name = jax.tree_util.keystr(path[: j + 1]), _entry_name(entry)
-                raise TypeError(
-                    f"params{where} is a nested list or tuple; a NAIS block's {name!r} must be one array "
-                    "(jnp.asarray it)."
-                )
+        k = len(path)
+        while k and isinstance(path[k - 1], jax.tree_util.SequenceKey):
+            k -= 1
+        if 0 < k < len(path) and _entry_name(path[k - 1]) in _STATE_NAMES:
+            raise TypeError(
+                f"params{jax.tree_util.keystr(path[:k])} is a nested list or tuple; a NAIS block's "
+                f"{_entry_name(path[k - 1])!r} must be one array (jnp.asarray it)."
+            )
     parents = {names[:-1] for names, _ in named if names and names[-1] in (FC_KEY, CONV_KERNEL_KEY)}
     for names, i in named:
         if names and names[-1] in _STATE_NAMES and names[:-1] in parents:

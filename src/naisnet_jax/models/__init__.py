@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -242,8 +243,6 @@ def model_settings(name: str, kwargs) -> dict:
     class's defaults, less :data:`SPEED_OPTIONS` and what the trainer sets for the data and the
     devices (``num_classes``, ``batch_axis``), as JSON reads it back: two runs whose settings are
     equal train the same network, whether or not their keyword arguments name a default."""
-    import json
-
     alias = MODELS[name]
     settings = {}
     for f in dataclasses.fields(alias.func):
