@@ -303,6 +303,19 @@ def plot_accuracy(per_bin, path, *, title, dpi=110):
 # One dataset, all datasets, the table.
 
 
+def with_overrides(config, *, epochs: int | None = None, data_dir: str | None = None, overrides: dict | None = None):
+    """``config`` with the command's overrides set: config fields, the epochs (the drops past the
+    last epoch dropped) and the data folder."""
+    for field, value in (overrides or {}).items():
+        config[field] = value
+    if epochs is not None:
+        config.num_epochs = epochs
+        config.lr_boundaries_epochs = [e for e in config.lr_boundaries_epochs if e < epochs]
+    if data_dir is not None:
+        config.data_dir = data_dir
+    return config
+
+
 def run_dataset(
     dataset: str,
     workdir: str,
@@ -320,13 +333,7 @@ def run_dataset(
     from naisnet_jax import train
 
     config = get_config(dataset, smoke=smoke) if config is None else config
-    for field, value in (overrides or {}).items():
-        config[field] = value
-    if epochs is not None:
-        config.num_epochs = epochs
-        config.lr_boundaries_epochs = [e for e in config.lr_boundaries_epochs if e < epochs]
-    if data_dir is not None:
-        config.data_dir = data_dir
+    config = with_overrides(config, epochs=epochs, data_dir=data_dir, overrides=overrides)
     t0 = time.time()
     result = train.train_and_evaluate(config, os.path.join(workdir, dataset))
     train_seconds = time.time() - t0
@@ -483,22 +490,22 @@ def run(
     overrides: dict | None = None,
 ) -> list[dict]:
     from naisnet_jax import sweep
+    from naisnet_jax.configs import schema
 
+    configs = {
+        d: with_overrides(
+            get_config(d, smoke=smoke), epochs=epochs, data_dir=(data_dirs or {}).get(d), overrides=overrides
+        )
+        for d in datasets
+    }
+    for config in configs.values():  # every config checked before anything is made or said
+        schema.validate(config)
     os.makedirs(workdir, exist_ok=True)
     t0 = time.time()
     rows = []
     for dataset in datasets:
         print(f"== {dataset}", flush=True)
-        rows.append(
-            run_dataset(
-                dataset,
-                workdir,
-                smoke=smoke,
-                epochs=epochs,
-                data_dir=(data_dirs or {}).get(dataset),
-                overrides=overrides,
-            )
-        )
+        rows.append(run_dataset(dataset, workdir, smoke=smoke, config=configs[dataset]))
     device = sweep.device_description()
     if not distributed.is_primary():  # of several processes, the primary one writes the report
         return rows

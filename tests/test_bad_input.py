@@ -1194,13 +1194,14 @@ def test_49_a_checkpoints_path_that_is_a_file(jax_cache, tmp_path):
         (["experiments.fc_spectrum", "--drive_probe", "--probe_eps=x"], "--probe_eps has 'x'; expected a number in"),
         (["experiments.signal", "--variants=nais2"], "--variants ['nais2'] unknown; choose from ['nais10',"),
         (["experiments.depth", "--datasets=cifar10"], "--datasets has unknown names ['cifar10']; valid:"),
+        (["experiments.depth", "--epochs=0"], "config.num_epochs=0 must be a positive integer."),
     ],
     ids=lambda v: v[0] if isinstance(v, list) else None,
 )
 def test_50_an_experiment_refuses_bad_flags_in_one_line_and_leaves_nothing(tmp_path, command, words):
     """Every experiment command ends on a bad flag as naisnet-train does: ``error: ...`` in one
-    line (not absl's page of usage), exit status 2, and no workdir or compilation cache left behind;
-    a workdir that was there before stays."""
+    line (not absl's page of usage) and nothing said before it, exit status 2, and no workdir or
+    compilation cache left behind; a workdir that was there before stays."""
     for workdir in (tmp_path / "new" / "run", tmp_path):
         done = subprocess.run(
             [sys.executable, "-m", *command, f"--workdir={workdir}"],
@@ -1212,4 +1213,5 @@ def test_50_an_experiment_refuses_bad_flags_in_one_line_and_leaves_nothing(tmp_p
         )
         assert done.returncode == 2, done.stderr[-3000:]
         assert one_error_line(done.stderr).startswith(f"error: {words}"), done.stderr
+        assert done.stdout == "", done.stdout
     assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []
