@@ -312,6 +312,18 @@ FATAL_REPORT = (
             "intact." + FATAL_REPORT,
             ["error: process 1 of 2 was lost, and JAX's runtime stopped process 0; the checkpoints in W are intact"],
         ),
+        (  # the lost process took a collective's connection down before the runtime missed it
+            "error: cannot write checkpoints to W/checkpoints (step 16): JaxRuntimeError: UNKNOWN: Gloo AllGather "
+            "failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:18866: Connection reset "
+            "by peer; the steps saved before are intact.\n",
+            ["error: process 1 of 2 was lost, and the collectives broke off under process 0; the checkpoints in W"],
+        ),
+        (  # ... or Gloo ended this process itself (its exit status 134, from SIGABRT)
+            "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at "
+            "external/gloo/gloo/transport/tcp/pair.cc:459] op.preamble.length <= op.nbytes. 8 vs 4. Received data "
+            "size doesn't match expected size. Is there a distributed collective mismatch in your code?\n",
+            ["error: process 1 of 2 was lost, and the collectives broke off under process 0; the checkpoints in W"],
+        ),
         (  # a full disk is the child's own error, said as it is
             "error: cannot write checkpoints to W/checkpoints (step 16): No space left on device; the steps saved "
             "before are intact.\n",
@@ -322,7 +334,9 @@ FATAL_REPORT = (
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # about this test process, which has JAX loaded
 def test_a_lost_process_during_a_save_is_said_once(child_err, lines, capsys, monkeypatch):
     """Killed while the others wait at a checkpoint save's barrier, a process shows first as the
-    save's failure, then in the runtime's report: one line names it, not the save's error too."""
+    save's failure, then in the runtime's report: one line names it, not the save's error too.
+    Killed during a collective, it can end the other before the runtime misses it: a connection
+    reset under Gloo, or Gloo's own end of the process; of two processes, the other is named."""
     import signal
 
     monkeypatch.setattr(signal, "signal", lambda *args: None)  # pytest keeps its own Ctrl-C
@@ -331,6 +345,15 @@ def test_a_lost_process_during_a_save_is_said_once(child_err, lines, capsys, mon
     err = capsys.readouterr().err.splitlines()
     assert len(err) == len(lines) and all(e.startswith(w) for e, w in zip(err, lines)), err
     assert status == (distributed.EXIT_PEER_LOST if "lost" in lines[0] else 1)
+
+
+@pytest.mark.parametrize(("me", "count", "lost"), [("0", "2", [1]), ("1", "2", [0]), ("2", "4", []), ("?", "?", [])])
+def test_a_broken_collective_names_the_other_process_only_of_two(me, count, lost):
+    """Gloo names the address whose connection broke, not a process: of more than two processes
+    (or an unknown count) the line says 'a process'; without a broken collective, nothing."""
+    text = "JaxRuntimeError: UNKNOWN: Gloo AllReduce failed: [pair.cc:547] Connection closed by peer [::1]:2475"
+    assert distributed.broken_collective(text, me, count) == lost
+    assert distributed.broken_collective("error: No space left on device", me, count) is None
 
 
 @pytest.mark.parametrize(

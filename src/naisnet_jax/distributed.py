@@ -224,8 +224,21 @@ _COORDINATOR_GONE = re.compile(r"coordination_service.*(Socket closed|Connection
 _RUNTIME_ERROR = re.compile(r"[WEF]\d{4} .*(coordination|preemption)", re.I)
 _FATAL = "Terminating process because the JAX distributed service detected fatal errors"
 #: a line of the child's own that a lost process caused (a checkpoint save's barrier that failed on
-#: the lost process's heartbeat, say): held with the runtime's report, said as the lost process
-_LOST_PEER_SYMPTOM = re.compile(r"heartbeat timeout|stopped sending heartbeats|Barrier failed", re.I)
+#: the lost process's heartbeat, a collective whose connection it took down, Gloo ending this
+#: process): held with the runtime's report, said as the lost process
+_LOST_PEER_SYMPTOM = re.compile(
+    r"heartbeat timeout|stopped sending heartbeats|Barrier failed|Connection (reset|closed) by peer|Socket closed"
+    r"|instance of 'gloo::",
+    re.I,
+)
+#: Gloo (the CPU collectives) when the other end of a collective went away before the runtime
+#: missed its heartbeats: the connection reset or closed under a collective (an error the child
+#: reports), or Gloo ending the process itself (seen after a SIGKILL of the other process: "Received
+#: data size doesn't match expected size", a message read for a collective it was not sent for)
+_BROKEN_COLLECTIVE = re.compile(
+    r"Gloo \w+ failed: .*(Connection reset by peer|Connection closed by peer|Socket closed)"
+    r"|terminate called after throwing an instance of 'gloo::",
+)
 
 
 def lost_processes(text: str) -> list[int] | None:
@@ -240,6 +253,15 @@ def lost_processes(text: str) -> list[int] | None:
     if _COORDINATOR_GONE.search(text):
         return [0]
     return []
+
+
+def broken_collective(text: str, me: str, count: str) -> list[int] | None:
+    """From a process's stderr: the process lost when a collective broke off under Gloo before the
+    runtime said which (:data:`_BROKEN_COLLECTIVE`): of two processes the other one, of more ``[]``
+    (Gloo names an address, not a process); ``None`` when no collective broke off."""
+    if not _BROKEN_COLLECTIVE.search(text):
+        return None
+    return [1 - int(me)] if count == "2" and me in ("0", "1") else []
 
 
 def never_joined(text: str) -> bool:
@@ -306,10 +328,11 @@ def _pass_through(source, sink) -> None:
 
 def supervise(command: Sequence[str], cluster: Cluster, *, workdir: str) -> int:
     """Run ``command`` (this command again, as the process that joins the run) in a child and
-    pass its output through; when JAX's runtime ends the child because another process was lost,
-    print one line naming that process instead of the runtime's report and return
-    :data:`EXIT_PEER_LOST`. SIGINT and SIGTERM go on to the child; the child dies with this
-    process. Otherwise returns the child's exit status (128 + N for a signal N)."""
+    pass its output through; when JAX's runtime ends the child because another process was lost
+    (or a collective broke off under it first: :func:`broken_collective`), print one line naming
+    that process instead of the runtime's report and return :data:`EXIT_PEER_LOST`. SIGINT and
+    SIGTERM go on to the child; the child dies with this process. Otherwise returns the child's
+    exit status (128 + N for a signal N)."""
     child = subprocess.Popen(
         list(command),
         stdout=subprocess.PIPE,
@@ -344,13 +367,15 @@ def supervise(command: Sequence[str], cluster: Cluster, *, workdir: str) -> int:
             flush=True,
         )
         return EXIT_NOT_JOINED
-    lost = lost_processes(report)
+    lost, stopped = lost_processes(report), "JAX's runtime stopped"
+    if lost is None:
+        lost, stopped = broken_collective(report, me, count), "the collectives broke off under"
     if lost is None:
         sys.stderr.write(report)
         return status
     who = f"process {', '.join(str(p) for p in lost)}" if lost else "a process"
     print(
-        f"error: {who} of {count} was lost, and JAX's runtime stopped process {me}; the checkpoints "
+        f"error: {who} of {count} was lost, and {stopped} process {me}; the checkpoints "
         f"in {workdir} are intact, and the same command on every process resumes from the last one.",
         file=sys.stderr,
         flush=True,
