@@ -284,6 +284,18 @@ def test_gloo_messages_are_left_out_however_their_pieces_interleave():
         ),
         ("F1129 client.h:80] Terminating process because the JAX distributed service detected fatal errors.", []),
         ("E1129 some other error", None),
+        (  # the verdict, then the process's own error ended it before the runtime did
+            "E1129 coordination_service.cc:1549] Use error polling to propagate the following error to all tasks: "
+            "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have crashed.\n"
+            "error: cannot write checkpoints to W (step 16): JaxRuntimeError: INTERNAL: Barrier failed because: task "
+            "is set to ERROR: UNAVAILABLE: Task 1 heartbeat timeout. This indicates ...",
+            [1],
+        ),
+        (  # the barrier's error alone
+            "error: cannot write checkpoints to W (step 16): JaxRuntimeError: INTERNAL: Barrier failed because: task "
+            "is set to ERROR: UNAVAILABLE: Task 3 heartbeat timeout.",
+            [3],
+        ),
         (
             "F1129 client.h:80] Terminating process because the JAX distributed service detected fatal errors. "
             "absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded\n\n"
@@ -323,6 +335,14 @@ FATAL_REPORT = (
             "external/gloo/gloo/transport/tcp/pair.cc:459] op.preamble.length <= op.nbytes. 8 vs 4. Received data "
             "size doesn't match expected size. Is there a distributed collective mismatch in your code?\n",
             ["error: process 1 of 2 was lost, and the collectives broke off under process 0; the checkpoints in W"],
+        ),
+        (  # ... the runtime's verdict, then the save's error ends the process first (exit 2, no fatal line)
+            "E1129 coordination_service.cc:1549] Use error polling to propagate the following error to all tasks: "
+            "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have crashed.\n"
+            "error: cannot write checkpoints to W/checkpoints (step 16): JaxRuntimeError: INTERNAL: Barrier failed "
+            "because: task is set to ERROR: UNAVAILABLE: Task 1 heartbeat timeout.; the steps saved before are "
+            "intact.\n",
+            ["error: process 1 of 2 was lost, and JAX's runtime stopped process 0; the checkpoints in W are intact"],
         ),
         (  # a full disk is the child's own error, said as it is
             "error: cannot write checkpoints to W/checkpoints (step 16): No space left on device; the steps saved "

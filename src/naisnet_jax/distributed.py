@@ -217,6 +217,8 @@ def gather(tree):
 
 #: JAX's coordination service, on a survivor: the processes that stopped sending heartbeats
 _UNHEALTHY = re.compile(r"tasks are unhealthy \(stopped sending heartbeats\):\s*([\d,\s]+)")
+#: ... and a barrier's error naming the one that missed it ("Task 1 heartbeat timeout")
+_TASK_TIMED_OUT = re.compile(r"\bTask (\d+) heartbeat timeout")
 #: ... and when the coordinator itself (process 0) is gone
 _COORDINATOR_GONE = re.compile(r"coordination_service.*(Socket closed|Connection reset|failed to connect)", re.I | re.S)
 #: the first line of the runtime's report: a warning, error or fatal log line of its
@@ -242,14 +244,20 @@ _BROKEN_COLLECTIVE = re.compile(
 
 
 def lost_processes(text: str) -> list[int] | None:
-    """From a process's stderr: the processes JAX's runtime declared lost (``[]`` when it could
-    not tell which), or ``None`` when the runtime ended nothing (or this process never joined:
-    :func:`never_joined`)."""
-    if _FATAL not in text or never_joined(text):
+    """From a process's stderr: the processes JAX's runtime declared lost (``[]`` when it ended
+    this process without saying which), or ``None`` when it declared none and ended nothing (or
+    this process never joined: :func:`never_joined`). The runtime's verdict counts also when the
+    process ended on its own error first (a checkpoint save's barrier that the lost one missed)."""
+    if never_joined(text):
         return None
     found = _UNHEALTHY.search(text)
     if found:
         return sorted({int(t) for t in re.findall(r"\d+", found.group(1))})
+    timed_out = _TASK_TIMED_OUT.findall(text)
+    if timed_out:
+        return sorted({int(t) for t in timed_out})
+    if _FATAL not in text:
+        return None
     if _COORDINATOR_GONE.search(text):
         return [0]
     return []
