@@ -557,7 +557,9 @@ def run_over_h(*, workdir: str, hs, **kwargs) -> dict[float, list[dict]]:
     loss monotone on both splits) and the figures of :func:`plot_h`. A step whose sweeps finished
     earlier (another process, one per GPU) is read back, so a last call with every h only reports."""
     hs = [parse_h(h) for h in hs]
-    by_h = {h: run(workdir=h_dir(workdir, h), h=h, **kwargs) for h in hs}
+    for h in hs:  # every step's configs checked before any step trains (--hs=1,2 trained h = 1 first)
+        checked_models(h=h, h_flag="--hs", **kwargs)
+    by_h = {h: run(workdir=h_dir(workdir, h), h=h, h_flag="--hs", **kwargs) for h in hs}
     if kwargs.get("time_steps") or not distributed.is_primary():
         return by_h
     rows = [r for h in hs for r in by_h[h]]
@@ -598,22 +600,9 @@ def run_over_h(*, workdir: str, hs, **kwargs) -> dict[float, list[dict]]:
 # --------------------------------------------------------------------------- main
 
 
-def run(
-    *,
-    workdir: str,
-    dataset: str,
-    seeds: int,
-    epochs: int | None,
-    models=None,
-    h=None,
-    smoke: bool = False,
-    time_steps: int = 0,
-    audit_data: str = "none",
-) -> list[dict]:
-    from naisnet_jax.verify import AuditOptions
-
-    from naisnet_jax import sweep
-
+def checked_models(*, dataset, seeds, epochs, models=None, h=None, smoke=False, h_flag="--h", **_):
+    """The labels of the models to run and ``make(model)``, their config; every config checked
+    first, its errors naming the flag that set the value (``h_flag``: where ``h`` came from)."""
     labels = list(LABELS)
     if models:
         unknown = set(models) - set(LABELS.values())
@@ -626,8 +615,32 @@ def run(
     def make(model):
         return make_config(model, dataset=dataset, seeds=seeds, epochs=epochs, h=h, smoke=smoke)
 
+    flags_of = {"num_epochs": "--epochs", "num_seeds": "--seeds", "h": h_flag}
     for label in labels:  # every config checked before anything is written (a bad --h, say)
-        schema.validate(make(LABELS[label]))
+        schema.validate(make(LABELS[label]), labels=flags_of)
+    return labels, make
+
+
+def run(
+    *,
+    workdir: str,
+    dataset: str,
+    seeds: int,
+    epochs: int | None,
+    models=None,
+    h=None,
+    smoke: bool = False,
+    time_steps: int = 0,
+    audit_data: str = "none",
+    h_flag: str = "--h",
+) -> list[dict]:
+    from naisnet_jax.verify import AuditOptions
+
+    from naisnet_jax import sweep
+
+    labels, make = checked_models(
+        dataset=dataset, seeds=seeds, epochs=epochs, models=models, h=h, smoke=smoke, h_flag=h_flag
+    )
     os.makedirs(workdir, exist_ok=True)
 
     if time_steps:

@@ -85,6 +85,13 @@ HEADLINE = ("naisnet1", "naisnet10")
 BASELINES = ("resnet", "resnet2")
 #: Bootstrap resamples of the seeds behind the ratios' intervals.
 BOOTSTRAP = 10_000
+#: The config fields this command's flags set, named by the flag in its errors.
+FLAG_OF_FIELD = {
+    "num_epochs": "--epochs",
+    "num_seeds": "--seeds",
+    "seeds_at_once": "--seeds_at_once",
+    "limit_train": "--limit_train",
+}
 
 
 def make_config(
@@ -459,7 +466,7 @@ def run(
         for v in variants
     ]
     for _, config in configs:  # every config checked before anything runs or is said (a bad --epochs, say)
-        schema.validate(config)
+        schema.validate(config, labels=FLAG_OF_FIELD)
 
     if time_steps:
         rows = []

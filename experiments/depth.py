@@ -498,8 +498,9 @@ def run(
         )
         for d in datasets
     }
+    flag_of_field = {"num_epochs": "--epochs", "max_steps": "--max_steps", "h": "--h", "seed": "--seed"}
     for config in configs.values():  # every config checked before anything is made or said
-        schema.validate(config)
+        schema.validate(config, labels=flag_of_field)
     os.makedirs(workdir, exist_ok=True)
     t0 = time.time()
     rows = []

@@ -555,8 +555,14 @@ def run(
     if smoke:
         choice_epochs = min(choice_epochs, 2)
     for v in variants:  # every model's configs checked before anything is written (a bad --h, say)
-        schema.validate(choice_config(v, lr=GRID[0], seeds=choice_seeds, epochs=choice_epochs, h=h, smoke=smoke))
-        schema.validate(final_config(v, lr=GRID[0], seeds=seeds, epochs=epochs, h=h, smoke=smoke))
+        schema.validate(
+            choice_config(v, lr=GRID[0], seeds=choice_seeds, epochs=choice_epochs, h=h, smoke=smoke),
+            labels={"num_epochs": "--choice_epochs", "num_seeds": "--choice_seeds", "h": "--h"},
+        )
+        schema.validate(
+            final_config(v, lr=GRID[0], seeds=seeds, epochs=epochs, h=h, smoke=smoke),
+            labels={"num_epochs": "--epochs", "num_seeds": "--seeds", "h": "--h"},
+        )
     literal_by = literal_rows(literal) if not smoke else {}  # read before anything is trained
     os.makedirs(workdir, exist_ok=True)
     settings = dict(

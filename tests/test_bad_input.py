@@ -1188,13 +1188,14 @@ def test_49_a_checkpoints_path_that_is_a_file(jax_cache, tmp_path):
     "command, words",
     [
         (["experiments.conv", "--variants=naisnet3"], "--variants has unknown names ['naisnet3']; valid: ['resnet',"),
-        (["experiments.conv", "--smoke", "--seeds_at_once=0"], "config.seeds_at_once=0 must be a positive integer."),
+        (["experiments.conv", "--smoke", "--seeds_at_once=0"], "--seeds_at_once=0 must be a positive integer."),
+        (["experiments.conv", "--epochs=0"], "--epochs=0 must be a positive integer."),
         (["experiments.ablation", "--hs=1,1/0"], "--hs has '1/0'; expected a step size above 0"),
         (["experiments.tuned", "--models=resnett"], "--models has unknown names ['resnett']; valid: ['naisnet_mnist',"),
         (["experiments.fc_spectrum", "--drive_probe", "--probe_eps=x"], "--probe_eps has 'x'; expected a number in"),
         (["experiments.signal", "--variants=nais2"], "--variants ['nais2'] unknown; choose from ['nais10',"),
         (["experiments.depth", "--datasets=cifar10"], "--datasets has unknown names ['cifar10']; valid:"),
-        (["experiments.depth", "--epochs=0"], "config.num_epochs=0 must be a positive integer."),
+        (["experiments.depth", "--epochs=0"], "--epochs=0 must be a positive integer."),
     ],
     ids=lambda v: v[0] if isinstance(v, list) else None,
 )

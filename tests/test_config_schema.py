@@ -42,6 +42,18 @@ def test_a_bad_value_of_every_field_is_refused_in_one_line_naming_it(field):
     assert message.startswith(f"config.{field}=") and "\n" not in message, message
 
 
+def test_a_field_a_command_sets_by_its_own_flag_is_named_by_that_flag():
+    config = default.get_config()
+    config.num_epochs, config.h = 0, 0.5
+    with pytest.raises(ValueError, match=r"^--epochs=0 must be a positive integer\.$"):
+        schema.validate(config, labels={"num_epochs": "--epochs", "h": "--h"})
+    config.num_epochs, config.h = 1, 2.0
+    with pytest.raises(ValueError, match=r"^--h=2\.0 is outside \(0, 1\]"):
+        schema.validate(config, labels={"num_epochs": "--epochs", "h": "--h"})
+    with pytest.raises(ValueError, match=r"^config\.h=2\.0 "):
+        schema.validate(config, labels={"num_epochs": "--epochs"})
+
+
 @pytest.mark.parametrize("field", [f.name for f in schema.FIELDS if not f.optional])
 def test_none_in_a_field_that_needs_a_value_is_refused(field):
     config = default.get_config()

@@ -112,10 +112,13 @@ def test_the_cifar_config_says_what_its_argument_should_be():
 @pytest.mark.parametrize(
     "flag, expected",
     [
-        ("--hs=2", "error: config.h=2.0 is outside (0, 1]"),
+        ("--hs=2", "error: --hs=2.0 is outside (0, 1]"),
+        ("--hs=1,2", "error: --hs=2.0 is outside (0, 1]"),  # before h = 1 trains
+        ("--h=2", "error: --h=2.0 is outside (0, 1]"),
+        ("--epochs=0", "error: --epochs=0 must be a positive integer."),
         ("--time_steps=-1", "error: --time_steps=-1 must be a positive integer."),
     ],
-    ids=["h-above-1", "negative-time-steps"],
+    ids=["h-above-1", "one-of-two-h-above-1", "h-flag-above-1", "no-epochs", "negative-time-steps"],
 )
 def test_a_bad_ablation_value_writes_nothing(tmp_path, flag, expected):
     workdir = tmp_path / "ablation"
@@ -134,10 +137,13 @@ def test_a_compilation_cache_the_user_named_but_cannot_use_is_said_in_one_line(t
     assert compile_cache.enable("none") is None and capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("flag", ["--h=5", "--seeds=0"])
+@pytest.mark.parametrize("flag", ["--h=5", "--seeds=0", "--choice_epochs=0", "--epochs=0"])
 def test_a_bad_tuned_value_writes_nothing(tmp_path, flag):
+    """The error names the flag the user gave (--choice_epochs and --epochs set the same config
+    field, each for its own runs)."""
     workdir = tmp_path / "tuned"
-    _one_error_line(*_run("-m", "experiments.tuned", "--smoke", flag, f"--workdir={workdir}")[::2])
+    line = _one_error_line(*_run("-m", "experiments.tuned", "--smoke", flag, f"--workdir={workdir}")[::2])
+    assert line.startswith(f"error: {flag}"), line
     assert not workdir.exists()
 
 

@@ -331,12 +331,14 @@ def unknown_field_message(name: str, known, prefix: str = "config.") -> str:
     return f"{prefix}{name}: no such config field{hint}"
 
 
-def validate(config):
+def validate(config, labels: Mapping[str, str] | None = None):
     """Check ``config`` (a ``ConfigDict``) against :data:`FIELDS`, after adding the fields it lacks
     at their defaults (a partial config file, an older run's config); returns it.
 
     Refuses, with one line naming the field and the value: a field that is not declared, a
-    ``None`` in a field that needs a value, and a value its rule rejects."""
+    ``None`` in a field that needs a value, and a value its rule rejects. ``labels`` names a
+    field as the user set it (``{"num_epochs": "--epochs"}`` for a command's own flag); the
+    others are named ``config.<field>``."""
     for name in config.keys():
         if name not in BY_NAME:
             raise ValueError(unknown_field_message(name, BY_NAME))
@@ -346,17 +348,18 @@ def validate(config):
             for f in missing:
                 config[f.name] = _default_value(f)
     for f in FIELDS:
-        check_field(f.name, config[f.name], config)
+        check_field(f.name, config[f.name], config, label=(labels or {}).get(f.name))
     return config
 
 
-def check_field(name: str, value, config=None):
+def check_field(name: str, value, config=None, *, label: str | None = None):
     """``value`` checked by field ``name``'s declared rule (``config``: the rest, for rules that
-    read another field); returns it."""
+    read another field; ``label``: the name the error gives it, ``config.<name>`` by default);
+    returns it."""
     f = BY_NAME[name]
     if value is None and f.optional:
         return value
-    f.check(f"config.{name}", value, config)  # None where a value is needed: the rule names it
+    f.check(label or f"config.{name}", value, config)  # None where a value is needed: the rule names it
     return value
 
 
