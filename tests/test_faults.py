@@ -439,19 +439,31 @@ FULL_DISK_LINE = {
 
 
 @pytest.mark.parametrize(
-    "what, size, epochs, extra",
+    "what, size, epochs, extra, first",
     [
-        ("checkpoint", "150k", 40, []),  # fails writing the third checkpoint (step 24)
-        ("log", "200k", 600, ["--config.checkpoint_every_epochs=100"]),  # a log, near epoch 130: before step 1600
+        ("checkpoint", "150k", 40, [], 0),  # fails writing the third checkpoint (step 24)
+        # a log, near epoch 130, after a first run's checkpoint at epoch 10 and with no checkpoint due
+        # before epoch 600 (with one every 100 epochs, the one at epoch 100 filled the disk at times)
+        ("log", "200k", 600, ["--config.checkpoint_every_epochs=600"], 10),
     ],
     ids=["checkpoint", "log"],
 )
-def test_a_full_disk_ends_in_one_line(tmp_path, what, size, epochs, extra):
+def test_a_full_disk_ends_in_one_line(tmp_path, what, size, epochs, extra, first):
     """A disk that fills during training: exit 2 and one ``error:`` line naming the write that
     failed, with no traceback after it (Orbax's writers of the failed step settle before the
     process ends: no ``Event loop is closed``); the checkpoint saved before still loads whole."""
     with _small_disk(tmp_path / "disk", size) as disk:
         workdir = disk / "run"
+        if first:  # a run of `first` epochs that ends in a checkpoint, which the next run resumes from
+            done = subprocess.run(
+                [*_command(workdir, first), f"--config.checkpoint_every_epochs={first}"],
+                env=_env(tmp_path / "cache"),
+                capture_output=True,
+                text=True,
+                cwd=tmp_path,
+                timeout=50,
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
         done = subprocess.run(
             [*_command(workdir, epochs), *extra],
             env=_env(tmp_path / "cache"),
