@@ -452,26 +452,18 @@ def test_a_full_disk_ends_in_one_line(tmp_path, what, size, epochs, extra, first
     """A disk that fills during training: exit 2 and one ``error:`` line naming the write that
     failed, with no traceback after it (Orbax's writers of the failed step settle before the
     process ends: no ``Event loop is closed``); the checkpoint saved before still loads whole."""
+
+    def run(argv):
+        return subprocess.run(
+            argv, env=_env(tmp_path / "cache"), capture_output=True, text=True, cwd=tmp_path, timeout=50
+        )
+
     with _small_disk(tmp_path / "disk", size) as disk:
         workdir = disk / "run"
         if first:  # a run of `first` epochs that ends in a checkpoint, which the next run resumes from
-            done = subprocess.run(
-                [*_command(workdir, first), f"--config.checkpoint_every_epochs={first}"],
-                env=_env(tmp_path / "cache"),
-                capture_output=True,
-                text=True,
-                cwd=tmp_path,
-                timeout=50,
-            )
+            done = run([*_command(workdir, first), f"--config.checkpoint_every_epochs={first}"])
             assert done.returncode == 0, done.stderr[-3000:]
-        done = subprocess.run(
-            [*_command(workdir, epochs), *extra],
-            env=_env(tmp_path / "cache"),
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            timeout=50,
-        )
+        done = run([*_command(workdir, epochs), *extra])
         assert done.returncode == 2, done.stderr[-3000:]
         assert "Traceback" not in done.stderr and "Event loop is closed" not in done.stderr, done.stderr[-3000:]
         lines = done.stderr.splitlines()

@@ -266,13 +266,19 @@ def test_gloo_messages_are_left_out_however_their_pieces_interleave():
         assert "1\n" in kept, (seed, kept)  # a number on its own line after our own output is ours
 
 
+#: JAX's coordination service naming process 1 as lost
+VERDICT = (
+    "E1129 coordination_service.cc:1549] Use error polling to propagate the following error to all tasks: "
+    "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have crashed.\n"
+)
+
+
 @pytest.mark.parametrize(
     ("report", "lost"),
     [
         (
-            "E1129 coordination_service.cc:1549] Use error polling to propagate the following error to all tasks: "
-            "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have crashed.\n"
-            "F1129 client.h:80] Terminating process because the JAX distributed service detected fatal errors.",
+            VERDICT
+            + "F1129 client.h:80] Terminating process because the JAX distributed service detected fatal errors.",
             [1],
         ),
         (
@@ -285,9 +291,8 @@ def test_gloo_messages_are_left_out_however_their_pieces_interleave():
         ("F1129 client.h:80] Terminating process because the JAX distributed service detected fatal errors.", []),
         ("E1129 some other error", None),
         (  # the verdict, then the process's own error ended it before the runtime did
-            "E1129 coordination_service.cc:1549] Use error polling to propagate the following error to all tasks: "
-            "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have crashed.\n"
-            "error: cannot write checkpoints to W (step 16): JaxRuntimeError: INTERNAL: Barrier failed because: task "
+            VERDICT
+            + "error: cannot write checkpoints to W (step 16): JaxRuntimeError: INTERNAL: Barrier failed because: task "
             "is set to ERROR: UNAVAILABLE: Task 1 heartbeat timeout. This indicates ...",
             [1],
         ),
@@ -308,9 +313,7 @@ def test_the_lost_process_is_read_from_the_runtime_report(report, lost):
     assert distributed.lost_processes(report) == lost
 
 
-FATAL_REPORT = (
-    "E1129 coordination_service.cc:1549] Use error polling to propagate the following error to all tasks: "
-    "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have crashed.\n"
+FATAL_REPORT = VERDICT + (
     "F1129 client.h:80] Terminating process because the JAX distributed service detected fatal errors.\n"
 )
 
@@ -337,9 +340,8 @@ FATAL_REPORT = (
             ["error: process 1 of 2 was lost, and the collectives broke off under process 0; the checkpoints in W"],
         ),
         (  # ... the runtime's verdict, then the save's error ends the process first (exit 2, no fatal line)
-            "E1129 coordination_service.cc:1549] Use error polling to propagate the following error to all tasks: "
-            "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have crashed.\n"
-            "error: cannot write checkpoints to W/checkpoints (step 16): JaxRuntimeError: INTERNAL: Barrier failed "
+            VERDICT
+            + "error: cannot write checkpoints to W/checkpoints (step 16): JaxRuntimeError: INTERNAL: Barrier failed "
             "because: task is set to ERROR: UNAVAILABLE: Task 1 heartbeat timeout.; the steps saved before are "
             "intact.\n",
             ["error: process 1 of 2 was lost, and JAX's runtime stopped process 0; the checkpoints in W are intact"],

@@ -225,14 +225,6 @@ _COORDINATOR_GONE = re.compile(r"coordination_service.*(Socket closed|Connection
 #: coordination or preemption code
 _RUNTIME_ERROR = re.compile(r"[WEF]\d{4} .*(coordination|preemption)", re.I)
 _FATAL = "Terminating process because the JAX distributed service detected fatal errors"
-#: a line of the child's own that a lost process caused (a checkpoint save's barrier that failed on
-#: the lost process's heartbeat, a collective whose connection it took down, Gloo ending this
-#: process): held with the runtime's report, said as the lost process
-_LOST_PEER_SYMPTOM = re.compile(
-    r"heartbeat timeout|stopped sending heartbeats|Barrier failed|Connection (reset|closed) by peer|Socket closed"
-    r"|instance of 'gloo::",
-    re.I,
-)
 #: Gloo (the CPU collectives) when the other end of a collective went away before the runtime
 #: missed its heartbeats: the connection reset or closed under a collective (an error the child
 #: reports), or Gloo ending the process itself (seen after a SIGKILL of the other process: "Received
@@ -240,6 +232,12 @@ _LOST_PEER_SYMPTOM = re.compile(
 _BROKEN_COLLECTIVE = re.compile(
     r"Gloo \w+ failed: .*(Connection reset by peer|Connection closed by peer|Socket closed)"
     r"|terminate called after throwing an instance of 'gloo::",
+)
+#: a line of the child's own that a lost process caused (a checkpoint save's barrier that failed on
+#: the lost process's heartbeat, a broken collective): held with the runtime's report, said as the
+#: lost process
+_LOST_PEER_SYMPTOM = re.compile(
+    rf"heartbeat timeout|stopped sending heartbeats|Barrier failed|{_BROKEN_COLLECTIVE.pattern}", re.I
 )
 
 
