@@ -9,10 +9,16 @@ augmentation and projection included), run twice side by side:
 - **n processes** of one GPU each (``CUDA_VISIBLE_DEVICES``), joined by
   :func:`naisnet_jax.distributed.initialize` into one run on JAX's multi-controller runtime.
 
-Each records the loss of ``--steps`` steps one at a time from the same start (the loss curves
-must agree to float tolerance: the same maths, the all-reduces in another order), then times
-``--repeats`` chunks of ``--steps`` steps (best of) for images/s. Target: the n-process
-throughput within 5% of the one process's.
+Each records the loss of ``--steps`` steps one at a time from the same start, twice: with
+float32 products (``jax.default_matmul_precision("float32")``: XLA's convolutions and the
+project's kernels exact at that precision, so the two runs differ only in the all-reduces' order)
+and at the default precision the fast step trains at (TF32 products on an NVIDIA GPU). It then
+times ``--repeats`` chunks of ``--steps`` steps (best of) at the default precision for images/s.
+A third run, the one process again (``--control``, curves only), shows how far the one process
+differs from itself: at TF32, XLA's autotuner may pick another convolution algorithm in each
+process, and a difference that large between the one process and the n is not the runtime's.
+Target: the n-process throughput within 5% of the one process's; the curves are reported, step 0
+(the same forward pass on the same state) apart.
 
     python benchmarks/multiprocess.py --out=runs/bench/multiprocess        # every GPU of the host
     python benchmarks/multiprocess.py --out=/tmp/smoke --smoke             # 2 x 2 CPU devices, tiny model
@@ -74,12 +80,30 @@ def measure(args) -> dict:
             state, data, part, key, train.replicate(np.int32(count), mesh), train.replicate(np.int32(first), mesh)
         )
 
-    state, losses = train.replicate(initial, mesh), []  # the chunk takes (donates) the state it is given
+    def curve() -> list[float]:
+        """The loss of each of ``--steps`` steps, a step at a time, from the start."""
+        state, losses = train.replicate(initial, mesh), []  # the chunk takes (donates) the state it is given
+        for step in range(args.steps):
+            state, m = run(state, step, 1)
+            losses.append(float(m["loss"]))
+        return losses
+
     t0 = time.perf_counter()
-    for step in range(args.steps):  # the loss curve, a step at a time
-        state, m = run(state, step, 1)
-        losses.append(float(m["loss"]))
-    curve_s = time.perf_counter() - t0
+    with jax.default_matmul_precision("float32"):  # traced (and compiled) anew at this precision
+        losses_float32 = curve()
+    losses = curve()
+    record = {
+        "processes": jax.process_count(),
+        "devices": jax.device_count(),
+        "device": sweep.device_description(),
+        "script": _common.script(),
+        "global_batch": args.batch,
+        "losses_float32": losses_float32,
+        "losses": losses,
+        "curve_seconds": time.perf_counter() - t0,
+    }
+    if not args.time:
+        return record
     best = float("inf")
     for _ in range(args.repeats + 1):  # the first compiles the chunk of --steps steps
         state = train.replicate(initial, mesh)
@@ -87,20 +111,12 @@ def measure(args) -> dict:
         _, m = run(state, 0, args.steps)
         jax.block_until_ready(m)
         best = min(best, time.perf_counter() - t)
-    return {
-        "processes": jax.process_count(),
-        "devices": jax.device_count(),
-        "device": sweep.device_description(),
-        "global_batch": args.batch,
-        "losses": losses,
-        "curve_seconds": curve_s,
-        "ms_per_step": 1000 * best / args.steps,
-        "images_per_s": args.batch * args.steps / best,
-    }
+    return record | {"ms_per_step": 1000 * best / args.steps, "images_per_s": args.batch * args.steps / best}
 
 
-def launch(args, processes: int, devices: int, out: str) -> dict:
-    """Run ``processes`` workers of ``devices // processes`` devices each; process 0's record."""
+def launch(args, processes: int, devices: int, out: str, tag: str, time_it: bool = True) -> dict:
+    """Run ``processes`` workers of ``devices // processes`` devices each; process 0's record, kept
+    as ``worker_<processes>_<tag>.json`` (its loss curves only, untimed, where ``time_it`` is false)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -119,13 +135,23 @@ def launch(args, processes: int, devices: int, out: str) -> dict:
             f"--model={args.model}",
             f"--size={args.size}",
             f"--kwargs={json.dumps(args.kwargs)}",
+            "--time" if time_it else "--no-time",
         ]
         procs.append(subprocess.Popen(command, env=env))
     status = [p.wait(timeout=args.timeout) for p in procs]
     if any(status):
         raise SystemExit(f"{processes} process(es) of {per} device(s): exit status {status}")
     with open(os.path.join(out, f"worker_{processes}.json")) as f:
-        return json.load(f)
+        record = json.load(f)
+    os.replace(os.path.join(out, f"worker_{processes}.json"), os.path.join(out, f"worker_{processes}_{tag}.json"))
+    return record
+
+
+def differences(a: list[float], b: list[float]) -> dict:
+    """How far two loss curves differ: at step 0 (the same forward pass on the same state) and at
+    most over all the steps."""
+    gaps = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    return {"step0": gaps[0], "largest": max(gaps), "at_step": gaps.index(max(gaps))}
 
 
 def main(argv=None):
@@ -138,7 +164,14 @@ def main(argv=None):
     parser.add_argument("--size", type=int, default=32, help="image side")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take")
     parser.add_argument("--smoke", action="store_true", help="2 processes x 2 CPU devices, tiny model")
+    parser.add_argument(
+        "--control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the one process a second time (curves only) to show how far it differs from itself",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--time", action=argparse.BooleanOptionalAction, default=True, help=argparse.SUPPRESS)
     parser.add_argument("--processes", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -160,9 +193,9 @@ def main(argv=None):
         if devices < 2:
             raise SystemExit(f"this host has {devices} GPU(s); the benchmark needs at least 2")
     args.batch = args.batch or (16 if args.smoke else 128 * devices)
-    one = launch(args, 1, devices, args.out)
-    many = launch(args, devices if not args.smoke else 2, devices, args.out)
-    diff = max(abs(a - b) for a, b in zip(one["losses"], many["losses"]))
+    one = launch(args, 1, devices, args.out, "one")
+    many = launch(args, devices if not args.smoke else 2, devices, args.out, "processes")
+    control = launch(args, 1, devices, args.out, "control", time_it=False) if args.control else None
     ratio = many["images_per_s"] / one["images_per_s"]
     rows = [
         {"name": f"1 process x {one['devices']} devices", "ips": one["images_per_s"], "ms": one["ms_per_step"]},
@@ -173,9 +206,29 @@ def main(argv=None):
         },
     ]
     text, md = _common.table(rows, [("name", "run", ""), ("ips", "images/s", ".0f"), ("ms", "ms/step", ".2f")])
+    curves = {"processes": {}, "control": {}}
+    pairs = [("processes", many, f"{many['processes']} processes against the one")]
+    pairs += [("control", control, "the one process against itself")] if control else []
+    curve_rows = []
+    for name, other, label in pairs:
+        row = {"name": label}
+        for precision, key in (("float32", "losses_float32"), ("default", "losses")):
+            d = curves[name][precision] = differences(one[key], other[key])
+            row |= {f"{precision}_0": d["step0"], f"{precision}_max": f"{d['largest']:.3g} ({d['at_step']})"}
+        curve_rows.append(row)
+    curve_text, curve_md = _common.table(
+        curve_rows,
+        [
+            ("name", "loss curves", ""),
+            ("float32_0", "float32 products: step 0", ".3g"),
+            ("float32_max", "largest (step)", ""),
+            ("default_0", "default precision: step 0", ".3g"),
+            ("default_max", "largest (step)", ""),
+        ],
+    )
     summary = (
-        f"{args.steps} steps, global batch {args.batch}, {args.model} {args.kwargs}, on {one['device']}\n"
-        f"largest loss difference over the {args.steps} steps: {diff:.3g} (first loss {one['losses'][0]:.4f})\n"
+        f"{args.steps} steps, global batch {args.batch}, {args.model} {args.kwargs}, on {one['device']}; "
+        f"first loss {one['losses'][0]:.4f}\n"
         f"throughput of the processes / the one process: {ratio:.3f} (target at least {TARGET}): "
         f"{'met' if ratio >= TARGET else 'missed'}"
     )
@@ -184,15 +237,16 @@ def main(argv=None):
         "script": _common.script(),
         "one_process": one,
         "processes": many,
-        "largest_loss_difference": diff,
+        "control": control,
+        "loss_differences": curves,
         "throughput_ratio": ratio,
         "target": TARGET,
     }
     with open(os.path.join(args.out, "multiprocess.json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(args.out, "multiprocess.md"), "w") as f:
-        f.write(md + "\n\n" + summary.replace("\n", "\n\n") + "\n")
-    print(text)
+        f.write(md + "\n\n" + curve_md + "\n\n" + summary.replace("\n", "\n\n") + "\n")
+    print(text + "\n\n" + curve_text)
     print(summary)
 
 
