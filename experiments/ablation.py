@@ -212,6 +212,12 @@ def summarise(label: str, result, config, seconds: float) -> dict:
     return row
 
 
+def flags_of_fields(h_flag: str = "--h") -> dict[str, str]:
+    """The flags that set a sweep's config fields, as its errors name them (``h_flag``: where ``h``
+    came from, ``--hs`` for a run over several steps)."""
+    return {"num_epochs": "--epochs", "num_seeds": "--seeds", "h": h_flag}
+
+
 def run_model(label: str, config, workdir: str, audit_options) -> dict:
     from naisnet_jax import sweep
 
@@ -226,7 +232,9 @@ def run_model(label: str, config, workdir: str, audit_options) -> dict:
         flush=True,
     )
     t0 = time.time()
-    result = sweep.train_sweep(config, model_dir, audit_options=audit_options, audit_baselines=False)
+    result = sweep.train_sweep(
+        config, model_dir, audit_options=audit_options, audit_baselines=False, labels=flags_of_fields()
+    )
     row = summarise(label, result, config, time.time() - t0)
     if label in TRAJECTORY_MODELS:
         row["neuron_trajectory"] = neuron_trajectories(result)
@@ -615,9 +623,8 @@ def checked_models(*, dataset, seeds, epochs, models=None, h=None, smoke=False, 
     def make(model):
         return make_config(model, dataset=dataset, seeds=seeds, epochs=epochs, h=h, smoke=smoke)
 
-    flags_of = {"num_epochs": "--epochs", "num_seeds": "--seeds", "h": h_flag}
     for label in labels:  # every config checked before anything is written (a bad --h, say)
-        schema.validate(make(LABELS[label]), labels=flags_of)
+        schema.validate(make(LABELS[label]), labels=flags_of_fields(h_flag))
     return labels, make
 
 

@@ -161,7 +161,9 @@ def run_variant(variant: str, config, workdir: str, audit_options) -> dict:
         flush=True,
     )
     t0 = time.time()
-    result = sweep.train_sweep(config, run_dir, audit_options=audit_options, audit_baselines=False, per_step_loss=False)
+    result = sweep.train_sweep(
+        config, run_dir, audit_options=audit_options, audit_baselines=False, per_step_loss=False, labels=FLAG_OF_FIELD
+    )
     row = {
         "variant": variant,
         "label": label,

@@ -227,7 +227,7 @@ def _main(argv):
         flush=True,
     )
     try:
-        result = train.train_and_evaluate(config, workdir)
+        result = train.train_and_evaluate(config, workdir, labels={"num_epochs": "--epochs"})
     except train.TrainingDiverged as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         sys.exit(1)

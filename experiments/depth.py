@@ -48,6 +48,8 @@ from naisnet_jax import distributed
 
 TOL = 1e-4
 DATASETS = ("fashion_mnist_idx", "mnist_pinned")
+#: The flags that set config fields, as their errors name them.
+FLAG_OF_FIELD = {"num_epochs": "--epochs", "max_steps": "--max_steps", "h": "--h", "seed": "--seed"}
 CLASS_NAMES = {
     "fashion_mnist_idx": (
         "T-shirt/top",
@@ -335,7 +337,7 @@ def run_dataset(
     config = get_config(dataset, smoke=smoke) if config is None else config
     config = with_overrides(config, epochs=epochs, data_dir=data_dir, overrides=overrides)
     t0 = time.time()
-    result = train.train_and_evaluate(config, os.path.join(workdir, dataset))
+    result = train.train_and_evaluate(config, os.path.join(workdir, dataset), labels=FLAG_OF_FIELD)
     train_seconds = time.time() - t0
     test_data = result["test_data"]
     row = analyse_run(
@@ -498,9 +500,8 @@ def run(
         )
         for d in datasets
     }
-    flag_of_field = {"num_epochs": "--epochs", "max_steps": "--max_steps", "h": "--h", "seed": "--seed"}
     for config in configs.values():  # every config checked before anything is made or said
-        schema.validate(config, labels=flag_of_field)
+        schema.validate(config, labels=FLAG_OF_FIELD)
     os.makedirs(workdir, exist_ok=True)
     t0 = time.time()
     rows = []

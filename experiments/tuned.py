@@ -69,6 +69,9 @@ SCORE_EPOCHS = 5
 VALIDATION = 10_000
 #: A tanh unit is saturated when its pre-activation exceeds this in size (``tanh' < 0.071``).
 SATURATION = 2.0
+#: The flags that set the choice's and the final sweeps' config fields, as their errors name them.
+CHOICE_FLAGS = {"num_epochs": "--choice_epochs", "num_seeds": "--choice_seeds", "h": "--h"}
+FINAL_FLAGS = {"num_epochs": "--epochs", "num_seeds": "--seeds", "h": "--h"}
 LITERAL = os.path.join(os.path.dirname(__file__), "results", "ablation_h", "results_h.json")
 
 
@@ -179,7 +182,7 @@ def run_choice(variant: Variant, workdir: str, *, seeds: int, epochs: int, h: fl
             if row is None:
                 t0 = time.time()
                 result = sweep.train_sweep(
-                    config, os.path.dirname(path), audit=False, per_step_loss=False, verbose=False
+                    config, os.path.dirname(path), audit=False, per_step_loss=False, verbose=False, labels=CHOICE_FLAGS
                 )
                 row = {
                     "learning_rate": lr,
@@ -297,7 +300,11 @@ def run_final(variant: Variant, workdir: str, *, lr: float, seeds: int, epochs, 
         return row
     t0 = time.time()
     result = sweep.train_sweep(
-        config, os.path.join(workdir, "final"), audit_options=AuditOptions(data="none"), audit_baselines=False
+        config,
+        os.path.join(workdir, "final"),
+        audit_options=AuditOptions(data="none"),
+        audit_baselines=False,
+        labels=FINAL_FLAGS,
     )
     row = ablation.summarise(variant.label, result, config, time.time() - t0)
     row.update(
@@ -557,11 +564,11 @@ def run(
     for v in variants:  # every model's configs checked before anything is written (a bad --h, say)
         schema.validate(
             choice_config(v, lr=GRID[0], seeds=choice_seeds, epochs=choice_epochs, h=h, smoke=smoke),
-            labels={"num_epochs": "--choice_epochs", "num_seeds": "--choice_seeds", "h": "--h"},
+            labels=CHOICE_FLAGS,
         )
         schema.validate(
             final_config(v, lr=GRID[0], seeds=seeds, epochs=epochs, h=h, smoke=smoke),
-            labels={"num_epochs": "--epochs", "num_seeds": "--seeds", "h": "--h"},
+            labels=FINAL_FLAGS,
         )
     literal_by = literal_rows(literal) if not smoke else {}  # read before anything is trained
     os.makedirs(workdir, exist_ok=True)

@@ -421,3 +421,15 @@ def test_the_sweep_says_each_seed_it_exports_and_audits(tmp_path, capsys):
         assert re.fullmatch(
             rf"\[{config.model}\] seed {seed} exported and audited in \d+\.\ds: {verdict} \({where}\)", line
         )
+
+
+def test_a_sweep_names_config_fields_by_the_flags_that_set_them(nais, tmp_path, capsys):
+    _, workdir, _, _, _ = nais
+    flags = {"num_epochs": "--epochs", "num_seeds": "--seeds"}
+    with pytest.raises(ValueError, match="--epochs=0"):
+        sweep.train_sweep(get_config(num_epochs=0), str(tmp_path / "bad"), labels=flags)
+    assert not (tmp_path / "bad").exists()
+    capsys.readouterr()
+    sweep.train_sweep(get_config(), workdir, seeds=SEEDS, audit=False, labels=flags)
+    out = capsys.readouterr().out
+    assert "holds a complete run of 2 epochs (--epochs=2): nothing left to train; raise --epochs to train on." in out

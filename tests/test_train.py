@@ -794,6 +794,10 @@ def test_a_complete_run_says_so(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"{tmp_path} holds a complete run of 1 epochs (config.num_epochs=1): nothing left to train" in out
     assert "Resuming" not in out
+    # a command names the field by its own flag
+    train.train_and_evaluate(get_config(num_epochs=1), str(tmp_path), labels={"num_epochs": "--epochs"})
+    out = capsys.readouterr().out
+    assert "holds a complete run of 1 epochs (--epochs=1): nothing left to train; raise --epochs to train on." in out
 
 
 def test_progress_off_a_terminal_says_a_line_every_interval(capsys, monkeypatch):

@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import jax
@@ -128,14 +128,23 @@ class RunDirectory:
     seeds stored as ``metadata.extra["seeds"]``): :meth:`refuse_another_run` before any data is
     loaded, :meth:`resume` for the step it restores. The metrics log ``<workdir>/metrics.jsonl``
     holds one record per epoch (and seed); :meth:`commit` appends an epoch's records, synced, then
-    saves the checkpoint.
+    saves the checkpoint. ``labels`` names a config field as the user set it
+    (``{"num_epochs": "--epochs"}``), as :func:`naisnet_jax.configs.schema.validate` does.
     """
 
     def __init__(
-        self, workdir: str, view: dict, *, checkpoints: str = CHECKPOINT_DIR, keep: int = 3, config=None
+        self,
+        workdir: str,
+        view: dict,
+        *,
+        checkpoints: str = CHECKPOINT_DIR,
+        keep: int = 3,
+        config=None,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
         self.workdir, self.view, self.keep = workdir, view, keep
         self.config = config  # its NOTICE_FIELDS are compared with the checkpoint's on resume
+        self.labels = dict(labels or {})
         self._checked: dict = {}  # the metadata last checked: the restored step's, after resume
         self.checkpoint_dir = os.path.join(workdir, checkpoints)
         self.metrics_path = os.path.join(workdir, METRICS_FILE)
@@ -274,9 +283,10 @@ class RunDirectory:
         """Whether the run has nothing left to train, said in one line when so."""
         if start_epoch <= num_epochs:
             return False
+        label = self.labels.get("num_epochs", "config.num_epochs")
         self.say(
-            f"{self.workdir} holds a complete run of {start_epoch - 1} epochs (config.num_epochs={num_epochs}): "
-            f"nothing left to train; raise config.num_epochs to train on."
+            f"{self.workdir} holds a complete run of {start_epoch - 1} epochs ({label}={num_epochs}): "
+            f"nothing left to train; raise {label} to train on."
         )
         return True
 

@@ -41,7 +41,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -250,6 +250,7 @@ def train_sweep(
     per_step_loss: bool = True,
     verbose: bool = True,
     programs: ProgramCache | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> SweepResult:
     """Train ``config``'s model once per seed, side by side, in ``workdir``; resumes.
 
@@ -261,15 +262,17 @@ def train_sweep(
     loss on the test and training sets is measured (``per_step_loss=False`` skips it).
     ``programs``: the compiled programs to take from and keep in (the same
     :class:`naisnet_jax.seeds.ProgramCache` for sweeps of one configuration, one after another;
-    by default this call's own). Resuming another sweep's workdir raises ``ValueError``.
+    by default this call's own). ``labels`` names config fields by the flags that set them in what
+    the sweep says (``{"num_epochs": "--epochs"}``). Resuming another sweep's workdir raises
+    ``ValueError``.
     """
     t_start = time.time()
-    train.validate_config(config)
+    train.validate_config(config, labels)
     seeds = check_seeds(default_seeds(config) if seeds is None else seeds)
     os.makedirs(workdir, exist_ok=True)
     view = engine.resume_view(config, train.model_kwargs(config), seeds)
     with engine.RunDirectory(
-        workdir, view, checkpoints=SWEEP_CHECKPOINT_DIR, keep=config.keep_checkpoints, config=config
+        workdir, view, checkpoints=SWEEP_CHECKPOINT_DIR, keep=config.keep_checkpoints, config=config, labels=labels
     ) as run:
         run.refuse_another_run()  # refuse another sweep's checkpoints before loading data or compiling
         s = prepare(config, seeds, programs=programs)

@@ -15,7 +15,7 @@ import functools
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -50,11 +50,11 @@ class TrainState(train_state.TrainState):
 # --------------------------------------------------------------------------- config
 
 
-def validate_config(config):
-    """Refuse invalid configs before anything is loaded or compiled, naming the field; the fields
-    a config lacks are added at their declared defaults (:func:`naisnet_jax.configs.schema.validate`).
-    Returns ``config``."""
-    return schema.validate(config)
+def validate_config(config, labels: Mapping[str, str] | None = None):
+    """Refuse invalid configs before anything is loaded or compiled, naming the field (or its
+    ``labels`` entry: the flag that set it); the fields a config lacks are added at their declared
+    defaults (:func:`naisnet_jax.configs.schema.validate`). Returns ``config``."""
+    return schema.validate(config, labels=labels)
 
 
 #: Backends on which ``config.fast_path="auto"`` asks the registry for the fused block path
@@ -531,7 +531,14 @@ def _scalars_writer(run: engine.RunDirectory, writer, workdir: str):
     return metric_writers.default_writer(workdir) if writer is None else writer
 
 
-def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: int | None = None) -> dict:
+def train_and_evaluate(
+    config,
+    workdir: str,
+    *,
+    writer=None,
+    stop_after_epochs: int | None = None,
+    labels: Mapping[str, str] | None = None,
+) -> dict:
     """Train ``config`` in ``workdir``, resuming from its latest checkpoint.
 
     Appends one JSON record per epoch to ``workdir/metrics.jsonl`` and writes
@@ -544,9 +551,11 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
     already there is kept beside, renamed, as the metrics log is).
     Nothing is written before the config, data and model are known to be good.
     ``stop_after_epochs`` ends this call early (as an interruption would), for
-    tests. Returns the final record plus ``"state"`` (the final ``TrainState``).
+    tests. ``labels`` names config fields by the flags that set them in what the run says
+    (``{"num_epochs": "--epochs"}``; :func:`validate_config`).
+    Returns the final record plus ``"state"`` (the final ``TrainState``).
     """
-    validate_config(config)
+    validate_config(config, labels)
     if writer is not None:
         metric_writers.check_writer(writer)
     ds, steps_per_epoch = engine.load_training_data(config)
@@ -565,7 +574,7 @@ def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: 
 
     os.makedirs(workdir, exist_ok=True)  # only now: a refused run writes nothing
     view = engine.resume_view(config, model_kwargs(config), [config.seed])
-    with engine.RunDirectory(workdir, view, keep=config.keep_checkpoints, config=config) as run:
+    with engine.RunDirectory(workdir, view, keep=config.keep_checkpoints, config=config, labels=labels) as run:
         own_writer = writer is None
         writer = _scalars_writer(run, writer, workdir)
         start_epoch = 1
