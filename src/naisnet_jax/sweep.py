@@ -262,9 +262,8 @@ def train_sweep(
     loss on the test and training sets is measured (``per_step_loss=False`` skips it).
     ``programs``: the compiled programs to take from and keep in (the same
     :class:`naisnet_jax.seeds.ProgramCache` for sweeps of one configuration, one after another;
-    by default this call's own). ``labels`` names config fields by the flags that set them in what
-    the sweep says (``{"num_epochs": "--epochs"}``). Resuming another sweep's workdir raises
-    ``ValueError``.
+    by default this call's own). ``labels``: the flags that set config fields, for what it says
+    (``{"num_epochs": "--epochs"}``). Resuming another sweep's workdir raises ``ValueError``.
     """
     t_start = time.time()
     train.validate_config(config, labels)

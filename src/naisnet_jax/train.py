@@ -531,14 +531,19 @@ def _scalars_writer(run: engine.RunDirectory, writer, workdir: str):
     return metric_writers.default_writer(workdir) if writer is None else writer
 
 
-def train_and_evaluate(
-    config,
-    workdir: str,
-    *,
-    writer=None,
-    stop_after_epochs: int | None = None,
-    labels: Mapping[str, str] | None = None,
-) -> dict:
+def _resume(run: engine.RunDirectory, state: TrainState, config) -> tuple[TrainState, int]:
+    """``(state, start_epoch)``: ``state`` from epoch 1, or the run's newest checkpoint restored
+    into it, said in one line."""
+    resumed = run.resume(engine.checkpoint_tree(state))
+    if resumed is None:
+        return state, 1
+    state, start_epoch = engine.restore_into(state, resumed[0]), resumed[1] + 1
+    if not run.complete(start_epoch, config.num_epochs):
+        run.say(f"Resuming from {run.checkpoint_dir} at epoch {start_epoch} (step {int(state.step)}).")
+    return state, start_epoch
+
+
+def train_and_evaluate(config, workdir: str, *, writer=None, stop_after_epochs: int | None = None, labels=None) -> dict:
     """Train ``config`` in ``workdir``, resuming from its latest checkpoint.
 
     Appends one JSON record per epoch to ``workdir/metrics.jsonl`` and writes
@@ -551,8 +556,8 @@ def train_and_evaluate(
     already there is kept beside, renamed, as the metrics log is).
     Nothing is written before the config, data and model are known to be good.
     ``stop_after_epochs`` ends this call early (as an interruption would), for
-    tests. ``labels`` names config fields by the flags that set them in what the run says
-    (``{"num_epochs": "--epochs"}``; :func:`validate_config`).
+    tests. ``labels`` (a mapping) names config fields by the flags that set them in what the run
+    says (``{"num_epochs": "--epochs"}``; :func:`validate_config`).
     Returns the final record plus ``"state"`` (the final ``TrainState``).
     """
     validate_config(config, labels)
@@ -577,13 +582,7 @@ def train_and_evaluate(
     with engine.RunDirectory(workdir, view, keep=config.keep_checkpoints, config=config, labels=labels) as run:
         own_writer = writer is None
         writer = _scalars_writer(run, writer, workdir)
-        start_epoch = 1
-        resumed = run.resume(engine.checkpoint_tree(state))
-        if resumed is not None:
-            state = engine.restore_into(state, resumed[0])
-            start_epoch = resumed[1] + 1
-            if not run.complete(start_epoch, config.num_epochs):
-                run.say(f"Resuming from {run.checkpoint_dir} at epoch {start_epoch} (step {int(state.step)}).")
+        state, start_epoch = _resume(run, state, config)
         # the scalars of steps after the checkpoint (written before a crash), or all of them
         engine.rewind(writer, int(state.step) if start_epoch > 1 else -1)
 
