@@ -11,14 +11,15 @@ augmentation and projection included), run twice side by side:
 
 Each records the loss of ``--steps`` steps one at a time from the same start, twice: with
 float32 products (``jax.default_matmul_precision("float32")``: XLA's convolutions and the
-project's kernels exact at that precision, so the two runs differ only in the all-reduces' order)
-and at the default precision the fast step trains at (TF32 products on an NVIDIA GPU). It then
-times ``--repeats`` chunks of ``--steps`` steps (best of) at the default precision for images/s.
-A third run, the one process again (``--control``, curves only), shows how far the one process
-differs from itself: at TF32, XLA's autotuner may pick another convolution algorithm in each
-process, and a difference that large between the one process and the n is not the runtime's.
-Target: the n-process throughput within 5% of the one process's; the curves are reported, step 0
-(the same forward pass on the same state) apart.
+project's kernels at that precision, so the two runs differ by float32 rounding alone, in the
+all-reduces' order and the convolution algorithms) and at the default precision the fast step
+trains at (TF32 products on an NVIDIA GPU). It then times ``--repeats`` chunks of ``--steps``
+steps (best of) at the default precision for images/s. A third run, the one process again
+(``--control``, curves only), shows how far the one process differs from itself: at TF32, XLA's
+autotuner may pick another convolution algorithm in each process, and a difference that large
+between the one process and the n is not the runtime's. Target: the n-process throughput within
+5% of the one process's; the curves are reported, step 0 (the same forward pass on the same
+state) apart.
 
     python benchmarks/multiprocess.py --out=runs/bench/multiprocess        # every GPU of the host
     python benchmarks/multiprocess.py --out=/tmp/smoke --smoke             # 2 x 2 CPU devices, tiny model
