@@ -331,20 +331,24 @@ def write_tree_manifest(root: str = _ROOT, path: str | None = None) -> str:
 
 def script_version(root: str = _ROOT) -> str:
     """The commit of the tree this script ran from, followed by ``+changes`` where the tree differs
-    from it. In a git checkout, git says; in a copy without git, the tree manifest the copy carries
-    (:func:`write_tree_manifest`), checked file by file; ``unknown`` where neither is there."""
+    from it. In a clean git checkout, git says. Otherwise the tree manifest the copy carries
+    (:func:`write_tree_manifest`), checked file by file, names the commit whose files the tree holds
+    exactly: a copy without git, or a copy laid over an older checkout's ``.git`` (whose HEAD sees
+    the newer files as changes). Where the manifest does not match, git's answer stands, or the
+    manifest's commit with ``+changes``; ``unknown`` where neither is there."""
     version = _git_version(root)
-    if version is not None:
+    if version is not None and not version.endswith("+changes"):
         return version
     try:
         with open(os.path.join(root, TREE_MANIFEST)) as f:
             manifest = json.load(f)
     except FileNotFoundError:
-        return "unknown"
-    version = manifest["version"]
-    if _tree_files(root) != manifest["files"] and not version.endswith("+changes"):
-        version += "+changes"
-    return version
+        return version or "unknown"
+    if _tree_files(root) == manifest["files"]:
+        return manifest["version"]
+    if version is not None:
+        return version
+    return manifest["version"] if manifest["version"].endswith("+changes") else manifest["version"] + "+changes"
 
 
 # --------------------------------------------------------------------------- timing

@@ -554,3 +554,42 @@ def test_training_time_spans_a_resumed_sweep(tmp_path):
     assert sweep_report.training_time_text(row) == f"{t1 + t2:.0f}s"
     older = {k: v for k, v in row.items() if k != "training_seconds"}  # a row recorded before the sum
     assert sweep_report.training_time_text(older) == f"{second.seconds:.0f}s (its last call)"
+
+
+def test_a_manifest_names_the_commit_of_a_tree_laid_over_an_older_git_checkout(tmp_path):
+    """A lent machine may hold the tree's files over an older commit's ``.git``: git then calls the
+    newer files changes, and the manifest (written from the newer, clean commit) names them."""
+    import subprocess
+
+    from experiments import sweep_report
+
+    def git(*args):
+        return subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "src").mkdir()
+    cell = tmp_path / "src" / "cell.py"
+    cell.write_text("a = 1\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "old")
+    old = git("rev-parse", "--short", "HEAD")
+    cell.write_text("a = 2\n")
+    git("add", "src")
+    git("commit", "-q", "-m", "new")
+    (tmp_path / ".gitignore").write_text(sweep_report.TREE_MANIFEST + "\n")
+    git("add", ".gitignore")
+    git("commit", "-q", "-m", "ignore the manifest")
+    new = git("rev-parse", "--short", "HEAD")
+    sweep_report.write_tree_manifest(str(tmp_path))
+    assert sweep_report.script_version(str(tmp_path)) == new  # clean: git says
+    git("reset", "-q", "--soft", old)  # HEAD back at the old commit, the newer files in place
+    assert git("status", "--porcelain", "src")  # git sees the newer file as a change
+    assert sweep_report.script_version(str(tmp_path)) == new
+    cell.write_text("a = 3\n")  # the tree is neither commit: git's answer stands
+    assert sweep_report.script_version(str(tmp_path)) == old + "+changes"
