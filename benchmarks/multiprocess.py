@@ -122,6 +122,7 @@ def launch(args, processes: int, devices: int, out: str, tag: str, time_it: bool
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     per = devices // processes
+    record = os.path.join(out, f"worker_{processes}_{tag}.json")
     procs = []
     for i in range(processes):
         env = dict(os.environ)
@@ -129,7 +130,8 @@ def launch(args, processes: int, devices: int, out: str, tag: str, time_it: bool
             env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={per}")
         else:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(i * per, (i + 1) * per))
-        command = [sys.executable, os.path.abspath(__file__), "--worker", f"--out={out}", f"--processes={processes}"]
+        command = [sys.executable, os.path.abspath(__file__), "--worker", f"--out={out}", f"--record={record}"]
+        command += [f"--processes={processes}"]
         command += [f"--process-id={i}", f"--port={port}", f"--steps={args.steps}", f"--repeats={args.repeats}"]
         command += [
             f"--batch={args.batch}",
@@ -142,10 +144,8 @@ def launch(args, processes: int, devices: int, out: str, tag: str, time_it: bool
     status = [p.wait(timeout=args.timeout) for p in procs]
     if any(status):
         raise SystemExit(f"{processes} process(es) of {per} device(s): exit status {status}")
-    with open(os.path.join(out, f"worker_{processes}.json")) as f:
-        record = json.load(f)
-    os.replace(os.path.join(out, f"worker_{processes}.json"), os.path.join(out, f"worker_{processes}_{tag}.json"))
-    return record
+    with open(record) as f:
+        return json.load(f)
 
 
 def differences(a: list[float], b: list[float]) -> dict:
@@ -172,6 +172,7 @@ def main(argv=None):
         help="run the one process a second time (curves only) to show how far it differs from itself",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--record", help=argparse.SUPPRESS)  # where a worker's process 0 writes its record
     parser.add_argument("--time", action=argparse.BooleanOptionalAction, default=True, help=argparse.SUPPRESS)
     parser.add_argument("--processes", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
@@ -183,7 +184,7 @@ def main(argv=None):
     if args.worker:
         record = measure(args)
         if args.process_id == 0:
-            with open(os.path.join(args.out, f"worker_{args.processes}.json"), "w") as f:
+            with open(args.record, "w") as f:
                 json.dump(record, f, indent=1)
         return
     if args.smoke:
