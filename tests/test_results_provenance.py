@@ -157,7 +157,8 @@ CIFAR_COUNTS = {
     ("resnet_cifar", ()): 855_578,
     ("resnet_cifar", (("convs", 2),)): 1_730_522,
 }
-#: RESULTS.md's MNIST table (28 x 28 x 1), by the label each sweep has in experiments/results/conv.
+#: RESULTS.md's MNIST table (28 x 28 x 1), by the label each sweep has in experiments/results/conv
+#: (the rerun's report, and the earlier record in conv/earlier/).
 MNIST_COUNTS = {
     "ResNet": 855_290,
     "ResNet-110, two convolutions a block": 1_730_234,
@@ -178,12 +179,18 @@ def test_cifar_parameter_counts(model, count):
 
 
 def test_mnist_parameter_counts_of_the_stored_sweeps():
-    """Each MNIST sweep of the conv results, built from the model and options the sweep recorded."""
-    rows = json.loads((RESULTS_DIR / "conv" / "results.json").read_text())["rows"]
-    mnist = {r["label"]: r for r in rows if r["dataset"] == "mnist_pinned"}
-    assert set(mnist) == set(MNIST_COUNTS)
+    """Each MNIST sweep of the conv results, the rerun's and the earlier record's, built from the model
+    and options the sweep recorded."""
+    rows = [
+        row
+        for record in ("results.json", "earlier/results.json")
+        for row in json.loads((RESULTS_DIR / "conv" / record).read_text())["rows"]
+        if row["dataset"] == "mnist_pinned"
+    ]
+    assert {r["label"] for r in rows} == set(MNIST_COUNTS)
     text = RESULTS_MD.read_text()
-    for label, row in mnist.items():
+    for row in rows:
+        label = row["label"]
         count = parameter_count(row["model"], (1, 28, 28, 1), **row["model_kwargs"])
         assert count == MNIST_COUNTS[label], f"{label}: {count:,} parameters, RESULTS.md states {MNIST_COUNTS[label]:,}"
         assert f"| {count:,} |" in text, f"{label}: RESULTS.md's MNIST table does not state {count:,}"
