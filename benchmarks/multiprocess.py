@@ -208,14 +208,14 @@ def main(argv=None):
         },
     ]
     text, md = _common.table(rows, [("name", "run", ""), ("ips", "images/s", ".0f"), ("ms", "ms/step", ".2f")])
-    curves = {"processes": {}, "control": {}}
+    curves = {}  # a pair's curve differences by precision, for each pair compared
     pairs = [("processes", many, f"{many['processes']} processes against the one")]
     pairs += [("control", control, "the one process against itself")] if control else []
     curve_rows = []
     for name, other, label in pairs:
         row = {"name": label}
         for precision, key in (("float32", "losses_float32"), ("default", "losses")):
-            d = curves[name][precision] = differences(one[key], other[key])
+            d = curves.setdefault(name, {})[precision] = differences(one[key], other[key])
             row |= {f"{precision}_0": d["step0"], f"{precision}_max": f"{d['largest']:.3g} ({d['at_step']})"}
         curve_rows.append(row)
     curve_text, curve_md = _common.table(
