@@ -6,8 +6,9 @@ them ("cached", every later run). Each trains ``--epochs`` epochs of the CIFAR N
 (``src/naisnet_jax/configs/cifar10_naisnet.py``, a constant learning rate, the trainer's defaults
 otherwise: the fast path on a GPU) on ``--dataset``. The table gives each run's first epoch, its
 steady epoch (the median of the later ones), the difference, and its first chunk of steps, whose
-time includes compiling the training program. Target: a cached first epoch at most
-:data:`TARGET_OVER_STEADY` seconds over a steady one.
+time includes compiling the training program. Target: the first epoch of a first run on a new
+machine (the cold run, its cache empty) at most :data:`TARGET_OVER_STEADY` seconds over a steady
+one; the cached run, every later run's case, is reported beside it.
 
     python benchmarks/first_epoch.py --out=$OUT/first_epoch            # MNIST (make mnist)
     python benchmarks/first_epoch.py --out=/tmp/first_epoch --smoke     # a tiny net on digits, a CPU
@@ -26,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
-#: the most a cached first epoch may cost over a steady one, in seconds
+#: the most a cold run's first epoch may cost over a steady one, in seconds
 TARGET_OVER_STEADY = 30.0
 CONFIG = os.path.join(_common.ROOT, "src", "naisnet_jax", "configs", "cifar10_naisnet.py")
 SMOKE = (  # with --config.dataset=digits
@@ -110,8 +111,14 @@ def main(argv=None):
         row = dict(run=run, **train_once(workdir, cache, dataset=dataset, epochs=args.epochs, smoke=args.smoke))
         rows.append(row)
         print(f"{run}: first epoch {row['first_epoch_s']:.1f} s, steady {row['steady_epoch_s']:.1f} s", flush=True)
-    cached = rows[-1]["over_steady_s"]
-    verdict = {"over_steady_s": cached, "target_s": TARGET_OVER_STEADY, "pass": cached <= TARGET_OVER_STEADY}
+    cold, cached = rows[0]["over_steady_s"], rows[-1]["over_steady_s"]
+    verdict = {
+        "run": "cold",
+        "over_steady_s": cold,
+        "target_s": TARGET_OVER_STEADY,
+        "pass": cold <= TARGET_OVER_STEADY,
+        "cached_over_steady_s": cached,
+    }
     device = _device()
     text, md = _common.table(
         rows,
@@ -125,8 +132,8 @@ def main(argv=None):
         ],
     )
     line = (
-        f"cached first epoch {cached:.1f} s over a steady one (target <= {TARGET_OVER_STEADY:g} s): "
-        f"{'PASS' if verdict['pass'] else 'FAIL'}"
+        f"cold first epoch (empty cache) {cold:.1f} s over a steady one (target <= {TARGET_OVER_STEADY:g} s): "
+        f"{'PASS' if verdict['pass'] else 'FAIL'}; reading the cache {cached:.1f} s"
     )
     head = (
         f"device: {device.get('device_kind')}; script {device.get('script')}; CIFAR NAIS-Net10 config"
