@@ -427,7 +427,9 @@ def test_a_copy_without_git_names_its_commit_from_the_manifest_and_sees_any_chan
     here = sweep_report.script_version()
     copy = tmp_path / "copy"
     for folder in sweep_report.TREE_FOLDERS:
-        shutil.copytree(REPO / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        shutil.copytree(  # links stay links (scripts/gpu_env.sh links verify/ into src/naisnet_jax/)
+            REPO / folder, copy / folder, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
+        )
     assert sweep_report.script_version(str(copy)) == "unknown"  # no git, no manifest
     ours = REPO / sweep_report.TREE_MANIFEST  # the checkout's own manifest, if any, stays as it is
     before = ours.read_bytes() if ours.exists() else None
