@@ -20,7 +20,7 @@ from naisnet_jax.cell import ACTIVATIONS, activation_slope, conv_same
 from naisnet_jax.stability import kernel_gershgorin
 
 from ._common import Block, all_finite, gain, group, map_groups, perturbation
-from ._numerics import U64, float32_h, gamma
+from ._numerics import U64, float32_h, gamma, jit
 from .arnoldi import arnoldi_eigs_batch, stack_operators
 from .certificate import ConvParameters, Equilibrium, Spectrum, Trajectory
 from .operators import conv_operator, jacobian_operator, operator_matrix
@@ -214,7 +214,7 @@ def _radius_estimates(members, kernels, h, options) -> dict[int, dict]:
 # ----------------------------------------------------------------- trajectories
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "untied"))
+@jit(static_argnames=("activation", "untied"))
 def _visited(kernels, drives, x0, states, h, sigma_min, *, activation, untied):
     """Slopes and ``||J||_inf`` at every visited state of one block.
 
@@ -252,7 +252,7 @@ def _visited(kernels, drives, x0, states, h, sigma_min, *, activation, untied):
     }
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "stride"))
+@jit(static_argnames=("activation", "stride"))
 def _io_gain(kernels, drives, w, D, scale, h, *, activation, stride):
     """``max_b ||x_K(u + w) - x_K(u)||_inf / ||w||_inf``: ``w`` enters through the input
     convolution ``D`` (and the drive normalisation's ``scale``), which are linear. Also the
@@ -280,7 +280,7 @@ def _io_gain(kernels, drives, w, D, scale, h, *, activation, stride):
     return jnp.max(ratio), jnp.minimum(sp, s0)
 
 
-@jax.jit
+@jit
 def _fixed_point(kernel, drive):
     """``x*`` with ``conv(x*, C) + drive = 0`` as the fixed point of ``x <- x + conv(x) + drive``.
 
@@ -422,7 +422,7 @@ def _finish(b: Block, v: dict, sampled: list[float], options) -> Trajectory:
     return Trajectory(**out)
 
 
-@jax.jit
+@jit
 def _equilibrium_core(kernel, drive, X):
     iters, x_star, res = _fixed_point(kernel, drive)
     inf = jnp.max(jnp.abs(X - x_star[None]), axis=(2, 3, 4))  # (K+1, batch)

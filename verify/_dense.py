@@ -20,7 +20,6 @@ sampled inputs (float64 forward pass).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -30,7 +29,7 @@ import numpy as np
 from naisnet_jax.cell import ACTIVATIONS, activation_slope
 
 from ._common import Block, all_finite, gain, group, perturbation, stack
-from ._numerics import U64, float32_h, gamma
+from ._numerics import U64, float32_h, gamma, jit
 from .certificate import DenseParameters, Equilibrium, Spectrum, Trajectory
 from .spectral import spectral_radius_info
 
@@ -45,7 +44,7 @@ def _mm(a, b):
     return jnp.matmul(a, b, precision=_HIGHEST)
 
 
-@jax.jit
+@jit
 def enclosure(M):
     """Proven ``(lower, upper)`` bounds on the eigenvalues of symmetric ``M`` (``(B, n, n)``,
     float64); ``-inf`` / ``inf`` where the verification fails.
@@ -98,7 +97,7 @@ def enclosure(M):
     return jnp.where(ok_lower, lower, -jnp.inf), jnp.where(ok_upper, upper, jnp.inf), lam
 
 
-@jax.jit
+@jit
 def _frobenius(R):
     """``||R^T R||_F`` (float64 of float32 ``R``) and a proven upper bound on its exact value."""
     r, n = R.shape[-2:]
@@ -247,7 +246,7 @@ def parameters(blocks: list[Block], options) -> dict[int, tuple[DenseParameters,
 # ----------------------------------------------------------------- trajectories
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "untied"))
+@jit(static_argnames=("activation", "untied"))
 def _visited(As, drives, x0, states, h, sigma_min, *, activation, untied):
     """Slopes and ``rho(I + h diag(s) A)`` at every visited state.
 
@@ -282,7 +281,7 @@ def _visited(As, drives, x0, states, h, sigma_min, *, activation, untied):
     }
 
 
-@functools.partial(jax.jit, static_argnames=("activation",))
+@jit(static_argnames=("activation",))
 def _io_gain(As, Bs, drives, w, h, *, activation):
     """``max ||x_K(u + w) - x_K(u)||_2 / ||w||_2`` (the perturbation enters as ``w B_k``) and the
     smallest slope met on either trajectory. Plain-Python meaning of the scan: for k in range(K):

@@ -11,11 +11,35 @@ factors only ever make a verdict harder to reach.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import numpy as np
 
 U64 = 2.0**-53  # unit round-off of float64
+
+#: XLA's options for the audit's programs. On a GPU XLA times the candidate kernels of every
+#: convolution and product when it compiles a program (autotuning); an audit runs each of its
+#: programs a few times, so a cold audit is mostly compilation and the timing costs more than the
+#: fastest kernel wins back. Level 0 takes XLA's default kernel instead. Elsewhere it changes nothing.
+COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+
+def jit(fun=None, **kwargs):
+    """``jax.jit`` with :data:`COMPILER_OPTIONS` where it compiles; as a decorator, with or without
+    arguments. Called inside another traced function, where JAX takes no compiler options, it is
+    the plain ``jax.jit`` and the outer program's options apply."""
+    if fun is None:
+        return functools.partial(jit, **kwargs)
+    plain = jax.jit(fun, **kwargs)
+    compiled = jax.jit(fun, compiler_options=COMPILER_OPTIONS, **kwargs)
+
+    @functools.wraps(fun)
+    def call(*args, **kw):
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kw)))
+        return (plain if traced else compiled)(*args, **kw)
+
+    return call
 
 
 def gamma(k: int) -> float:

@@ -8,7 +8,6 @@ restarts. An ESTIMATE with a residual, never a proof (:mod:`.spectral` says how 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -20,7 +19,7 @@ from jax.tree_util import Partial
 
 from naisnet_jax.checks import check_finite, check_int, check_positive
 
-from ._numerics import single_threaded_blas
+from ._numerics import jit, single_threaded_blas
 from .operators import as_operator
 
 Array = jax.Array
@@ -132,7 +131,7 @@ def _restart_basis(V: Array, Q: Array, r: Array, keep_residual: Array) -> Array:
     return jnp.where(keep_residual, new.at[r].set(V[m]), explicit)
 
 
-@jax.jit
+@jit
 def _restart_extend_batch(ops, V, H, Q, r, keep_residual, start, keys):
     """One restart (`V <- [V_m Q_r ; v_{m+1}]`, identity for members that just started or are
     done) then the extension to `m` vectors: one program per shape for the whole loop."""
@@ -146,7 +145,7 @@ def _apply_complex(op, x: Array, real_basis: bool) -> Array:
     return op(x)
 
 
-@functools.partial(jax.jit, static_argnums=4)
+@jit(static_argnums=4)
 def _ritz_vectors_batch(op, V: Array, coeffs: Array, theta: Array, real_basis: bool) -> tuple[Array, Array]:
     """Ritz vectors `coeffs_b @ V_b` and the residual `||A x_b - theta_b x_b|| / ||x_b||` of each
     member's dominant one (on the device)."""

@@ -45,7 +45,7 @@ from naisnet_jax.probe import AUDIT_COLLECTION, BlockProbe
 
 from . import _baseline, _conv, _dense
 from ._common import Block, all_finite
-from ._numerics import float32_h, single_threaded_blas, x64_scope
+from ._numerics import float32_h, jit, single_threaded_blas, x64_scope
 from .certificate import (
     SCHEMA,
     BlockReport,
@@ -224,14 +224,14 @@ def _probes(model, variables, x, apply_kwargs) -> list[tuple[str, BlockProbe]]:
 @functools.lru_cache(maxsize=16)
 def _apply_cached(model, kwargs_items):
     kwargs = dict(kwargs_items)
-    return jax.jit(lambda variables, x: model.apply(variables, x, mutable=[AUDIT_COLLECTION], **kwargs))
+    return jit(lambda variables, x: model.apply(variables, x, mutable=[AUDIT_COLLECTION], **kwargs))
 
 
 def _apply(model, kwargs):
     try:
         return _apply_cached(model, tuple(sorted(kwargs.items())))
     except TypeError:  # an unhashable model or argument: no cache
-        return jax.jit(lambda variables, x: model.apply(variables, x, mutable=[AUDIT_COLLECTION], **kwargs))
+        return jit(lambda variables, x: model.apply(variables, x, mutable=[AUDIT_COLLECTION], **kwargs))
 
 
 # ------------------------------------------------------------------ the audit

@@ -23,6 +23,8 @@ from jax.tree_util import Partial
 from naisnet_jax.cell import check_kernel_shape
 from naisnet_jax.checks import check_choice, check_int
 
+from ._numerics import jit
+
 Array = jax.Array
 _HIGHEST = lax.Precision.HIGHEST
 _PADDINGS = ("SAME", "CIRCULAR")
@@ -145,7 +147,7 @@ def jacobian_operator(a, slopes, h) -> Callable[[Array], Array]:
     return Partial(_jacobian_mv, op, slopes, jnp.asarray(h))
 
 
-@jax.jit
+@jit
 def _apply_rows(op, rows: Array) -> Array:
     return jax.vmap(op)(rows)
 

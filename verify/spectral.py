@@ -29,6 +29,7 @@ from jax import lax
 from naisnet_jax.cell import check_kernel_shape
 from naisnet_jax.checks import check_choice, check_finite, check_int, check_number, check_positive
 
+from ._numerics import jit
 from .arnoldi import ArnoldiResult as ArnoldiResult
 from .arnoldi import arnoldi_eigs
 from .arnoldi import arnoldi_eigs_batch as arnoldi_eigs_batch
@@ -202,7 +203,7 @@ def spectral_radius(
 # ----------------------------------------------------------------------------- power
 
 
-@jax.jit
+@jit
 def _power_loop(op, v0: Array, tol: Array, max_iters: Array):
     real = jnp.finfo(v0.dtype).dtype
 
