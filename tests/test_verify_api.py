@@ -197,9 +197,10 @@ def test_non_finite_parameters_are_refused_naming_the_leaf():
 
 def test_groups_audited_side_by_side_in_threads_give_the_same_certificate(monkeypatch):
     """A cold audit compiles one program per block shape; ``map_groups`` runs shape groups in
-    threads (one per group on a machine of many cores). Threads must change nothing: each
-    re-enters the float64 scope (thread-local in JAX) and keeps its own keys. Forced to 4
-    workers here, the certificate equals the one-thread certificate figure for figure."""
+    threads (one per group on a machine of many cores), and ``side_by_side`` runs the conv proofs
+    beside the conv trajectories. Threads must change nothing: each re-enters the float64 scope
+    (thread-local in JAX) and keeps its own keys. Forced to 4 workers here, the certificate equals
+    the one-thread certificate figure for figure."""
     from naisnet_jax.verify import _common, _conv
 
     net = models.get_model("naisnet_conv_tiny", activation="tanh", learn_delta=True, stage_sizes=(2, 1))
@@ -215,8 +216,10 @@ def test_groups_audited_side_by_side_in_threads_give_the_same_certificate(monkey
 
     one = audit_model(net, variables, inputs=x, options=options)
     monkeypatch.setattr(_conv, "map_groups", threaded)  # the name the conv audit calls
+    monkeypatch.setattr(_common, "map_groups", threaded)  # the one side_by_side calls
     four = audit_model(net, variables, inputs=x, options=options)
     assert calls and max(calls) >= 2  # the parameters and the trajectories of >= 2 shape groups
+    assert calls[0] == 2  # first the conv proofs and trajectories side by side, then their groups
     drop = ("seconds", "timings", "created")
     a = {k: v for k, v in one.to_dict().items() if k not in drop}
     b = {k: v for k, v in four.to_dict().items() if k not in drop}

@@ -44,7 +44,7 @@ from naisnet_jax.configs import schema
 from naisnet_jax.probe import AUDIT_COLLECTION, BlockProbe
 
 from . import _baseline, _conv, _dense
-from ._common import Block, all_finite
+from ._common import Block, all_finite, side_by_side
 from ._numerics import float32_h, jit, single_threaded_blas, x64_scope
 from .certificate import (
     SCHEMA,
@@ -368,11 +368,12 @@ def _figures(blocks: list[Block], options: AuditOptions, clock: _Clock, t: float
     with single_threaded_blas():  # small host eigenproblems: BLAS threads only fight XLA's
         dense_traj = _dense.trajectories(traced("dense"), dense_par, options)
     t = clock.lap("dense: trajectories", t)
-    conv_par = _conv.parameters(by_kind["conv"], options)
-    t = clock.lap("conv: proofs and radius estimates", t)
-    with single_threaded_blas():
-        conv_traj = _conv.trajectories(traced("conv"), conv_par, options)
-    t = clock.lap("conv: trajectories", t)
+    with single_threaded_blas():  # the two share no state: their programs compile side by side
+        conv_par, conv_traj = side_by_side(
+            functools.partial(_conv.parameters, by_kind["conv"], options),
+            functools.partial(_conv.trajectories, traced("conv"), None, options),
+        )
+    t = clock.lap("conv: proofs, radius estimates and trajectories", t)
     base = {**_baseline.dense(by_kind["dense-baseline"], options), **_baseline.conv(by_kind["conv-baseline"], options)}
     clock.lap("baselines", t)
     return _Figures(dense_par, dense_traj, conv_par, conv_traj, base, overflow, no_states)
