@@ -304,7 +304,7 @@ def _fixed_point(kernel, drive):
     return jax.lax.while_loop(cond, body, (0, x0, jnp.max(jnp.abs(residual(x0)))))
 
 
-def trajectories(blocks: list[Block], params: dict, options) -> dict[int, Trajectory]:
+def trajectories(blocks: list[Block], options) -> dict[int, Trajectory]:
     """Trajectory figures of every block; the Jacobian radii of a group's blocks in one batch."""
 
     def sig(b):

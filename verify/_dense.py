@@ -301,7 +301,7 @@ def _io_gain(As, Bs, drives, w, h, *, activation):
     return jnp.max(jnp.linalg.norm(xp - x, axis=1) / jnp.linalg.norm(w, axis=1)), jnp.min(s)
 
 
-def trajectories(blocks: list[Block], params: dict, options) -> dict[int, Trajectory]:
+def trajectories(blocks: list[Block], options) -> dict[int, Trajectory]:
     return {b.index: _trajectory(b, options) for b in blocks}
 
 

@@ -366,12 +366,12 @@ def _figures(blocks: list[Block], options: AuditOptions, clock: _Clock, t: float
     dense_par = _dense.parameters(by_kind["dense"], options)
     t = clock.lap("dense: proofs", t)
     with single_threaded_blas():  # small host eigenproblems: BLAS threads only fight XLA's
-        dense_traj = _dense.trajectories(traced("dense"), dense_par, options)
+        dense_traj = _dense.trajectories(traced("dense"), options)
     t = clock.lap("dense: trajectories", t)
     with single_threaded_blas():  # the two share no state: their programs compile side by side
         conv_par, conv_traj = side_by_side(
             functools.partial(_conv.parameters, by_kind["conv"], options),
-            functools.partial(_conv.trajectories, traced("conv"), None, options),
+            functools.partial(_conv.trajectories, traced("conv"), options),
         )
     t = clock.lap("conv: proofs, radius estimates and trajectories", t)
     base = {**_baseline.dense(by_kind["dense-baseline"], options), **_baseline.conv(by_kind["conv-baseline"], options)}
