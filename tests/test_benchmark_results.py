@@ -38,7 +38,6 @@ WITHOUT_SCRIPT = {
     "audit_speed_cpu_2cores.md",
     "audit_speed_cpu_2cores_cached",
     "audit_speed_h100.md",
-    "audit_speed_h200",
     "compile_time_h100_fused",
     "compile_time_h200_reference_autodiff",
     "compile_time_h200_wgmma",
